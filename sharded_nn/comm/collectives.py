@@ -1,0 +1,146 @@
+"""Autograd-aware collectives over a process group, following the gradient convention.
+
+Convention (DESIGN.md section 3): the global loss is the sum of the per-rank losses. A tensor
+replicated on every rank therefore carries a partial gradient on each rank, and the collective
+that made it replicated sums those partial gradients in its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _pad_to(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    pads: list[int] = []
+    for have, want in zip(reversed(x.shape), reversed(shape)):
+        pads += [0, want - have]
+    return F.pad(x, pads) if any(pads) else x.contiguous()
+
+
+# torch 2.14 renamed all_gather_into_tensor; keep working on older releases too.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``torch.stack`` of every rank's ``x`` (same shape on every rank); no gradient."""
+    world = dist.get_world_size(group)
+    x = x.detach().contiguous()
+    out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+    _ALL_GATHER_SINGLE(out, x.reshape(-1), group=group)
+    return out.reshape(world, *x.shape)
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ``group``; the backward sums the (partial) gradients over the group too."""
+    return _AllReduceSum.apply(x, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):  # noqa: D102
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Element-wise max over ``group`` (no gradient)."""
+    y = x.detach().clone()
+    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+    return y
+
+
+def all_gather_uneven(x: torch.Tensor, group: dist.ProcessGroup, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Gather tensors whose shapes differ per rank (``shapes[r]`` is rank r's); no gradient.
+
+    Pads to the largest shape so that the same code runs on gloo and NCCL.
+    """
+    big = [max(s[i] for s in shapes) for i in range(x.dim())]
+    out = all_gather_stacked(_pad_to(x.detach(), big), group)
+    return [out[r][tuple(slice(0, n) for n in s)] for r, s in enumerate(shapes)]
+
+
+def all_gather_grid(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    dims: Sequence[int],
+    coords: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]],
+    index: int,
+) -> torch.Tensor:
+    """Assemble the full tensor from every rank's slab of a tensor-product decomposition.
+
+    Args:
+        x: this rank's slab.
+        group: the ranks holding the slabs.
+        dims: sharded tensor dims.
+        coords: ``coords[r][k]`` is group rank r's coordinate along ``dims[k]``.
+        sizes: ``sizes[k][c]`` is the slab size at coordinate c along ``dims[k]``.
+        index: this rank's index in ``group``.
+
+    The backward sums the gradients of all ranks and returns this rank's slab of the sum.
+    """
+    return _AllGatherGrid.apply(x, group, tuple(dims), tuple(map(tuple, coords)), tuple(map(tuple, sizes)), index)
+
+
+def _slab_index(dims, coord, sizes, ndim) -> tuple[slice, ...]:
+    idx = [slice(None)] * ndim
+    for k, d in enumerate(dims):
+        start = sum(sizes[k][: coord[k]])
+        idx[d] = slice(start, start + sizes[k][coord[k]])
+    return tuple(idx)
+
+
+class _AllGatherGrid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dims, coords, sizes, index):  # noqa: D102
+        shapes = []
+        for c in coords:
+            s = list(x.shape)
+            for k, d in enumerate(dims):
+                s[d] = sizes[k][c[k]]
+            shapes.append(s)
+        parts = all_gather_uneven(x, group, shapes)
+        full_shape = list(x.shape)
+        for k, d in enumerate(dims):
+            full_shape[d] = sum(sizes[k])
+        out = x.new_empty(full_shape)
+        for c, part in zip(coords, parts):
+            out[_slab_index(dims, c, sizes, x.dim())] = part
+        ctx.group, ctx.dims, ctx.sizes, ctx.coord = group, dims, sizes, coords[index]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g[_slab_index(ctx.dims, ctx.coord, ctx.sizes, g.dim())].contiguous(), None, None, None, None, None
+
+
+def scatter_uneven(
+    parts: Sequence[torch.Tensor] | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    src: int,
+    shapes: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Scatter ``parts[r]`` (held by group rank ``src`` only) to group rank r; no gradient."""
+    big = [max(s[i] for s in shapes) for i in range(len(shape))]
+    out = torch.empty(big, dtype=dtype, device=device)
+    src_global = dist.get_global_rank(group, src)
+    scatter_list = [_pad_to(p, big) for p in parts] if parts is not None else None
+    dist.scatter(out, scatter_list, src=src_global, group=group)
+    return out[tuple(slice(0, n) for n in shape)].contiguous()

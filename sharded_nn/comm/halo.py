@@ -1,0 +1,235 @@
+"""Halo exchange: thin boundary slabs swapped with the two neighbours along one mesh axis.
+
+Only neighbours communicate (batched ``isend``/``irecv``); several sharded dims are exchanged one
+after another on the already extended tensor, which covers the corners. With ``periodic=True``
+the first and last rank are neighbours, which is what circular padding needs.
+
+Widths are given for every rank (``HaloSpec``), so each rank knows what its neighbours expect
+without asking them. Callers build the spec from a layout that all ranks share and must check
+that no halo is wider than the slab it is read from (``HaloSpec.check``); sharded_nn raises a
+``ShardingError`` in that case rather than fetching from the rank beyond, because a halo that
+spans several slabs means the decomposition is too fine for the layer and is cheaper to fix by
+using fewer ranks than to serve by multi-hop traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ShardingError
+from .ring import AxisRing
+
+# gloo matches point-to-point messages by tag; NCCL matches them by issue order. Every rank
+# issues [send right, recv from left, send left, recv from right] so that both agree even when
+# the left and right neighbour are the same rank (two periodic ranks).
+_TAG_RIGHTWARD = 0
+_TAG_LEFTWARD = 1
+
+
+@dataclass(frozen=True)
+class HaloSpec:
+    """Halo widths along one tensor dim for every rank of one mesh axis.
+
+    Attributes:
+        dim: tensor dim that the axis shards.
+        left: ``left[r]`` positions rank r receives from its left neighbour (its last ones).
+        right: ``right[r]`` positions rank r receives from its right neighbour (its first ones).
+        periodic: whether rank 0 and the last rank are neighbours.
+    """
+
+    dim: int
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    periodic: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.left) != len(self.right) or min(self.left + self.right, default=0) < 0:
+            raise ValueError(f"HaloSpec: need equal-length non-negative widths, got {self.left}, {self.right}.")
+        if not self.periodic and (self.left[0] or self.right[-1]):
+            raise ValueError(
+                f"HaloSpec: without periodic wrap the first rank has no left neighbour and the last "
+                f"no right one, got left={self.left}, right={self.right}."
+            )
+
+    def check(self, sizes: tuple[int, ...], what: str) -> None:
+        """Raise (on every rank alike) when a halo is wider than the slab it is read from."""
+        p = len(sizes)
+        for r in range(p):
+            for width, src, side in ((self.left[r], r - 1, "left"), (self.right[r], r + 1, "right")):
+                if width and width > sizes[src % p]:
+                    raise ShardingError(
+                        f"{what}: rank {r} needs a {side} halo of {width} along dim {self.dim}, but its "
+                        f"{side} neighbour (rank {src % p}) holds only {sizes[src % p]} positions "
+                        f"(slab sizes {sizes}). Halos are read from direct neighbours only: use fewer "
+                        "ranks or a larger input so that every slab is at least as wide as the halo."
+                    )
+
+    def send_widths(self, index: int) -> tuple[int, int]:
+        """Positions this rank sends (to the left, to the right): what its neighbours receive."""
+        p = len(self.left)
+        to_left = self.right[index - 1] if (index > 0 or self.periodic) else 0
+        to_right = self.left[(index + 1) % p] if (index < p - 1 or self.periodic) else 0
+        return to_left, to_right
+
+
+def _exchange(
+    ring: AxisRing,
+    periodic: bool,
+    send_left: torch.Tensor | None,
+    send_right: torch.Tensor | None,
+    recv_left: torch.Tensor | None,
+    recv_right: torch.Tensor | None,
+) -> list[dist.Work]:
+    """Issue the (at most four) point-to-point operations; returns the works to wait on."""
+    left, right = ring.left(periodic), ring.right(periodic)
+    if ring.size == 1:
+        # A single periodic rank is its own neighbour: copy instead of messaging itself.
+        if recv_left is not None:
+            recv_left.copy_(send_right)
+        if recv_right is not None:
+            recv_right.copy_(send_left)
+        return []
+    ops = []
+    for tensor, peer, op, tag in (
+        (send_right, right, dist.isend, _TAG_RIGHTWARD),
+        (recv_left, left, dist.irecv, _TAG_RIGHTWARD),
+        (send_left, left, dist.isend, _TAG_LEFTWARD),
+        (recv_right, right, dist.irecv, _TAG_LEFTWARD),
+    ):
+        if tensor is not None and tensor.numel():
+            ops.append(dist.P2POp(op, tensor, ring.ranks[peer], group=ring.group, tag=tag))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _edge(x: torch.Tensor, dim: int, width: int, head: bool) -> torch.Tensor | None:
+    if width == 0:
+        return None
+    n = x.shape[dim]
+    return x.narrow(dim, 0 if head else n - width, width).contiguous()
+
+
+def _empty(x: torch.Tensor, dim: int, width: int) -> torch.Tensor | None:
+    if width == 0:
+        return None
+    shape = list(x.shape)
+    shape[dim] = width
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
+class HaloHandle:
+    """An exchange in flight; ``wait()`` returns the (left, right) halos, autograd-aware.
+
+    Halos are None where the width is zero. The backward of the returned halos sends their
+    gradients back to the neighbours they came from and adds the gradients received into the
+    edges of ``x``.
+    """
+
+    def __init__(self, x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> None:
+        self.x, self.spec, self.ring = x, spec, ring
+        to_left, to_right = spec.send_widths(ring.index)
+        d = spec.dim
+        xd = x.detach()
+        self._sends = (_edge(xd, d, to_left, True), _edge(xd, d, to_right, False))
+        self.recv_left = _empty(xd, d, spec.left[ring.index])
+        self.recv_right = _empty(xd, d, spec.right[ring.index])
+        self._works = _exchange(ring, spec.periodic, *self._sends, self.recv_left, self.recv_right)
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        left, right = _HaloWait.apply(self.x, self)
+        return (left if self.recv_left is not None else None, right if self.recv_right is not None else None)
+
+
+class _HaloWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, handle: HaloHandle):  # noqa: D102
+        for w in handle._works:
+            w.wait()
+        ctx.handle = handle
+        ctx.x_shape = x.shape
+        # Zero-width halos become empty tensors so that autograd sees a tensor output.
+        left = handle.recv_left if handle.recv_left is not None else _zero_width(x, handle.spec.dim)
+        right = handle.recv_right if handle.recv_right is not None else _zero_width(x, handle.spec.dim)
+        return left, right
+
+    @staticmethod
+    def backward(ctx, g_left: torch.Tensor, g_right: torch.Tensor):  # noqa: D102
+        h = ctx.handle
+        grad = torch.zeros(ctx.x_shape, dtype=g_left.dtype, device=g_left.device)
+        _return_halo_grads(grad, g_left, g_right, h.spec, h.ring)
+        return grad, None
+
+
+def _zero_width(x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = 0
+    return x.new_empty(shape)
+
+
+def _return_halo_grads(
+    grad_x: torch.Tensor,
+    g_left: torch.Tensor | None,
+    g_right: torch.Tensor | None,
+    spec: HaloSpec,
+    ring: AxisRing,
+) -> None:
+    """Send halo gradients back to their owners; add the ones received into ``grad_x``'s edges."""
+    d = spec.dim
+    to_left, to_right = spec.send_widths(ring.index)
+    # What this rank sent to the left (its head) comes back from the left, and vice versa.
+    head = _empty(grad_x, d, to_left)
+    tail = _empty(grad_x, d, to_right)
+    g_left = g_left.contiguous() if g_left is not None and g_left.shape[d] else None
+    g_right = g_right.contiguous() if g_right is not None and g_right.shape[d] else None
+    for w in _exchange(ring, spec.periodic, g_left, g_right, head, tail):
+        w.wait()
+    n = grad_x.shape[d]
+    if head is not None:
+        grad_x.narrow(d, 0, to_left).add_(head)
+    if tail is not None:
+        grad_x.narrow(d, n - to_right, to_right).add_(tail)
+
+
+def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> HaloHandle:
+    """Start exchanging halos of ``x``; call ``.wait()`` on the result for (left, right).
+
+    Args:
+        x: this rank's slab.
+        spec: widths for every rank along the axis (see ``HaloSpec``).
+        ring: the axis, from ``axis_ring(mesh, axis)``.
+    """
+    return HaloHandle(x, spec, ring)
+
+
+def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> torch.Tensor:
+    """``cat([left_halo, x, right_halo], spec.dim)``, exchanged synchronously, autograd-aware.
+
+    One autograd node for the whole extension, so the backward allocates a single gradient the
+    size of ``x`` (the halo gradients are added into its edges after being sent back).
+    """
+    return _HaloCat.apply(x, spec, ring)
+
+
+class _HaloCat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisRing):  # noqa: D102
+        h = HaloHandle(x, spec, ring)
+        for w in h._works:
+            w.wait()
+        ctx.spec, ctx.ring = spec, ring
+        parts = [p for p in (h.recv_left, x, h.recv_right) if p is not None]
+        return torch.cat(parts, spec.dim) if len(parts) > 1 else x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        spec, ring = ctx.spec, ctx.ring
+        d = spec.dim
+        lw, rw = spec.left[ring.index], spec.right[ring.index]
+        n = g.shape[d] - lw - rw
+        grad_x = g.narrow(d, lw, n).clone()
+        g_left = g.narrow(d, 0, lw) if lw else None
+        g_right = g.narrow(d, lw + n, rw) if rw else None
+        _return_halo_grads(grad_x, g_left, g_right, spec, ring)
+        return grad_x, None, None

@@ -1,0 +1,149 @@
+"""``launch(fn, nprocs, *args)``: run ``fn`` on local processes that share a process group.
+
+For the demo, notebooks and tests; use torchrun on clusters. Fails fast: the first rank that
+raises ends the run, every process is stopped, and the rank's exception is re-raised here with
+its traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .mesh import backend_for, default_device_type
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of the rank that failed (set as ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for the rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_worker(rank: int, world_size: int, port: int, timeout: timedelta, device_type: str | None = None) -> None:
+    """Join the process group of a local launch (gloo on CPU, NCCL on CUDA)."""
+    device_type = device_type or default_device_type()
+    if device_type == "cuda":
+        if torch.cuda.device_count() < world_size:
+            # More ranks than GPUs: fall back to CPU so that the launch still runs.
+            device_type = "cpu"
+        else:
+            torch.cuda.set_device(rank)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    dist.init_process_group(backend_for(device_type), rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _worker(rank, world_size, port, timeout, device_type, threads, fn, args, results) -> None:
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        init_worker(rank, world_size, port, timeout, device_type)
+        out = fn(*args)
+        results.put((rank, "ok", out if rank == 0 else None))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        tb = traceback.format_exc()
+        try:
+            results.put((rank, "error", (exc, tb)))
+        except Exception:  # the exception itself may not pickle
+            results.put((rank, "error", (RuntimeError(repr(exc)), tb)))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    timeout: float = 300.0,
+    device_type: str | None = None,
+    threads: int | None = None,
+) -> Any:
+    """Run ``fn(*args)`` on ``nprocs`` local processes with a process group; return rank 0's result.
+
+    Args:
+        fn: a picklable (module-level) function. Inside it, ``sharded_nn.init_mesh`` finds the
+            process group.
+        nprocs: number of processes.
+        timeout: seconds for the whole run and for each collective; past it the run fails.
+        device_type: ``"cuda"`` (one GPU per rank, NCCL) or ``"cpu"`` (gloo); default: CUDA when
+            there are enough GPUs.
+        threads: torch threads per process (``None`` leaves torch's default).
+
+    Raises:
+        The first failing rank's exception, with its remote traceback as ``__cause__``;
+        ``TimeoutError`` when the run exceeds ``timeout``.
+    """
+    if nprocs < 1:
+        raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}.")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, nprocs, port, timedelta(seconds=timeout), device_type, threads, fn, args, results),
+            daemon=True,
+        )
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _collect(procs, results, timeout: float) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    pending, out = set(range(len(procs))), None
+    while pending:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r in pending if not procs[r].is_alive() and procs[r].exitcode not in (None, 0)]
+            if dead:
+                r = dead[0]
+                raise RuntimeError(f"launch: rank {r} died with exit code {procs[r].exitcode} and no traceback.")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"launch: ranks {sorted(pending)} did not finish within {timeout}s.")
+            continue
+        if status == "error":
+            exc, tb = payload
+            raise exc from RemoteTraceback(f"\n--- rank {rank} traceback ---\n{tb}")
+        pending.discard(rank)
+        if rank == 0:
+            out = payload
+    return out

@@ -1,0 +1,164 @@
+"""Sliding windows over sharded dims: halo planning and extension for convolutions and pools.
+
+For a window of span ``e = dilation * (kernel - 1) + 1``, stride ``s`` and global padding
+``(pl, pr)`` along a sharded dim, output ``j`` reads inputs ``[j*s - pl, j*s - pl + e)``. A rank
+whose slab is ``[a, b)`` computes the outputs whose window starts in its slab, ``j in [a/s, b/s)``;
+this needs every slab start to be a multiple of ``s`` (the alignment), and then:
+
+* left: ``pl`` positions, a halo from the left neighbour (global padding on the first rank);
+* right: ``e - s - pl`` positions from the right neighbour (global padding ``pr`` on the last
+  rank); when negative, the last ``s + pl - e`` positions of the slab are not read and are trimmed;
+* outputs: ``(b - a) / s`` on every rank but the last, which also produces the outputs that the
+  right padding adds, so the output slabs are again contiguous and aligned to ``align / s``.
+
+All of this depends only on the layout, which every rank shares, so every rank validates the
+same facts and raises the same error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..comm import AxisRing, HaloSpec, halo_cat
+from ..errors import ShardingError
+from ..layout import Layout
+
+PAD_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One dim of a sliding window: kernel, stride, dilation and global padding (left, right)."""
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    pad_left: int = 0
+    pad_right: int = 0
+
+    @property
+    def span(self) -> int:
+        return self.dilation * (self.kernel - 1) + 1
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """How every rank extends its slab along one sharded dim before applying the window.
+
+    Attributes:
+        halo: halo widths (right halos clipped at zero).
+        trim: positions each rank drops from its right end after the exchange.
+        pad_left: global padding the first rank adds (0 when periodic).
+        pad_right: global padding the last rank adds (0 when periodic).
+        out: the output layout.
+    """
+
+    halo: HaloSpec
+    trim: tuple[int, ...]
+    pad_left: int
+    pad_right: int
+    out: Layout
+
+
+def plan_window(layout: Layout, w: Window, dim: int, *, mode: str, what: str) -> WindowPlan:
+    """Plan the extension of ``layout`` along ``dim`` for window ``w``; validates on every rank.
+
+    Raises:
+        ShardingError: misaligned slabs, a halo wider than a neighbour's slab, a slab too thin
+            for reflect padding, or a rank left with no output.
+    """
+    p = len(layout.sizes)
+    periodic = mode == "circular"
+    if not layout.is_aligned(w.stride):
+        raise ShardingError(
+            f"{what}: stride {w.stride} along dim {dim} needs every slab to start at a multiple of "
+            f"{w.stride}, but the slabs start at {layout.starts} (sizes {layout.sizes}). Shard the "
+            f"input with align a multiple of {w.stride} (the product of the strides of the model)."
+        )
+    inner_right = w.span - w.stride - w.pad_left
+    left = tuple(w.pad_left if (r > 0 or periodic) else 0 for r in range(p))
+    right = tuple(max(inner_right, 0) if r < p - 1 else (w.pad_right if periodic else 0) for r in range(p))
+    trim = tuple(max(-inner_right, 0) if r < p - 1 else 0 for r in range(p))
+    halo = HaloSpec(dim, left, right, periodic)
+    halo.check(layout.sizes, what)
+    if mode == "reflect":
+        for r, width in ((0, w.pad_left), (p - 1, w.pad_right)):
+            if width >= layout.sizes[r]:
+                raise ShardingError(
+                    f"{what}: reflect padding of {width} along dim {dim} needs rank {r}'s slab to hold "
+                    f"more than {width} positions, got {layout.sizes[r]} (sizes {layout.sizes}). Use "
+                    "fewer ranks or a larger input."
+                )
+    out = []
+    for r, n in enumerate(layout.sizes):
+        reach = w.pad_left + n + (inner_right if r < p - 1 else w.pad_right)
+        out.append((reach - w.span) // w.stride + 1)
+    if min(out) < 1:
+        raise ShardingError(
+            f"{what}: along dim {dim} (kernel {w.kernel}, stride {w.stride}, dilation {w.dilation}, "
+            f"padding ({w.pad_left}, {w.pad_right})) the slabs {layout.sizes} leave rank(s) "
+            f"{[r for r, o in enumerate(out) if o < 1]} with no output. Use fewer ranks or a larger input."
+        )
+    return WindowPlan(
+        halo=halo,
+        trim=trim,
+        pad_left=0 if periodic else w.pad_left,
+        pad_right=0 if periodic else w.pad_right,
+        out=Layout(tuple(out), max(1, layout.align // w.stride)),
+    )
+
+
+def edge_pad(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value: float = 0.0) -> torch.Tensor:
+    """Global padding of ``width`` on one side of ``x`` along ``dim`` (``mode`` as in torch)."""
+    if width == 0:
+        return x
+    n = x.shape[dim]
+    if mode == "zeros" or mode == "constant":
+        shape = list(x.shape)
+        shape[dim] = width
+        pad = x.new_full(shape, value)
+    elif mode == "replicate":
+        idx = 0 if left else n - 1
+        pad = x.narrow(dim, idx, 1).expand(*[width if i == dim else -1 for i in range(x.dim())])
+    elif mode == "reflect":
+        pad = x.narrow(dim, 1, width) if left else x.narrow(dim, n - 1 - width, width)
+        pad = pad.flip(dim)
+    else:
+        raise ValueError(f"edge_pad: unknown padding mode {mode!r}; expected one of {PAD_MODES}.")
+    return torch.cat([pad, x] if left else [x, pad], dim)
+
+
+def extend(
+    x: torch.Tensor,
+    plan: WindowPlan,
+    ring: AxisRing,
+    mode: str,
+    value: float = 0.0,
+) -> torch.Tensor:
+    """Halo-exchange, trim and edge-pad ``x`` along ``plan.halo.dim``, as planned."""
+    d = plan.halo.dim
+    r = ring.index
+    x = halo_cat(x, plan.halo, ring) if ring.size > 1 or plan.halo.periodic else x
+    if plan.trim[r]:
+        x = x.narrow(d, 0, x.shape[d] - plan.trim[r])
+    if ring.is_first:
+        x = edge_pad(x, d, plan.pad_left, True, mode, value)
+    if ring.is_last:
+        x = edge_pad(x, d, plan.pad_right, False, mode, value)
+    return x
+
+
+def pad_unsharded(x: torch.Tensor, pads: dict[int, tuple[int, int]], mode: str, value: float = 0.0) -> torch.Tensor:
+    """Apply global padding along dims that are not sharded (``pads[dim] = (left, right)``)."""
+    if not any(a or b for a, b in pads.values()):
+        return x
+    flat: list[int] = []
+    # Non-constant modes of F.pad want every spatial dim listed (zeros where nothing is padded).
+    for d in range(x.dim() - 1, 1, -1):
+        flat += list(pads.get(d, (0, 0)))
+    if mode == "zeros":
+        return F.pad(x, flat, "constant", value)
+    return F.pad(x, flat, mode)

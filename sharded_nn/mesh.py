@@ -1,0 +1,160 @@
+"""Device meshes: torch's ``DeviceMesh`` with a "domain" axis (or "domain0", "domain1", ...).
+
+The domain axes shard the spatial dims of one sample, in order: one domain axis shards S0, two
+shard S0 and S1, and so on. An optional "data" axis holds data-parallel replicas. Every API of
+sharded_nn takes any ``DeviceMesh`` that uses these axis names; ``init_mesh`` is a convenience.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DATA_AXIS = "data"
+DOMAIN_AXIS = "domain"
+#: Collectives that wait longer than this raise instead of hanging (see DESIGN.md section 4).
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def default_device_type() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL for CUDA meshes, gloo for CPU meshes."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def ensure_process_group(device_type: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Initialise the default process group from torchrun's environment when none exists."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_mesh: no process group exists and the environment lacks {missing}. "
+            "Start the script with torchrun, or run it through sharded_nn.launch(fn, nprocs)."
+        )
+    device_type = device_type or default_device_type()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend_for(device_type), timeout=timeout)
+
+
+def init_mesh(
+    domain: int | Sequence[int] | None = None,
+    data: int = 1,
+    *,
+    device_type: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> DeviceMesh:
+    """Create a mesh with a data axis and one or more domain axes.
+
+    Args:
+        domain: ranks that share one sample. An int gives one axis named ``"domain"``; a tuple
+            such as ``(2, 2)`` gives axes ``"domain0", "domain1"``, one per sharded spatial dim.
+            ``None`` uses every rank not taken by ``data``.
+        data: data-parallel replicas. The mesh has a leading ``"data"`` axis when ``data > 1``.
+        device_type: ``"cuda"`` or ``"cpu"``; defaults to CUDA when available.
+        timeout: collective timeout, so that a failed rank ends the job with an error.
+
+    Returns:
+        A ``DeviceMesh`` of shape ``(data, *domain)`` (``data`` omitted when 1).
+    """
+    device_type = device_type or default_device_type()
+    ensure_process_group(device_type, timeout)
+    world = dist.get_world_size()
+    if data < 1:
+        raise ValueError(f"init_mesh: data must be >= 1, got {data}.")
+    if domain is None:
+        if world % data:
+            raise ValueError(f"init_mesh: world size {world} is not divisible by data={data}.")
+        domain = world // data
+    domain_shape = (domain,) if isinstance(domain, int) else tuple(int(d) for d in domain)
+    if not domain_shape or any(d < 1 for d in domain_shape):
+        raise ValueError(f"init_mesh: domain sizes must be >= 1, got {domain!r}.")
+    if data * math.prod(domain_shape) != world:
+        raise ValueError(
+            f"init_mesh: data={data} x domain={domain_shape} needs {data * math.prod(domain_shape)} "
+            f"ranks, but the process group has {world}. Pass sizes whose product is the world size."
+        )
+    names = (DOMAIN_AXIS,) if len(domain_shape) == 1 else tuple(f"{DOMAIN_AXIS}{i}" for i in range(len(domain_shape)))
+    shape = domain_shape
+    if data > 1:
+        names, shape = (DATA_AXIS, *names), (data, *domain_shape)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def domain_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    """Names of the mesh's domain axes, in the order of the spatial dims they shard."""
+    names = mesh.mesh_dim_names or ()
+    if DOMAIN_AXIS in names:
+        return (DOMAIN_AXIS,)
+    numbered = sorted(
+        (n for n in names if n.startswith(DOMAIN_AXIS) and n[len(DOMAIN_AXIS):].isdigit()),
+        key=lambda n: int(n[len(DOMAIN_AXIS):]),
+    )
+    if not numbered:
+        raise ValueError(
+            f"sharded_nn needs a mesh with a 'domain' axis (or 'domain0', 'domain1', ...); got a mesh "
+            f"with axes {names}. Build it with sharded_nn.init_mesh(domain=P) or name the axes."
+        )
+    return tuple(numbered)
+
+
+def data_axis(mesh: DeviceMesh) -> str | None:
+    """The data-parallel axis name, or None when the mesh has none."""
+    return DATA_AXIS if DATA_AXIS in (mesh.mesh_dim_names or ()) else None
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    return mesh.size(mesh._get_mesh_dim_by_name(axis))
+
+
+def axis_index(mesh: DeviceMesh, axis: str) -> int:
+    """This rank's coordinate along ``axis``."""
+    return mesh.get_local_rank(axis)
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+    return mesh.get_group(axis)
+
+
+def axis_global_ranks(mesh: DeviceMesh, axis: str) -> tuple[int, ...]:
+    """Global ranks along ``axis`` through this rank, indexed by the axis coordinate."""
+    group = axis_group(mesh, axis)
+    return tuple(dist.get_global_rank(group, i) for i in range(dist.get_world_size(group)))
+
+
+def domain_size(mesh: DeviceMesh) -> int:
+    """Number of ranks that share one sample (product of the domain axis sizes)."""
+    return math.prod(axis_size(mesh, a) for a in domain_axes(mesh))
+
+
+def domain_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One process group over all domain axes of this rank's sample."""
+    return group_over(mesh, domain_axes(mesh))
+
+
+def group_over(mesh: DeviceMesh, axes: Sequence[str]) -> dist.ProcessGroup:
+    """One process group over several mesh axes (through this rank)."""
+    axes = tuple(axes)
+    if len(axes) == 1:
+        return axis_group(mesh, axes[0])
+    return _flat_mesh(mesh, axes).get_group()
+
+
+@cache
+def _flat_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    # Flattening creates a process group, which every rank must do in the same order; the cache
+    # is keyed by the mesh and axes, which every rank shares, so all ranks hit or miss together.
+    sub = mesh if axes == tuple(mesh.mesh_dim_names) else mesh[axes]
+    return sub._flatten("_".join(axes) + "_flat")

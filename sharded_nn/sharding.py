@@ -1,0 +1,169 @@
+"""Moving whole tensors in and out of the sharded world: ``shard``, ``gather``, ``local_slices``.
+
+Grid tensors ``(N, C, S0, S1, ...)`` are sharded along ``dims``, the k-th dim by the k-th domain
+axis of the mesh, following the balanced aligned rule of ``Layout.balanced``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import all_gather_grid, comm_device, gather_layouts, scatter_uneven
+from .errors import ShardingError
+from .layout import Layout
+from .mesh import axis_size, domain_axes, domain_group
+
+
+def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
+    """Non-negative, distinct, in-range tensor dims."""
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    out = []
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise ShardingError(f"{what}: dim {d} is out of range for a tensor with {ndim} dims.")
+        out.append(d % ndim)
+    if len(set(out)) != len(out):
+        raise ShardingError(f"{what}: dims {dims} repeat a dim.")
+    return tuple(out)
+
+
+def _per_dim(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
+    vals = (value,) * n if isinstance(value, int) else tuple(value)
+    if len(vals) != n:
+        raise ShardingError(f"{name} needs one value per sharded dim ({n}), got {value!r}.")
+    return vals
+
+
+def global_layouts(
+    global_shape: Sequence[int], mesh: DeviceMesh, dims: Sequence[int], align: int | Sequence[int] = 1
+) -> tuple[Layout, ...]:
+    """The balanced layouts of ``global_shape`` along ``dims`` on ``mesh``'s domain axes."""
+    axes = domain_axes(mesh)
+    if len(dims) > len(axes):
+        raise ShardingError(
+            f"cannot shard {len(dims)} dims {tuple(dims)} on a mesh with {len(axes)} domain axes {axes}."
+        )
+    aligns = _per_dim(align, len(dims), "align")
+    return tuple(
+        Layout.balanced(global_shape[d], axis_size(mesh, a), al) for d, a, al in zip(dims, axes, aligns)
+    )
+
+
+def local_slices(
+    global_shape: Sequence[int],
+    mesh: DeviceMesh,
+    *,
+    dims: int | Sequence[int] = (2,),
+    align: int | Sequence[int] = 1,
+) -> tuple[slice, ...]:
+    """Index slices of this rank's slab: ``x[local_slices(x.shape, mesh)] == shard(x, mesh)``.
+
+    Pure arithmetic, no communication, so a data loader can read just its slab from disk.
+    """
+    dims = normalize_dims(dims, len(global_shape), "local_slices")
+    layouts = global_layouts(global_shape, mesh, dims, align)
+    idx = [slice(None)] * len(global_shape)
+    for d, a, lay in zip(dims, domain_axes(mesh), layouts):
+        idx[d] = lay.slice(mesh.get_local_rank(a))
+    return tuple(idx)
+
+
+def shard(
+    x: torch.Tensor | None,
+    mesh: DeviceMesh,
+    *,
+    dims: int | Sequence[int] = (2,),
+    align: int | Sequence[int] = 1,
+    src: int | None = None,
+) -> torch.Tensor:
+    """This rank's slab of ``x``.
+
+    Args:
+        x: the full tensor. With ``src=None`` every rank passes it; with ``src=r`` only domain
+            rank ``r`` (its index in the domain group) passes it and the others pass ``None``,
+            so no other rank ever holds the whole tensor.
+        mesh: mesh with domain axes; ``dims[k]`` is sharded by the k-th domain axis.
+        dims: tensor dims to shard.
+        align: every slab starts at a multiple of this (int or one per dim): the product of the
+            model's strides, or the ViT patch size.
+        src: domain rank that holds ``x``, or ``None`` when every rank holds it.
+
+    Returns:
+        A contiguous tensor that owns its memory (it does not keep ``x`` alive).
+    """
+    if src is None:
+        if x is None:
+            raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
+        return x[local_slices(x.shape, mesh, dims=dims, align=align)].clone(memory_format=torch.contiguous_format)
+    return _scatter(x, mesh, dims, align, src)
+
+
+def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
+    group = domain_group(mesh)
+    me = dist.get_rank(group)
+    meta = [None]
+    if me == src:
+        if x is None:
+            raise ValueError(f"shard: this rank is src={src} but received x=None.")
+        meta = [(tuple(x.shape), x.dtype)]
+    # Every rank must learn the global shape before it can compute its slab.
+    dist.broadcast_object_list(meta, src=dist.get_global_rank(group, src), group=group)
+    shape, dtype = meta[0]
+    dims = normalize_dims(dims, len(shape), "shard")
+    axes = domain_axes(mesh)
+    layouts = global_layouts(shape, mesh, dims, align)
+    # Group rank r's coordinates; the flat domain group orders ranks row-major over the axes.
+    coords = _group_coords(mesh, axes)
+    shapes = []
+    for c in coords:
+        s = list(shape)
+        for k, d in enumerate(dims):
+            s[d] = layouts[k].sizes[c[k]]
+        shapes.append(s)
+    parts = None
+    if me == src:
+        parts = []
+        for c in coords:
+            idx = [slice(None)] * len(shape)
+            for k, d in enumerate(dims):
+                idx[d] = layouts[k].slice(c[k])
+            parts.append(x[tuple(idx)])
+    device = x.device if x is not None else comm_device(group)
+    return scatter_uneven(parts, shapes[me], dtype, device, group, src, shapes)
+
+
+def _group_coords(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """Domain coordinates of each rank of the domain group, in group-rank order."""
+    group = domain_group(mesh)
+    sub = mesh[axes] if len(axes) > 1 or mesh.ndim > 1 else mesh
+    grid = sub.mesh
+    coords = {}
+    for flat, rank in enumerate(grid.flatten().tolist()):
+        c, rest = [], flat
+        for s in reversed(grid.shape):
+            rest, ci = divmod(rest, s)
+            c.append(ci)
+        coords[rank] = tuple(reversed(c))
+    return [coords[dist.get_global_rank(group, i)] for i in range(dist.get_world_size(group))]
+
+
+def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int] = (2,)) -> torch.Tensor:
+    """The full tensor on every rank, assembled from every rank's slab (uneven slabs allowed).
+
+    Autograd: the result is replicated, so under the gradient convention (the global loss is
+    the sum of the per-rank losses) each rank's gradient of it is partial; the backward sums
+    those over the domain ranks and returns this rank's slab of the sum. If you call
+    ``y.backward(g)`` by hand on a gathered ``y`` with the full gradient ``g`` on every rank,
+    pass ``g / P`` (P = number of domain ranks), or the input gradient comes out P times too big.
+    """
+    dims = normalize_dims(dims, x_local.dim(), "gather")
+    axes = domain_axes(mesh)
+    layouts = gather_layouts(x_local.shape, mesh, dims, what="gather")
+    group = domain_group(mesh)
+    coords = _group_coords(mesh, axes)
+    sizes = [lay.sizes for lay in layouts]
+    return all_gather_grid(x_local, group, dims, coords, sizes, dist.get_rank(group))
