@@ -7,8 +7,6 @@ averages over all ranks, so we install a communication hook that divides by the 
 and then sums over the whole mesh: DDP still buckets and overlaps the reduction with backward.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +27,7 @@ class _HookState:
     scale: float
 
 
+# No `from __future__ import annotations` here: DDP inspects the hook's annotations at runtime.
 def _sum_domain_mean_data_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     if state.scale != 1.0:

@@ -1,0 +1,312 @@
+"""Strong scaling of sharded convolution stacks on CPU: P=1 against P=2, one thread per rank.
+
+What is measured (DESIGN.md section 7):
+
+* Two cases, each a stack of 4 convolutions (16 -> 16 channels, kernel 3, padding 1) with a ReLU
+  between consecutive convolutions, built from plain torch layers and turned into sharded layers
+  by ``sharded_nn.convert(model, sharded_nn.init_mesh(domain=P))``:
+
+  - ``conv3d``: ``nn.Conv3d`` on one sample of shape ``1 x 16 x 128^3``;
+  - ``conv2d``: ``nn.Conv2d`` on one sample of shape ``1 x 16 x 2048^2``.
+
+* The same global problem runs on P=1 and on P=2 processes, both through ``sharded_nn.launch``
+  (the same code path; at P=1 the sharded layers simply have no neighbour), with one thread per
+  rank (``OMP_NUM_THREADS=1`` in the environment before torch is imported, and
+  ``torch.set_num_threads(1)``). The sample is sharded along its first spatial dim; every rank
+  generates only its own slab, so no rank ever holds the whole sample in the sharded run.
+* Time: forward + backward of a sum-of-outputs loss (each rank's loss is the sum of its output
+  slab; the global loss is the sum over ranks). One warm-up iteration, then ``--iters`` timed
+  iterations with a barrier before and after each; an iteration's time is the slowest rank's
+  and the reported time is the median over iterations. Gradient reduction across ranks (DDP) is
+  not part of the timed region: the stacks have ~28k parameters, so it would be negligible.
+  Reported: speedup ``T1 / T2`` and parallel efficiency ``T1 / (2 * T2)``.
+* Memory: peak resident set size (``ru_maxrss``, a high-water mark) of each rank after the timed
+  iterations, minus its value right after imports, process-group initialisation and mesh
+  creation; the maximum over ranks is reported, and the ratio P=2 / P=1. P=1 and P=2 run in
+  separate launches, so each high-water mark belongs to one configuration only.
+* Consistency: the global loss and the domain-summed weight gradients of P=2 are compared with
+  P=1 (the input is generated plane by plane from per-plane seeds, so both runs see the same
+  global sample), to make sure that the timings are of a correct computation.
+
+Targets: speedup >= 1.8x and memory ratio <= 0.55x; the table marks each PASS or MISS. The exit
+code is 0 whether or not the targets are met: this is a benchmark, not a test.
+
+Run it from the repository root::
+
+    python bench/conv.py                                  # both cases at full size (a few minutes)
+    python bench/conv.py --case conv3d --size 32 --iters 2   # a quick smoke run
+    python bench/conv.py --profile                        # also: where P=2 spends its time
+
+Absolute times drift on shared machines; the ratios are measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One thread per rank, fixed before torch is imported here or in the spawned ranks (which
+# inherit the environment and re-import this module): OpenMP reads it only once, at start-up.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+# Runnable as ``python bench/conv.py`` from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import sharded_nn as snn  # noqa: E402
+
+SPEEDUP_TARGET = 1.8
+MEM_RATIO_TARGET = 0.55
+CHANNELS = 16
+LAYERS = 4
+SEED = 1234
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a conv stack of ``spatial_dims`` dims on a cube of side ``size``."""
+
+    name: str
+    spatial_dims: int
+    size: int
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return (1, CHANNELS) + (self.size,) * self.spatial_dims
+
+
+@dataclass
+class RunResult:
+    """What rank 0 reports for one launch (times are max over ranks, memory max over ranks)."""
+
+    nprocs: int
+    times: list[float]
+    mem_mib: list[float]
+    loss: float
+    grads: list[float]
+    profile: str | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def build_stack(spatial_dims: int, dtype: torch.dtype) -> nn.Sequential:
+    """The single-device model: ``LAYERS`` convs with ReLUs between them, seeded weights."""
+    conv = {2: nn.Conv2d, 3: nn.Conv3d}[spatial_dims]
+    torch.manual_seed(SEED)
+    layers: list[nn.Module] = []
+    for i in range(LAYERS):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(conv(CHANNELS, CHANNELS, 3, padding=1))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def local_input(case: Case, mesh, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slab of the global sample, generated directly (the sample is never built).
+
+    Each plane along the sharded dim comes from its own seed, so the global sample is the same
+    whatever the number of ranks, and P=1 and P=2 can be checked against each other.
+    """
+    sl = snn.local_slices(case.global_shape, mesh, dims=(2,), align=1)
+    start, stop, _ = sl[2].indices(case.global_shape[2])
+    shape = list(case.global_shape)
+    shape[2] = stop - start
+    x = torch.empty(shape, dtype=dtype)
+    plane = shape[:2] + shape[3:]
+    g = torch.Generator()
+    for i, pos in enumerate(range(start, stop)):
+        g.manual_seed(SEED + pos)
+        x[:, :, i] = torch.randn(plane, generator=g, dtype=torch.float32).to(dtype)
+    return x
+
+
+def _maxrss_mib() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(x).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _profile_step(model: nn.Module, x: torch.Tensor) -> str:
+    """One extra profiled iteration: self CPU time per op, to tell the halo exchange from the conv."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(model, x)
+    dist.barrier()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
+def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> RunResult:
+    """Body of every rank: build the sharded stack and its slab, time it, measure its memory."""
+    mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    # Baseline after imports, process-group init (done by launch) and mesh creation: what is
+    # left above it is the model's working set (activations, gradients, slab).
+    base_mib = _maxrss_mib()
+    if torch.get_num_threads() != 1:
+        raise RuntimeError(f"bench: expected 1 torch thread per rank, got {torch.get_num_threads()}.")
+    dtype = _DTYPES[dtype_name]
+    group = snn.domain_group(mesh)
+    model = snn.convert(build_stack(case.spatial_dims, dtype), mesh, strict=True)
+    x = local_input(case, mesh, dtype)
+
+    _step(model, x)  # warm-up: first-touch allocations, layout planning, oneDNN primitive caches
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = _step(model, x)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    mem_mib = _maxrss_mib() - base_mib
+
+    # Collectives below are outside the timed region and after the memory reading.
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    mems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(mems, mem_mib, group=group)
+    loss64 = loss.to(torch.float64)
+    dist.all_reduce(loss64, group=group)
+    # Weight gradients are partial sums over the domain ranks; their sum is the single-device one.
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).to(torch.float64)
+    dist.all_reduce(grads, group=group)
+    prof = _profile_step(model, x) if want_profile else None
+    # Plain floats, not a tensor: launch returns results through a multiprocessing queue, where a
+    # tensor travels as a shared-memory handle that dies with the rank process that made it.
+    return RunResult(dist.get_world_size(), t.tolist(), mems, loss64.item(), grads.tolist(), prof)
+
+
+def run_case(case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool) -> tuple[RunResult, ...]:
+    """P=1 then P=2, each in its own launch so that each high-water mark is its own."""
+    out = []
+    for p in (1, 2):
+        t0 = time.perf_counter()
+        res = snn.launch(rank_main, p, case, dtype_name, iters, want_profile and p == 2, timeout=timeout, threads=1)
+        print(
+            f"  {case.name} P={p}: median {res.median:.3f} s over {iters} iters "
+            f"(all {', '.join(f'{v:.3f}' for v in res.times)}), mem/rank MiB "
+            f"{', '.join(f'{m:.0f}' for m in res.mem_mib)}, launch {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        out.append(res)
+    return tuple(out)
+
+
+def busy_cores(interval: float = 1.0) -> float:
+    """How many cores other processes keep busy while this one sleeps (Linux ``/proc/stat``)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + vals[4]  # idle + iowait
+        return sum(vals[:8]) - idle, sum(vals[:8])
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(interval)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return math.nan
+    return (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+
+
+def _mark(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def report(rows: list[tuple[Case, RunResult, RunResult]], dtype_name: str) -> None:
+    """Print the results table, the targets and the P=1 / P=2 consistency check."""
+    head = (
+        f"{'case':<8} {'shape':<18} {'T1 s':>8} {'T2 s':>8} {'speedup':>9} {'effic.':>7} "
+        f"{'mem1 MiB':>9} {'mem2 MiB':>9} {'mem ratio':>10}"
+    )
+    print()
+    print(f"sharded_nn conv benchmark: P=1 vs P=2, 1 thread/rank, {dtype_name}, forward+backward")
+    print(head)
+    print("-" * len(head))
+    for case, r1, r2 in rows:
+        t1, t2 = r1.median, r2.median
+        m1, m2 = max(r1.mem_mib), max(r2.mem_mib)
+        speedup = t1 / t2
+        ratio = m2 / m1 if m1 > 0 else math.nan
+        shape = "x".join(map(str, case.global_shape))
+        print(
+            f"{case.name:<8} {shape:<18} {t1:>8.3f} {t2:>8.3f} {speedup:>8.2f}x {speedup / 2:>6.0%} "
+            f"{m1:>9.0f} {m2:>9.0f} {ratio:>9.2f}x"
+        )
+    print()
+    print(f"targets: speedup >= {SPEEDUP_TARGET}x, mem ratio <= {MEM_RATIO_TARGET}x")
+    for case, r1, r2 in rows:
+        speedup = r1.median / r2.median
+        ratio = max(r2.mem_mib) / max(r1.mem_mib)
+        loss_err = abs(r2.loss - r1.loss) / max(abs(r1.loss), 1e-30)
+        g1 = torch.tensor(r1.grads, dtype=torch.float64)
+        g2 = torch.tensor(r2.grads, dtype=torch.float64)
+        grad_err = ((g2 - g1).norm() / g1.norm().clamp_min(1e-30)).item()
+        print(
+            f"  {case.name:<8} speedup {speedup:.2f}x {_mark(speedup >= SPEEDUP_TARGET)}   "
+            f"mem ratio {ratio:.2f}x {_mark(ratio <= MEM_RATIO_TARGET)}   "
+            f"(P=2 vs P=1: loss rel. diff {loss_err:.1e}, grad rel. diff {grad_err:.1e})"
+        )
+    for case, _, r2 in rows:
+        if r2.profile:
+            print(f"\nprofile of one P=2 iteration, {case.name}, rank 0 (self CPU time per op):")
+            print(r2.profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, run the cases, print the table; returns 0 whatever the outcome."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=("conv3d", "conv2d", "all"), default="all")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations after one warm-up (default 3)")
+    parser.add_argument(
+        "--size", type=int, default=None, help="spatial size of every dim (default: 128 for conv3d, 2048 for conv2d)"
+    )
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch (default 1800)")
+    parser.add_argument("--profile", action="store_true", help="print a per-op profile of one P=2 iteration")
+    args = parser.parse_args(argv)
+    if args.iters < 1:
+        parser.error("--iters must be >= 1")
+    if args.size is not None and args.size < 2:
+        parser.error("--size must be >= 2 so that each of the 2 ranks holds a slab")
+
+    cases = [Case("conv3d", 3, args.size or 128), Case("conv2d", 2, args.size or 2048)]
+    if args.case != "all":
+        cases = [c for c in cases if c.name == args.case]
+    busy_before = busy_cores()
+    rows = []
+    for case in cases:
+        r1, r2 = run_case(case, args.dtype, args.iters, args.timeout, args.profile)
+        rows.append((case, r1, r2))
+    report(rows, args.dtype)
+    busy_after = busy_cores()
+    print(f"\ncores busy with other work (1 s sample) before: {busy_before:.2f}, after: {busy_after:.2f}", end="")
+    # The P=2 ranks need both cores; anything else running skews T2 far more than T1.
+    print(" -- other processes competed for the cores; rerun on a quiet machine" if max(busy_before, busy_after) > 0.2 else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

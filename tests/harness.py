@@ -1,0 +1,137 @@
+"""Multi-process test harness: long-lived gloo worker pools, one per world size.
+
+``pools.run(world_size, fn, *args)`` runs the module-level function ``fn(*args)`` on every rank
+of a pool and returns the list of per-rank results. It fails fast: the first rank that raises
+ends the call with that rank's traceback (the pool is then torn down, since its other ranks may
+be stuck in a collective, and a fresh one is started for the next test); a call that exceeds its
+timeout kills the pool and raises, so a test never hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from datetime import timedelta
+from functools import cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sharded_nn.launch import RemoteTraceback, free_port, init_worker
+
+#: Collective timeout inside workers: a rank waiting for a dead peer errors out instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def _serve(rank: int, world: int, port: int, jobs, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        init_worker(rank, world, port, COLLECTIVE_TIMEOUT, "cpu")
+    except BaseException:  # noqa: BLE001
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            results.put((rank, "ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Pool:
+    """``world`` worker processes that share one gloo process group."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world, port, self.jobs[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout: float) -> list[Any]:
+        for q in self.jobs:
+            q.put((fn, args))
+        out: list[Any] = [None] * self.world
+        pending = set(range(self.world))
+        deadline = time.monotonic() + timeout
+        while pending:
+            try:
+                rank, status, payload = self.results.get(timeout=0.1)
+            except queue.Empty:
+                dead = [r for r in pending if not self.procs[r].is_alive()]
+                if dead:
+                    raise RankFailure(f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode}).")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(pending)} of {self.world} did not finish within {timeout}s.")
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {self.world} failed") from RemoteTraceback(payload)
+            out[rank] = payload
+            pending.discard(rank)
+        return out
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.jobs:
+                q.put(None)
+            for p in self.procs:
+                p.join(5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class RankFailure(AssertionError):
+    """A rank raised (its traceback is the ``__cause__``) or died."""
+
+
+class Pools:
+    """Lazily started pools keyed by world size; a failed pool is replaced on next use."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, Pool] = {}
+
+    def run(self, world: int, fn, *args, timeout: float = 120.0) -> list[Any]:
+        pool = self._pools.get(world)
+        if pool is None:
+            pool = self._pools[world] = Pool(world)
+        try:
+            return pool.run(fn, args, timeout)
+        except BaseException:
+            pool.close(force=True)
+            del self._pools[world]
+            raise
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+@cache
+def mesh(domain: int | tuple[int, ...], data: int = 1):
+    """A mesh cached per worker; every rank creates meshes in the same order, so caching is safe."""
+    import sharded_nn as snn
+
+    return snn.init_mesh(domain=domain, data=data, device_type="cpu")
+
+
+def world_of(domain: int | tuple[int, ...], data: int = 1) -> int:
+    n = data
+    for d in (domain,) if isinstance(domain, int) else domain:
+        n *= d
+    return n

@@ -1,0 +1,248 @@
+"""ShardedConv1d/2d/3d against the torch layers on the full tensor, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import sharded_nn as snn
+
+from .harness import mesh
+from .reference import check_against_reference
+
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+@dataclass(frozen=True)
+class Cfg:
+    nd: int = 2
+    kernel: int | tuple = 3
+    stride: int | tuple = 1
+    padding: int | tuple | str = 1
+    dilation: int | tuple = 1
+    groups: int = 1
+    bias: bool = True
+    mode: str = "zeros"
+    size: tuple = (23, 9, 6)  # spatial sizes, first nd used
+    cin: int = 4
+    cout: int = 6
+    batch: int = 2
+    domain: int | tuple = 2
+    dims: tuple = (2,)
+    extra: dict = field(default_factory=dict, hash=False)
+
+    def module(self) -> nn.Module:
+        torch.manual_seed(0)
+        return CONV[self.nd](
+            self.cin, self.cout, self.kernel, stride=self.stride, padding=self.padding, dilation=self.dilation,
+            groups=self.groups, bias=self.bias, padding_mode=self.mode,
+        ).double()
+
+    def input(self) -> torch.Tensor:
+        torch.manual_seed(1)
+        return torch.randn(self.batch, self.cin, *self.size[: self.nd], dtype=torch.float64)
+
+    def align(self) -> tuple[int, ...]:
+        s = (self.stride,) * self.nd if isinstance(self.stride, int) else self.stride
+        return tuple(s[d - 2] for d in self.dims)
+
+
+def _check(cfg: Cfg, sizes=None):
+    ref, m = cfg.module(), mesh(cfg.domain)
+    # The plan passes the sharded dims to the layer (the default is the first spatial dims).
+    sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": cfg.dims}})
+    return check_against_reference(ref, cfg.input(), m, dims=cfg.dims, align=cfg.align(), sizes=sizes, sharded=sharded)
+
+
+def world(domain) -> int:
+    return domain if isinstance(domain, int) else domain[0] * domain[1]
+
+
+# Every option of the torch layers, on uneven slabs (23 = 6+6+6+5 on 4 ranks, 8+8+7 on 3).
+OPTION_CASES = [
+    Cfg(kernel=1, padding=0),
+    Cfg(kernel=2, padding=0),
+    Cfg(kernel=2, padding=1),
+    Cfg(kernel=4, padding="same"),
+    Cfg(kernel=5, padding="same", dilation=2),
+    Cfg(kernel=3, padding="valid"),
+    Cfg(kernel=(5, 3), padding=(2, 0)),
+    Cfg(kernel=(4, 3), padding=(3, 1)),
+    Cfg(kernel=3, stride=2, padding=1),
+    Cfg(kernel=4, stride=2, padding=1),
+    Cfg(kernel=2, stride=2, padding=0),
+    Cfg(kernel=1, stride=3, padding=0, size=(24, 9, 6)),
+    Cfg(kernel=5, stride=3, padding=0, size=(24, 9, 6)),
+    Cfg(kernel=3, stride=(2, 1), padding=(0, 1), dilation=(2, 1)),
+    Cfg(kernel=3, dilation=3, padding=3),
+    Cfg(kernel=3, groups=2, bias=False),
+    Cfg(kernel=3, groups=4, cout=8),
+    *[Cfg(kernel=k, padding=p, mode=m, stride=s)
+      for m in ("reflect", "replicate", "circular")
+      for k, p, s in ((3, 1, 1), (5, 2, 1), (4, 2, 2), (3, (2, 1), 1))],
+    Cfg(nd=1, kernel=3, padding=1),
+    Cfg(nd=1, kernel=4, stride=2, padding=1, mode="circular"),
+    Cfg(nd=1, kernel=7, padding="same", mode="reflect", size=(40,)),
+    Cfg(nd=3, kernel=3, padding=1, size=(13, 5, 4)),
+    Cfg(nd=3, kernel=(2, 3, 1), stride=(2, 1, 1), padding=(0, 1, 0), mode="replicate", size=(14, 5, 4)),
+]
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3, 4])
+@pytest.mark.parametrize("cfg", OPTION_CASES, ids=lambda c: f"{c.nd}d-k{c.kernel}-s{c.stride}-p{c.padding}-d{c.dilation}-g{c.groups}-{c.mode}")
+def test_conv_matches_torch_1d_mesh(run, cfg, domain):
+    cfg = Cfg(**{**cfg.__dict__, "domain": domain})
+    errs = run(world(domain), _check, cfg)
+    assert all(e["out"] <= 1e-10 for e in errs)
+
+
+MESH2D_CASES = [
+    Cfg(kernel=3, padding=1, size=(11, 9, 6)),
+    Cfg(kernel=4, stride=2, padding=1, size=(12, 10, 6)),
+    Cfg(kernel=5, padding=2, mode="circular", size=(11, 9, 6)),
+    Cfg(kernel=3, padding=1, mode="reflect", size=(11, 9, 6)),
+    Cfg(kernel=(3, 2), padding="same", mode="replicate", size=(11, 9, 6)),
+    Cfg(nd=3, kernel=3, padding=1, size=(9, 7, 5)),
+    Cfg(nd=3, kernel=3, stride=2, padding=1, mode="circular", size=(10, 8, 5)),
+]
+
+
+@pytest.mark.parametrize("cfg", MESH2D_CASES, ids=str)
+def test_conv_matches_torch_2x2_mesh(run, cfg):
+    cfg = Cfg(**{**cfg.__dict__, "domain": (2, 2), "dims": (2, 3)})
+    run(4, _check, cfg)
+
+
+def test_conv_shards_a_later_dim(run):
+    # A 1-D domain can shard any spatial dim, e.g. W of an image.
+    run(2, _check, Cfg(kernel=3, padding=1, dims=(3,), size=(7, 12, 6)))
+
+
+def test_conv_3d_shards_two_dims_of_three(run):
+    run(4, _check, Cfg(nd=3, kernel=3, padding=1, domain=(2, 2), dims=(3, 4), size=(5, 8, 7)))
+
+
+# No shrinking: a failing example restarts the worker pool, which makes shrinking crawl; the
+# failing example and its remote traceback are reported as found.
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(
+    data=st.data(),
+    nd=st.sampled_from([1, 2]),
+    kernel=st.integers(1, 5),
+    stride=st.integers(1, 3),
+    dilation=st.integers(1, 2),
+    mode=st.sampled_from(["zeros", "reflect", "replicate", "circular"]),
+    p=st.integers(1, 4),
+)
+def test_conv_property_random_splits(pools, data, nd, kernel, stride, dilation, mode, p):
+    """Random conv configs on random aligned (not just balanced) splits."""
+    span = dilation * (kernel - 1) + 1
+    pad = data.draw(st.integers(0, span - 1 if mode == "zeros" else min(span - 1, 2)))
+    # Slab sizes: multiples of the stride except the last, each wide enough for the halos.
+    need = max(pad, span - stride - pad, stride, pad + 1 if mode == "reflect" else 1)
+    blocks = [data.draw(st.integers(-(-need // stride), -(-need // stride) + 3)) for _ in range(p)]
+    sizes = [b * stride for b in blocks]
+    # The last slab must also leave at least one output: n_last + 2 * pad >= span.
+    sizes[-1] = max(need, span - 2 * pad, sizes[-1] - data.draw(st.integers(0, stride - 1)))
+    length = sum(sizes)
+    if (length + 2 * pad - span) < 0:
+        return
+    cfg = Cfg(nd=nd, kernel=kernel, stride=stride, padding=pad, dilation=dilation, mode=mode, domain=p,
+              size=(length, span + 2, 4), cin=2, cout=3)
+    pools.run(p, _check, cfg, tuple(sizes))
+
+
+# --- bad input: the same clear error on every rank ------------------------------------------
+
+
+def _expect_error(cfg: Cfg, sizes, exc, match):
+    with pytest.raises(exc, match=match):
+        _check(cfg, sizes)
+    return True
+
+
+@pytest.mark.parametrize(
+    "cfg,sizes,match",
+    [
+        (Cfg(kernel=3, stride=2, padding=1, domain=2, size=(20, 5, 4)), (9, 11), "start at a multiple of 2"),
+        (Cfg(kernel=7, padding=3, domain=4, size=(8, 5, 4)), (2, 2, 2, 2), "halo of 3"),
+        (Cfg(kernel=5, padding=2, mode="reflect", domain=2, size=(12, 5, 4)), (2, 10), "reflect padding"),
+        (Cfg(kernel=3, padding=0, domain=2, size=(12, 5, 4)), (10, 2), "no output"),
+    ],
+    ids=["misaligned", "halo-too-wide", "reflect-too-thin", "empty-output"],
+)
+def test_bad_layout_raises_on_every_rank(run, cfg, sizes, match):
+    assert all(run(len(sizes), _expect_error, cfg, sizes, snn.ShardingError, match))
+
+
+def _bad_construction():
+    m = mesh(2)
+    with pytest.raises(snn.ShardingError, match="not spatial dims"):
+        snn.ShardedConv2d(3, 3, 3, mesh=m, dims=(4,))
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        snn.ShardedConv2d(3, 3, 3, mesh="domain")
+    conv = snn.ShardedConv2d(3, 3, 3, padding=1, mesh=m).double()
+    with pytest.raises(ValueError, match="expected a 4-d"):
+        conv(torch.zeros(1, 1, 3, 4, 5, 6, dtype=torch.float64))
+    return True
+
+
+def test_bad_construction_and_input(run):
+    assert all(run(2, _bad_construction))
+
+
+def _standalone():
+    m = mesh(2)
+    torch.manual_seed(0)
+    conv = snn.ShardedConv3d(4, 4, 3, padding=1, mesh=m).double()
+    ref = nn.Conv3d(4, 4, 3, padding=1).double()
+    ref.load_state_dict(conv.state_dict())
+    assert list(conv.state_dict()) == list(ref.state_dict())
+    assert "mesh_axes=('domain',)" in repr(conv)
+    x = torch.randn(1, 4, 9, 5, 5, dtype=torch.float64)
+    return check_against_reference(ref, x, m, sharded=conv)
+
+
+def test_standalone_constructor(run):
+    run(2, _standalone)
+
+
+def _unbatched():
+    torch.manual_seed(0)
+    ref = nn.Conv1d(2, 3, 3, padding=1).double()
+    conv = snn.convert(copy.deepcopy(ref), mesh(2))
+    x = torch.randn(2, 13, dtype=torch.float64)
+    y = snn.gather(conv(snn.shard(x, mesh(2), dims=(1,))), mesh(2), dims=(1,))
+    torch.testing.assert_close(y, ref(x))
+    return True
+
+
+def test_unbatched_input(run):
+    assert all(run(2, _unbatched))
+
+
+def _float32_stack():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                        nn.ReLU(), nn.Conv2d(8, 2, 1))
+    x = torch.randn(1, 3, 30, 11)
+    return check_against_reference(ref, x, mesh(3), align=2, atol=1e-5, rtol=1e-4)
+
+
+def test_float32_stack(run):
+    run(3, _float32_stack)
+
+
+def test_world_sizes_cover_itertools():
+    # Guard: the matrix above really spans several world sizes and modes.
+    modes = {c.mode for c in OPTION_CASES}
+    assert modes == {"zeros", "reflect", "replicate", "circular"}
+    assert any(c.stride != 1 for c in OPTION_CASES) and any(c.groups > 1 for c in OPTION_CASES)
+    assert list(itertools.islice(range(4), 2)) == [0, 1]

@@ -1,0 +1,292 @@
+"""Halo exchange (``comm.halo_cat`` and the async ``comm.halo_exchange``) against plain indexing.
+
+The reference for rank r's extended slab is ``x.index_select(dim, arange(a - left, b + right) % S)``
+on the full tensor: the halos are the neighbours' edge positions, wrapped around for periodic
+specs. Backward: per-rank losses ``(ext_r * W_r).sum()`` sum to the global loss
+``sum_r (ref_ext_r * W_r).sum()``, whose autograd gradient on the full tensor must equal, slab by
+slab, the gradient that the exchange returns to each rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import sharded_nn as snn
+from sharded_nn import Layout, ShardingError, comm
+from sharded_nn.comm import HaloSpec
+
+from .harness import mesh
+
+# Few examples, and no shrinking: every failing example restarts a pool, so shrinking is slow.
+MP = settings(
+    max_examples=10,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+def _rand(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _ext_index(lay: Layout, r: int, left: int, right: int) -> torch.Tensor:
+    sl = lay.slice(r)
+    return torch.arange(sl.start - left, sl.stop + right) % lay.size
+
+
+def _extend(x_loc, spec, ring, mode):
+    """The extended slab and the (left, right) halos, through halo_cat or halo_exchange."""
+    r = ring.index
+    if mode == "cat":
+        ext = comm.halo_cat(x_loc, spec, ring)
+        lw, rw = spec.left[r], spec.right[r]
+        n = x_loc.shape[spec.dim]
+        left = ext.narrow(spec.dim, 0, lw)
+        right = ext.narrow(spec.dim, lw + n, rw)
+        return ext, left, right
+    handle = comm.halo_exchange(x_loc, spec, ring)
+    # Work that overlaps with the exchange in flight.
+    inner = x_loc * 1.0
+    left, right = handle.wait()
+    assert (left is None) == (spec.left[r] == 0)
+    assert (right is None) == (spec.right[r] == 0)
+    ext = torch.cat([t for t in (left, inner, right) if t is not None], spec.dim)
+    empty = x_loc.narrow(spec.dim, 0, 0)
+    return ext, (left if left is not None else empty), (right if right is not None else empty)
+
+
+def _halo_case(world, shape, dim, align, left, right, periodic, seed, mode):
+    m = mesh(world)
+    ring = comm.axis_ring(m, "domain")
+    me = ring.index
+    assert ring.size == world
+    x = _rand(shape, seed)
+    lay = Layout.balanced(shape[dim], world, align)
+    spec = HaloSpec(dim, tuple(left), tuple(right), periodic)
+    spec.check(lay.sizes, "test")
+
+    x_loc = snn.shard(x, m, dims=(dim,), align=align).requires_grad_()
+    ext, lh, rh = _extend(x_loc, spec, ring, mode)
+
+    idx = _ext_index(lay, me, left[me], right[me])
+    ref = x.index_select(dim, idx)
+    assert torch.equal(ext.detach(), ref)
+    sl = lay.slice(me)
+    assert torch.equal(lh.detach(), x.index_select(dim, torch.arange(sl.start - left[me], sl.start) % lay.size))
+    assert torch.equal(rh.detach(), x.index_select(dim, torch.arange(sl.stop, sl.stop + right[me]) % lay.size))
+
+    # Backward against autograd through plain indexing of the full tensor.
+    xr = x.clone().requires_grad_()
+    total = 0.0
+    weights = []
+    for r in range(world):
+        ref_r = xr.index_select(dim, _ext_index(lay, r, left[r], right[r]))
+        w = _rand(ref_r.shape, 1000 * seed + r + 1)
+        weights.append(w)
+        total = total + (ref_r * w).sum()
+    total.backward()
+    (ext * weights[me]).sum().backward()
+    idx_slab = [slice(None)] * x.dim()
+    idx_slab[dim] = sl
+    torch.testing.assert_close(x_loc.grad, xr.grad[tuple(idx_slab)], rtol=1e-13, atol=1e-13)
+    return True
+
+
+def _run_case(run, world, shape, dim, align, left, right, periodic, seed=0):
+    for mode in ("cat", "exchange"):
+        assert run(world, _halo_case, world, shape, dim, align, left, right, periodic, seed, mode) == [True] * world
+
+
+@pytest.mark.parametrize(
+    ("world", "shape", "dim", "align", "left", "right", "periodic"),
+    [
+        # P = 1: nothing to exchange, or a wrap onto itself.
+        (1, (2, 3, 7), 2, 1, (0,), (0,), False),
+        (1, (2, 3, 7), 2, 1, (2,), (3,), True),
+        (1, (1, 2, 5, 3), 2, 1, (5,), (0,), True),
+        # P = 2, non-periodic and periodic (left and right neighbour are the same rank).
+        (2, (2, 3, 9, 2), 2, 1, (0, 2), (1, 0), False),
+        (2, (2, 3, 9, 2), 2, 1, (3, 1), (2, 4), True),
+        (2, (1, 2, 10), 2, 4, (1, 4), (2, 0), True),
+        (2, (1, 2, 10), -1, 4, (0, 0), (0, 0), True),
+        # P = 3, 4: differing and zero widths, uneven slabs.
+        (3, (1, 2, 11, 3), 2, 1, (0, 3, 0), (1, 0, 0), False),
+        (3, (1, 2, 11, 3), 2, 2, (1, 2, 3), (3, 0, 2), True),
+        (4, (2, 13, 3), 1, 1, (0, 1, 2, 3), (3, 2, 1, 0), False),
+        (4, (2, 13, 3), 1, 3, (1, 0, 3, 2), (0, 2, 1, 3), True),
+        # Halos along the last dim of a point-like layout.
+        (3, (3, 8), 1, 1, (2, 2, 2), (2, 2, 2), True),
+    ],
+)
+def test_halo(run, world, shape, dim, align, left, right, periodic):
+    _run_case(run, world, shape, dim % len(shape), align, left, right, periodic)
+
+
+@pytest.mark.parametrize(
+    ("world", "left", "right", "periodic"),
+    [
+        (2, (0, 1), (0, 0), False),  # rank 0 receives nothing but sends its tail to rank 1
+        (2, (0, 0), (1, 0), False),  # rank 1 receives nothing but sends its head to rank 0
+        (3, (0, 0, 2), (0, 0, 0), False),  # rank 1 only sends
+        (3, (0, 1, 0), (0, 0, 1), True),  # rank 1 only sends, in a ring
+    ],
+)
+def test_halo_exchange_backward_on_rank_without_halos(run, world, left, right, periodic):
+    """A rank that receives no halo (``wait()`` gives ``(None, None)``) still sent its edges.
+
+    The gradient of those edges lives on the neighbour and must come back in the backward;
+    it can only do so if the sending rank takes part in the backward exchange.
+    """
+    shape = (1, 2, 3 * world)
+    assert run(world, _halo_case, world, shape, 2, 1, left, right, periodic, 5, "exchange") == [True] * world
+
+
+@st.composite
+def halo_cases(draw):
+    world = draw(st.integers(1, 4))
+    align = draw(st.integers(1, 3))
+    blocks = draw(st.integers(world, 4 * world))
+    size = blocks * align - draw(st.integers(0, align - 1))
+    sizes = Layout.balanced(size, world, align).sizes
+    periodic = draw(st.booleans())
+    left, right = [], []
+    for r in range(world):
+        has_left = r > 0 or periodic
+        has_right = r < world - 1 or periodic
+        left.append(draw(st.integers(0, sizes[(r - 1) % world])) if has_left else 0)
+        right.append(draw(st.integers(0, sizes[(r + 1) % world])) if has_right else 0)
+    seed = draw(st.integers(0, 1000))
+    return world, (2, size, 2), 1, align, tuple(left), tuple(right), periodic, seed
+
+
+@MP
+@given(halo_cases())
+def test_halo_property(pools, case):
+    world, shape, dim, align, left, right, periodic, seed = case
+    _run_case(pools.run, world, shape, dim, align, left, right, periodic, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two sharded dims on a 2x2 mesh: exchanging one after the other fills the corners
+# ---------------------------------------------------------------------------------------------
+
+
+def _corner_case(shape, spec0, spec1, seed, mode):
+    m = mesh((2, 2))
+    rings = comm.axis_ring(m, "domain0"), comm.axis_ring(m, "domain1")
+    c = (rings[0].index, rings[1].index)
+    assert c == (m.get_local_rank("domain0"), m.get_local_rank("domain1"))
+    specs = HaloSpec(2, *spec0), HaloSpec(3, *spec1)
+    x = _rand(shape, seed)
+    lays = Layout.balanced(shape[2], 2), Layout.balanced(shape[3], 2)
+    for s, lay in zip(specs, lays):
+        s.check(lay.sizes, "test")
+
+    x_loc = snn.shard(x, m, dims=(2, 3)).requires_grad_()
+    ext = x_loc
+    for s, ring in zip(specs, rings):
+        ext, _, _ = _extend(ext, s, ring, mode)
+
+    def ref_ext(t, c0, c1):
+        i0 = _ext_index(lays[0], c0, specs[0].left[c0], specs[0].right[c0])
+        i1 = _ext_index(lays[1], c1, specs[1].left[c1], specs[1].right[c1])
+        return t.index_select(2, i0).index_select(3, i1)
+
+    assert torch.equal(ext.detach(), ref_ext(x, *c))
+
+    xr = x.clone().requires_grad_()
+    total, weights = 0.0, {}
+    for c0 in range(2):
+        for c1 in range(2):
+            e = ref_ext(xr, c0, c1)
+            weights[c0, c1] = _rand(e.shape, 7 + 10 * c0 + c1)
+            total = total + (e * weights[c0, c1]).sum()
+    total.backward()
+    (ext * weights[c]).sum().backward()
+    sl = snn.local_slices(shape, m, dims=(2, 3))
+    torch.testing.assert_close(x_loc.grad, xr.grad[sl], rtol=1e-13, atol=1e-13)
+    return c
+
+
+@pytest.mark.parametrize("mode", ["cat", "exchange"])
+@pytest.mark.parametrize(
+    ("shape", "spec0", "spec1"),
+    [
+        ((1, 2, 7, 6), ((0, 2), (1, 0), False), ((0, 1), (2, 0), False)),
+        ((2, 1, 6, 5), ((1, 2), (3, 1), True), ((2, 1), (1, 2), True)),
+        ((1, 1, 5, 8), ((0, 3), (2, 0), False), ((4, 1), (0, 3), True)),
+    ],
+)
+def test_halo_corners_2x2(run, shape, spec0, spec1, mode):
+    res = run(4, _corner_case, shape, spec0, spec1, 3, mode)
+    assert sorted(res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_too_wide(world, size, left, right, periodic):
+    m = mesh(world)
+    x = _rand((1, 2, size), 0)
+    x_loc = snn.shard(x, m, dims=(2,))
+    # Sizes agreed by all ranks from their local shapes, as a layer would.
+    (lay,) = comm.gather_layouts(x_loc.shape, m, (2,), what="test")
+    assert lay.sizes == Layout.balanced(size, world).sizes
+    spec = HaloSpec(2, left, right, periodic)
+    with pytest.raises(ShardingError, match=r"MyConv: rank \d needs a (left|right) halo of \d+ along dim 2.*holds only"):
+        spec.check(lay.sizes, "MyConv")
+    return True
+
+
+@pytest.mark.parametrize(
+    ("world", "size", "left", "right", "periodic"),
+    [
+        (2, 5, (0, 4), (1, 0), False),  # sizes (3, 2): rank 1 wants 4 from rank 0 which holds 3
+        (2, 5, (0, 1), (3, 0), False),  # rank 0 wants 3 from rank 1 which holds 2
+        (3, 7, (0, 4, 1), (1, 1, 0), False),  # rank 1 wants 4 from rank 0 which holds 3
+        (3, 7, (3, 1, 1), (1, 1, 1), True),  # rank 0 wraps to rank 2 which holds 2
+        (1, 4, (5,), (0,), True),  # a single periodic rank reading more than itself
+    ],
+)
+def test_halo_check_too_wide(run, world, size, left, right, periodic):
+    assert run(world, _check_too_wide, world, size, left, right, periodic) == [True] * world
+
+
+def test_halo_check_accepts_exact_width():
+    spec = HaloSpec(2, (0, 3, 2), (3, 2, 0))
+    spec.check((3, 3, 2), "ok")
+    spec = HaloSpec(2, (2, 3), (2, 3), periodic=True)
+    spec.check((3, 2), "ok")
+    with pytest.raises(ShardingError, match=r"x: rank 1 needs a left halo of 3 along dim 2, but its left neighbour \(rank 0\) holds only 2"):
+        spec.check((2, 3), "x")
+
+
+@pytest.mark.parametrize(
+    ("left", "right", "periodic", "match"),
+    [
+        ((0, 1), (1,), False, "equal-length non-negative"),
+        ((0, -1), (1, 0), False, "equal-length non-negative"),
+        ((1, 1), (1, 0), False, "without periodic wrap"),
+        ((0, 1), (1, 1), False, "without periodic wrap"),
+        ((), (), False, "non-negative"),
+        ((), (), True, "non-negative"),
+    ],
+)
+def test_halo_spec_validation(left, right, periodic, match):
+    with pytest.raises(ValueError, match=match):
+        HaloSpec(2, left, right, periodic)
+
+
+def test_send_widths():
+    spec = HaloSpec(1, (0, 2, 3), (4, 5, 0))
+    # (to the left, to the right): what the neighbours receive from this rank.
+    assert [spec.send_widths(r) for r in range(3)] == [(0, 2), (4, 3), (5, 0)]
+    spec = HaloSpec(1, (1, 2, 3), (4, 5, 6), periodic=True)
+    assert [spec.send_widths(r) for r in range(3)] == [(6, 2), (4, 3), (5, 1)]
