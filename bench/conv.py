@@ -42,30 +42,21 @@ Absolute times drift on shared machines; the ratios are measured side by side in
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
 
-# One thread per rank, fixed before torch is imported here or in the spawned ranks (which
-# inherit the environment and re-import this module): OpenMP reads it only once, at start-up.
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ["MKL_NUM_THREADS"] = "1"
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-# Runnable as ``python bench/conv.py`` from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import sharded_nn as snn  # noqa: E402
+import sharded_nn as snn
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -85,6 +76,7 @@ class Case:
 
     @property
     def global_shape(self) -> tuple[int, ...]:
+        """``(N, C, S, S[, S])`` with batch size 1."""
         return (1, CHANNELS) + (self.size,) * self.spatial_dims
 
 
@@ -101,6 +93,7 @@ class RunResult:
 
     @property
     def median(self) -> float:
+        """Median iteration time in seconds."""
         return statistics.median(self.times)
 
 
@@ -116,12 +109,21 @@ def build_stack(spatial_dims: int, dtype: torch.dtype) -> nn.Sequential:
     return nn.Sequential(*layers).to(dtype)
 
 
-def local_input(case: Case, mesh, dtype: torch.dtype) -> torch.Tensor:
+def local_input(case: Case, mesh: DeviceMesh, dtype: torch.dtype) -> torch.Tensor:
     """This rank's slab of the global sample, generated directly (the sample is never built).
 
     Each plane along the sharded dim comes from its own seed, so the global sample is the same
     whatever the number of ranks, and P=1 and P=2 can be checked against each other.
+
+    Args:
+        case: the benchmark case, which fixes the global shape.
+        mesh: the domain mesh; dim 2 of the sample is sharded along its domain axis.
+        dtype: dtype of the slab (drawn in float32 and cast, so every dtype sees the same values).
+
+    Returns:
+        This rank's slab, of the shape that ``sharded_nn.local_slices`` assigns to it.
     """
+    # align=1: the stacks have stride 1, so any slab boundary is valid.
     sl = snn.local_slices(case.global_shape, mesh, dims=(2,), align=1)
     start, stop, _ = sl[2].indices(case.global_shape[2])
     shape = list(case.global_shape)
@@ -159,7 +161,18 @@ def _profile_step(model: nn.Module, x: torch.Tensor) -> str:
 
 
 def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> RunResult:
-    """Body of every rank: build the sharded stack and its slab, time it, measure its memory."""
+    """Body of every rank: build the sharded stack and its slab, time it, measure its memory.
+
+    Args:
+        case: the benchmark case.
+        dtype_name: a key of ``_DTYPES``.
+        iters: timed iterations (after one warm-up).
+        want_profile: also profile one extra iteration (after the timing and memory readings).
+
+    Returns:
+        Per-iteration times (max over ranks), per-rank memory above baseline, the global loss and
+        the domain-summed parameter gradients; only rank 0's copy reaches ``launch``'s caller.
+    """
     mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
     # Baseline after imports, process-group init (done by launch) and mesh creation: what is
     # left above it is the model's working set (activations, gradients, slab).
@@ -292,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.size is not None and args.size < 2:
         parser.error("--size must be >= 2 so that each of the 2 ranks holds a slab")
 
+    # One thread per rank. The ranks are spawned, fresh interpreters that inherit this environment
+    # and import torch only then: OpenMP reads the variable once, at start-up.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
     cases = [Case("conv3d", 3, args.size or 128), Case("conv2d", 2, args.size or 2048)]
     if args.case != "all":
         cases = [c for c in cases if c.name == args.case]
@@ -304,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     busy_after = busy_cores()
     print(f"\ncores busy with other work (1 s sample) before: {busy_before:.2f}, after: {busy_after:.2f}", end="")
     # The P=2 ranks need both cores; anything else running skews T2 far more than T1.
-    print(" -- other processes competed for the cores; rerun on a quiet machine" if max(busy_before, busy_after) > 0.2 else "")
+    print(
+        " -- other processes competed for the cores; rerun on a quiet machine"
+        if max(busy_before, busy_after) > 0.2
+        else ""
+    )
     return 0
 
 

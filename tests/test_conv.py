@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ class Cfg:
     batch: int = 2
     domain: int | tuple = 2
     dims: tuple = (2,)
-    extra: dict = field(default_factory=dict, hash=False)
+    overlap: bool = True
 
     def module(self) -> nn.Module:
         torch.manual_seed(0)
@@ -57,7 +57,7 @@ class Cfg:
 def _check(cfg: Cfg, sizes=None):
     ref, m = cfg.module(), mesh(cfg.domain)
     # The plan passes the sharded dims to the layer (the default is the first spatial dims).
-    sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": cfg.dims}})
+    sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": cfg.dims, "overlap": cfg.overlap}})
     return check_against_reference(ref, cfg.input(), m, dims=cfg.dims, align=cfg.align(), sizes=sizes, sharded=sharded)
 
 
@@ -101,6 +101,12 @@ def test_conv_matches_torch_1d_mesh(run, cfg, domain):
     cfg = Cfg(**{**cfg.__dict__, "domain": domain})
     errs = run(world(domain), _check, cfg)
     assert all(e["out"] <= 1e-10 for e in errs)
+
+
+@pytest.mark.parametrize("cfg", OPTION_CASES[::2], ids=str)
+def test_conv_without_overlap(run, cfg):
+    # The synchronous path (halo_cat) gives the same answer as the overlapped default.
+    run(3, _check, Cfg(**{**cfg.__dict__, "domain": 3, "overlap": False}))
 
 
 MESH2D_CASES = [

@@ -259,6 +259,25 @@ def test_halo_check_too_wide(run, world, size, left, right, periodic):
     assert run(world, _check_too_wide, world, size, left, right, periodic) == [True] * world
 
 
+def _spec_for_wrong_ring():
+    m = mesh(2)
+    ring = comm.axis_ring(m, "domain")
+    x_loc = torch.zeros(1, 1, 3, dtype=torch.float64)
+    # Widths for 3 ranks on a ring of 2 (e.g. a spec planned for another mesh axis).
+    spec = HaloSpec(2, (0, 1, 1), (1, 1, 0))
+    with pytest.raises(ValueError, match=r"\b3\b.*\b2\b|\b2\b.*\b3\b"):
+        comm.halo_cat(x_loc, spec, ring)
+    with pytest.raises(ValueError, match=r"\b3\b.*\b2\b|\b2\b.*\b3\b"):
+        comm.halo_exchange(x_loc, spec, ring)
+    return True
+
+
+def test_halo_spec_for_wrong_ring_raises_everywhere(pools):
+    # A short timeout: a hang here is the bug (one rank raises, the other waits for its peer).
+    assert pools.run(2, _ready) == [True, True]  # start the pool outside the short timeout
+    assert pools.run(2, _spec_for_wrong_ring, timeout=10) == [True, True]
+
+
 def test_halo_check_accepts_exact_width():
     spec = HaloSpec(2, (0, 3, 2), (3, 2, 0))
     spec.check((3, 3, 2), "ok")
@@ -290,3 +309,7 @@ def test_send_widths():
     assert [spec.send_widths(r) for r in range(3)] == [(0, 2), (4, 3), (5, 0)]
     spec = HaloSpec(1, (1, 2, 3), (4, 5, 6), periodic=True)
     assert [spec.send_widths(r) for r in range(3)] == [(6, 2), (4, 3), (5, 1)]
+
+
+def _ready():
+    return True

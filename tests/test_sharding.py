@@ -162,6 +162,24 @@ def test_shard_from_src0(run, world, dtype):
     assert all(run(world, _src_case, world, 1, (2, 3, 11, 4), (2,), 2, 0, dtype))
 
 
+def _src_noncontiguous_case():
+    m = mesh(2)
+    # A non-contiguous view that requires grad: the slab is a plain contiguous copy.
+    x = _full((1, 2, 6, 9), 5).transpose(2, 3).requires_grad_()
+    expected = snn.shard(x, m, dims=(2,)).detach()
+    got = snn.shard(x if dist.get_rank() == 0 else None, m, dims=(2,), src=0)
+    assert got.is_contiguous()
+    assert torch.equal(got, expected)
+    # gather of a non-contiguous slab.
+    y = snn.gather(expected.transpose(2, 3), m, dims=(3,))
+    assert torch.equal(y, x.detach().transpose(2, 3))
+    return True
+
+
+def test_shard_from_src_noncontiguous(run):
+    assert run(2, _src_noncontiguous_case) == [True, True]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_shard_from_last_src(run, world):
     assert all(run(world, _src_case, world, 1, (1, 2, 10, 3), (2,), 1, world - 1, torch.float64))
@@ -405,4 +423,9 @@ def _src_rank_passes_none():
 
 def test_src_rank_passes_none_raises_everywhere(pools):
     # A short timeout: a hang here is the bug (rank 0 stuck in the broadcast).
-    assert pools.run(2, _src_rank_passes_none, timeout=15) == [True, True]
+    assert pools.run(2, _ready) == [True, True]  # start the pool outside the short timeout
+    assert pools.run(2, _src_rank_passes_none, timeout=10) == [True, True]
+
+
+def _ready():
+    return True

@@ -120,15 +120,20 @@ def _empty(x: torch.Tensor, dim: int, width: int) -> torch.Tensor | None:
 
 
 class HaloHandle:
-    """An exchange in flight; ``wait()`` returns the (left, right) halos, autograd-aware.
+    """An exchange in flight, started by ``halo_exchange``.
 
-    Halos are None where the width is zero. The backward of the returned halos sends their
-    gradients back to the neighbours they came from and adds the gradients received into the
-    edges of ``x``.
+    Attributes:
+        x: an autograd alias of the slab. Compute on it (not on the original tensor) while the
+            halos travel: its backward is where the halo gradients are returned to the
+            neighbours, and it always runs on every rank, even on a rank whose halos are empty or
+            unused, so that the neighbours' matching sends and receives are never left waiting.
+
+    ``wait()`` returns the (left, right) halos (None where the width is zero).
     """
 
     def __init__(self, x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> None:
-        self.x, self.spec, self.ring = x, spec, ring
+        self.spec, self.ring = spec, ring
+        self.grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         to_left, to_right = spec.send_widths(ring.index)
         d = spec.dim
         xd = x.detach()
@@ -136,19 +141,38 @@ class HaloHandle:
         self.recv_left = _empty(xd, d, spec.left[ring.index])
         self.recv_right = _empty(xd, d, spec.right[ring.index])
         self._works = _exchange(ring, spec.periodic, *self._sends, self.recv_left, self.recv_right)
+        self.x = _HaloStart.apply(x, self)
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         left, right = _HaloWait.apply(self.x, self)
         return (left if self.recv_left is not None else None, right if self.recv_right is not None else None)
 
 
+class _HaloStart(torch.autograd.Function):
+    """Identity on the slab; its backward returns the halo gradients to their owners."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, handle: HaloHandle):  # noqa: D102
+        ctx.handle = handle
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        h = ctx.handle
+        g_left, g_right = h.grads if h.grads is not None else (None, None)
+        grad = g.clone()
+        _return_halo_grads(grad, g_left, g_right, h.spec, h.ring)
+        return grad, None
+
+
 class _HaloWait(torch.autograd.Function):
+    """Waits for the halos; its backward only hands their gradients to ``_HaloStart``."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, handle: HaloHandle):  # noqa: D102
         for w in handle._works:
             w.wait()
         ctx.handle = handle
-        ctx.x_shape = x.shape
         # Zero-width halos become empty tensors so that autograd sees a tensor output.
         left = handle.recv_left if handle.recv_left is not None else _zero_width(x, handle.spec.dim)
         right = handle.recv_right if handle.recv_right is not None else _zero_width(x, handle.spec.dim)
@@ -156,10 +180,8 @@ class _HaloWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_left: torch.Tensor, g_right: torch.Tensor):  # noqa: D102
-        h = ctx.handle
-        grad = torch.zeros(ctx.x_shape, dtype=g_left.dtype, device=g_left.device)
-        _return_halo_grads(grad, g_left, g_right, h.spec, h.ring)
-        return grad, None
+        ctx.handle.grads = (g_left, g_right)
+        return None, None
 
 
 def _zero_width(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -193,7 +215,9 @@ def _return_halo_grads(
 
 
 def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> HaloHandle:
-    """Start exchanging halos of ``x``; call ``.wait()`` on the result for (left, right).
+    """Start exchanging halos of ``x``; returns a handle.
+
+    Compute on ``handle.x`` while the halos travel, then ``handle.wait()`` gives (left, right).
 
     Args:
         x: this rank's slab.
@@ -215,11 +239,13 @@ def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> torch.Tensor:
 class _HaloCat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisRing):  # noqa: D102
-        h = HaloHandle(x, spec, ring)
-        for w in h._works:
+        to_left, to_right = spec.send_widths(ring.index)
+        d = spec.dim
+        left, right = _empty(x, d, spec.left[ring.index]), _empty(x, d, spec.right[ring.index])
+        for w in _exchange(ring, spec.periodic, _edge(x, d, to_left, True), _edge(x, d, to_right, False), left, right):
             w.wait()
         ctx.spec, ctx.ring = spec, ring
-        parts = [p for p in (h.recv_left, x, h.recv_right) if p is not None]
+        parts = [p for p in (left, x, right) if p is not None]
         return torch.cat(parts, spec.dim) if len(parts) > 1 else x.clone()
 
     @staticmethod

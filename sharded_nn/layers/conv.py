@@ -29,7 +29,7 @@ from ..comm import axis_ring, gather_layouts
 from ..registry import register
 from ..layout import Layout
 from .base import ShardedMixin
-from .window import Window, WindowPlan, extend, pad_unsharded, plan_window
+from .window import Window, WindowPlan, apply_overlapped, extend, pad_unsharded, plan_window
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -37,12 +37,16 @@ _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 class _ShardedConvNd(ShardedMixin):
     """Shared forward of the sharded convolutions (mixed into the torch classes)."""
 
-    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims)
+        self._init_sharding(mesh, dims, overlap)
 
-    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True) -> None:
+        """See the module docstring; ``overlap`` computes the interior while halos travel."""
         super()._init_sharding(mesh, dims)
+        self.overlap = overlap
         self._plans: dict[tuple[Layout, ...], tuple[WindowPlan, ...]] = {}
 
     def _pads(self) -> list[tuple[int, int]]:
@@ -83,8 +87,7 @@ class _ShardedConvNd(ShardedMixin):
         layouts = gather_layouts(x.shape, self.mesh, self.dims, what=type(self).__name__)
         plans = self._plan(layouts)
         mode = self.padding_mode
-        for plan, axis in zip(plans, self.mesh_axes):
-            x = extend(x, plan, axis_ring(self.mesh, axis), mode)
+        rings = [axis_ring(self.mesh, axis) for axis in self.mesh_axes]
         pads = {2 + i: p for i, p in enumerate(self._pads()) if 2 + i not in self.dims}
         conv_padding = [0] * n
         if mode == "zeros":
@@ -93,11 +96,22 @@ class _ShardedConvNd(ShardedMixin):
                 if pl == pr:
                     conv_padding[d - 2] = pl
                     del pads[d]
-        x = pad_unsharded(x, pads, mode)
-        return _CONV_FN[n](x, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
+
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            t = pad_unsharded(t, pads, mode)
+            return _CONV_FN[n](t, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
+
+        # Earlier sharded dims are extended first (this also fills the corners); the last one is
+        # overlapped with the interior convolution when ``overlap`` is set.
+        last = len(plans) - 1
+        for k in range(last):
+            x = extend(x, plans[k], rings[k], mode)
+        if self.overlap:
+            return apply_overlapped(x, plans[last], rings[last], mode, self._window(self.dims[last] - 2), conv)
+        return conv(extend(x, plans[last], rings[last], mode))
 
     def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}"
+        return f"{super().extra_repr()}, {self.sharding_repr()}, overlap={self.overlap}"
 
 
 @register(nn.Conv1d)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..comm import AxisRing, HaloSpec, halo_cat
+from ..comm import AxisRing, HaloSpec, halo_cat, halo_exchange
 from ..errors import ShardingError
 from ..layout import Layout
 
@@ -112,9 +112,15 @@ def plan_window(layout: Layout, w: Window, dim: int, *, mode: str, what: str) ->
 
 
 def edge_pad(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value: float = 0.0) -> torch.Tensor:
-    """Global padding of ``width`` on one side of ``x`` along ``dim`` (``mode`` as in torch)."""
+    """``x`` with global padding of ``width`` on one side along ``dim`` (``mode`` as in torch)."""
     if width == 0:
         return x
+    pad = edge_slab(x, dim, width, left, mode, value)
+    return torch.cat([pad, x] if left else [x, pad], dim)
+
+
+def edge_slab(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value: float = 0.0) -> torch.Tensor:
+    """The padding slab itself (``width`` positions) that ``mode`` puts beside ``x``."""
     n = x.shape[dim]
     if mode == "zeros" or mode == "constant":
         shape = list(x.shape)
@@ -128,7 +134,7 @@ def edge_pad(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value
         pad = pad.flip(dim)
     else:
         raise ValueError(f"edge_pad: unknown padding mode {mode!r}; expected one of {PAD_MODES}.")
-    return torch.cat([pad, x] if left else [x, pad], dim)
+    return pad
 
 
 def extend(
@@ -162,3 +168,51 @@ def pad_unsharded(x: torch.Tensor, pads: dict[int, tuple[int, int]], mode: str, 
     if mode == "zeros":
         return F.pad(x, flat, "constant", value)
     return F.pad(x, flat, mode)
+
+
+def apply_overlapped(
+    x: torch.Tensor,
+    plan: WindowPlan,
+    ring: AxisRing,
+    mode: str,
+    w: Window,
+    fn,
+    value: float = 0.0,
+) -> torch.Tensor:
+    """``fn(extend(x, plan, ...))`` with the halo exchange overlapped by the interior work.
+
+    ``fn`` applies the window op (unpadded along ``plan.halo.dim``). The outputs whose windows lie
+    inside the local slab are computed while the halos travel; the few outputs at each end are
+    computed afterwards from small pieces, and the three parts are concatenated. Returns the same
+    values as the synchronous path.
+    """
+    d, r, s, e = plan.halo.dim, ring.index, w.stride, w.span
+    usable = x.shape[d] - plan.trim[r]
+    lw = plan.halo.left[r] + (plan.pad_left if ring.is_first else 0)
+    n_out = plan.out.sizes[r]
+    # Output i reads x positions [i*s - lw, i*s - lw + e): interior when that lies in [0, usable).
+    i0 = -(-lw // s)
+    i1 = min((usable + lw - e) // s, n_out - 1)
+    communicates = ring.size > 1 or plan.halo.periodic
+    if i1 < i0 or not communicates:
+        return fn(extend(x, plan, ring, mode, value))
+    handle = halo_exchange(x, plan.halo, ring)
+    x = handle.x  # compute on the tracked alias so that halo gradients flow back
+    interior = fn(x.narrow(d, i0 * s - lw, (i1 - i0) * s + e))
+    left_halo, right_halo = handle.wait()
+    parts = []
+    if i0 > 0:
+        left = left_halo if left_halo is not None else edge_slab(x, d, plan.pad_left, True, mode, value)
+        parts.append(fn(torch.cat([left, x.narrow(d, 0, (i0 - 1) * s - lw + e)], d)))
+    parts.append(interior)
+    if i1 < n_out - 1:
+        start = (i1 + 1) * s - lw
+        head = min(start, usable)
+        pieces = [x.narrow(d, head, usable - head)]
+        if right_halo is not None:
+            pieces.append(right_halo)
+        elif ring.is_last and plan.pad_right:
+            pieces.append(edge_slab(x.narrow(d, 0, usable), d, plan.pad_right, False, mode, value))
+        src = torch.cat(pieces, d)
+        parts.append(fn(src.narrow(d, start - head, src.shape[d] - (start - head))))
+    return torch.cat(parts, d)
