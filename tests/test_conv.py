@@ -82,6 +82,8 @@ OPTION_CASES = [
     Cfg(kernel=5, stride=3, padding=0, size=(24, 9, 6)),
     Cfg(kernel=3, stride=(2, 1), padding=(0, 1), dilation=(2, 1)),
     Cfg(kernel=3, dilation=3, padding=3),
+    Cfg(kernel=1, stride=3, padding=2, size=(24, 9, 6)),  # padding wider than the kernel
+    Cfg(kernel=2, stride=2, padding=3, size=(24, 9, 6)),
     Cfg(kernel=3, groups=2, bias=False),
     Cfg(kernel=3, groups=4, cout=8),
     *[Cfg(kernel=k, padding=p, mode=m, stride=s)

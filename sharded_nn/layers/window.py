@@ -202,8 +202,12 @@ def apply_overlapped(
     left_halo, right_halo = handle.wait()
     parts = []
     if i0 > 0:
+        # Outputs [0, i0) read extended positions [0, (i0 - 1) * s + e), which may end inside the
+        # left halo itself when the padding is wider than the kernel.
         left = left_halo if left_halo is not None else edge_slab(x, d, plan.pad_left, True, mode, value)
-        parts.append(fn(torch.cat([left, x.narrow(d, 0, (i0 - 1) * s - lw + e)], d)))
+        need = (i0 - 1) * s + e
+        src = torch.cat([left, x.narrow(d, 0, max(need - lw, 0))], d)
+        parts.append(fn(src.narrow(d, 0, need)))
     parts.append(interior)
     if i1 < n_out - 1:
         start = (i1 + 1) * s - lw
