@@ -142,8 +142,33 @@ def _collect(procs, results, timeout: float) -> Any:
             continue
         if status == "error":
             exc, tb = payload
-            raise exc from RemoteTraceback(f"\n--- rank {rank} traceback ---\n{tb}")
+            others = _other_failures(procs, results, rank)
+            text = f"\n--- rank {rank} traceback ---\n{tb}"
+            if others:
+                # The first report may be a knock-on error (a peer's connection closing); name
+                # the other ranks that failed so that the root cause is not lost.
+                text += "\n--- other ranks ---\n" + "\n".join(others)
+            raise exc from RemoteTraceback(text)
         pending.discard(rank)
         if rank == 0:
             out = payload
+    return out
+
+
+def _other_failures(procs, results, first: int, grace: float = 0.5) -> list[str]:
+    """Failures of ranks other than ``first`` seen within ``grace`` seconds."""
+    import time
+
+    out: list[str] = []
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if status == "error":
+            out.append(f"rank {rank} raised {type(payload[0]).__name__}: {payload[0]}")
+    for r, p in enumerate(procs):
+        if r != first and p.exitcode not in (None, 0):
+            out.append(f"rank {r} exited with code {p.exitcode}")
     return out

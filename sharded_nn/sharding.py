@@ -106,12 +106,13 @@ def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
     group = domain_group(mesh)
     me = dist.get_rank(group)
     meta = [None]
-    if me == src:
-        if x is None:
-            raise ValueError(f"shard: this rank is src={src} but received x=None.")
+    if me == src and x is not None:
         meta = [(tuple(x.shape), x.dtype)]
-    # Every rank must learn the global shape before it can compute its slab.
+    # Every rank must learn the global shape before it can compute its slab; a src rank without
+    # a tensor still broadcasts, so that all ranks raise together instead of waiting.
     dist.broadcast_object_list(meta, src=dist.get_global_rank(group, src), group=group)
+    if meta[0] is None:
+        raise ValueError(f"shard: domain rank src={src} passed x=None; the src rank must pass the full tensor.")
     shape, dtype = meta[0]
     dims = normalize_dims(dims, len(shape), "shard")
     axes = domain_axes(mesh)
@@ -160,9 +161,12 @@ def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int]
     ``y.backward(g)`` by hand on a gathered ``y`` with the full gradient ``g`` on every rank,
     pass ``g / P`` (P = number of domain ranks), or the input gradient comes out P times too big.
     """
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    # Shapes first: they are validated on every rank alike, before any local check could make
+    # one rank raise alone.
+    layouts = gather_layouts(x_local.shape, mesh, dims, what="gather")
     dims = normalize_dims(dims, x_local.dim(), "gather")
     axes = domain_axes(mesh)
-    layouts = gather_layouts(x_local.shape, mesh, dims, what="gather")
     group = domain_group(mesh)
     coords = _group_coords(mesh, axes)
     sizes = [lay.sizes for lay in layouts]

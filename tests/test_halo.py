@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -50,11 +49,13 @@ def _extend(x_loc, spec, ring, mode):
         right = ext.narrow(spec.dim, lw + n, rw)
         return ext, left, right
     handle = comm.halo_exchange(x_loc, spec, ring)
-    # Work that overlaps with the exchange in flight.
-    inner = x_loc * 1.0
+    # Work that overlaps with the exchange in flight, on the autograd alias ``handle.x`` (whose
+    # backward returns the halo gradients to the neighbours).
+    inner = handle.x * 1.0
     left, right = handle.wait()
-    assert (left is None) == (spec.left[r] == 0)
-    assert (right is None) == (spec.right[r] == 0)
+    # A zero-width halo comes back as None (or, equally fine, as a zero-width tensor).
+    for halo, width in ((left, spec.left[r]), (right, spec.right[r])):
+        assert (halo.shape[spec.dim] if halo is not None else 0) == width
     ext = torch.cat([t for t in (left, inner, right) if t is not None], spec.dim)
     empty = x_loc.narrow(spec.dim, 0, 0)
     return ext, (left if left is not None else empty), (right if right is not None else empty)
@@ -140,10 +141,50 @@ def test_halo_exchange_backward_on_rank_without_halos(run, world, left, right, p
     """A rank that receives no halo (``wait()`` gives ``(None, None)``) still sent its edges.
 
     The gradient of those edges lives on the neighbour and must come back in the backward;
-    it can only do so if the sending rank takes part in the backward exchange.
+    it can only do so if the sending rank takes part in the backward exchange (through
+    ``handle.x``, even though its ``wait()`` outputs are not part of the loss).
     """
     shape = (1, 2, 3 * world)
     assert run(world, _halo_case, world, shape, 2, 1, left, right, periodic, 5, "exchange") == [True] * world
+
+
+def _unused_halos_case(world, use_on_rank):
+    """Halos fetched but used only on rank ``use_on_rank`` (-1: on none): the backward still matches."""
+    m = mesh(world)
+    ring = comm.axis_ring(m, "domain")
+    lay = Layout.balanced(4 * world, world)
+    x = _rand((1, 2, lay.size), 3)
+    spec = HaloSpec(2, (0,) + (1,) * (world - 1), (1,) * (world - 1) + (0,))
+    x_loc = snn.shard(x, m, dims=(2,)).requires_grad_()
+    handle = comm.halo_exchange(x_loc, spec, ring)
+    w = _rand(x_loc.shape, 10 + ring.index)
+    loss = (handle.x * w).sum()
+    left, right = handle.wait()
+    gl = gr = None
+    if ring.index == use_on_rank:
+        if left is not None:
+            gl = _rand(left.shape, 20)
+            loss = loss + (left * gl).sum()
+        if right is not None:
+            gr = _rand(right.shape, 21)
+            loss = loss + (right * gr).sum()
+    loss.backward()
+    # Expected: w, plus the gradients that rank use_on_rank sent back for this rank's edges.
+    expected = w.clone()
+    n = x_loc.shape[2]
+    if use_on_rank == ring.index + 1:  # its left halo is this rank's tail
+        expected[..., n - 1 :] += _rand((1, 2, 1), 20)
+    if use_on_rank >= 0 and use_on_rank == ring.index - 1:  # its right halo is this rank's head
+        expected[..., :1] += _rand((1, 2, 1), 21)
+    torch.testing.assert_close(x_loc.grad, expected, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize(("world", "use_on_rank"), [(2, -1), (2, 0), (3, 1)])
+def test_halo_exchange_backward_with_unused_halos(pools, world, use_on_rank):
+    """``handle.x`` promises a backward on every rank "even on a rank whose halos are unused"."""
+    assert pools.run(world, _ready) == [True] * world  # start the pool outside the short timeout
+    assert pools.run(world, _unused_halos_case, world, use_on_rank, timeout=10) == [True] * world
 
 
 @st.composite
@@ -240,7 +281,8 @@ def _check_too_wide(world, size, left, right, periodic):
     (lay,) = comm.gather_layouts(x_loc.shape, m, (2,), what="test")
     assert lay.sizes == Layout.balanced(size, world).sizes
     spec = HaloSpec(2, left, right, periodic)
-    with pytest.raises(ShardingError, match=r"MyConv: rank \d needs a (left|right) halo of \d+ along dim 2.*holds only"):
+    match = r"MyConv: rank \d needs a (left|right) halo of \d+ along dim 2.*holds only"
+    with pytest.raises(ShardingError, match=match):
         spec.check(lay.sizes, "MyConv")
     return True
 
@@ -283,7 +325,8 @@ def test_halo_check_accepts_exact_width():
     spec.check((3, 3, 2), "ok")
     spec = HaloSpec(2, (2, 3), (2, 3), periodic=True)
     spec.check((3, 2), "ok")
-    with pytest.raises(ShardingError, match=r"x: rank 1 needs a left halo of 3 along dim 2, but its left neighbour \(rank 0\) holds only 2"):
+    match = r"x: rank 1 needs a left halo of 3 along dim 2, but its left neighbour \(rank 0\) holds only 2"
+    with pytest.raises(ShardingError, match=match):
         spec.check((2, 3), "x")
 
 
@@ -294,8 +337,9 @@ def test_halo_check_accepts_exact_width():
         ((0, -1), (1, 0), False, "equal-length non-negative"),
         ((1, 1), (1, 0), False, "without periodic wrap"),
         ((0, 1), (1, 1), False, "without periodic wrap"),
-        ((), (), False, "non-negative"),
-        ((), (), True, "non-negative"),
+        # No ranks at all: a clear ValueError, not an IndexError (or silent acceptance).
+        ((), (), False, "HaloSpec"),
+        ((), (), True, "HaloSpec"),
     ],
 )
 def test_halo_spec_validation(left, right, periodic, match):

@@ -233,7 +233,8 @@ def test_layouts_from_shapes_2d():
 
 def test_layouts_from_shapes_unsharded_dim_disagrees():
     shapes = [(2, 3, 5), (2, 4, 5)]
-    with pytest.raises(ShardingError, match=r"gather: dim 1 is not sharded but its size differs across ranks: \[3, 4\]"):
+    match = r"gather: dim 1 is not sharded but its size differs across ranks: \[3, 4\]"
+    with pytest.raises(ShardingError, match=match):
         layouts_from_shapes(shapes, [(0,), (1,)], [2], (2,), what="gather")
 
 

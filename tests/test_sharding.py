@@ -297,7 +297,8 @@ def _gather_unsharded_differ(world):
     x_loc = torch.zeros(2, 3 + (r == world - 1), 4, dtype=torch.float64)
     sizes = [3] * world
     sizes[-1] = 4
-    with pytest.raises(ShardingError, match=re.escape(f"gather: dim 1 is not sharded but its size differs across ranks: {sizes}")):
+    match = re.escape(f"gather: dim 1 is not sharded but its size differs across ranks: {sizes}")
+    with pytest.raises(ShardingError, match=match):
         snn.gather(x_loc, m, dims=(2,))
     return True
 

@@ -46,6 +46,8 @@ class HaloSpec:
     periodic: bool = False
 
     def __post_init__(self) -> None:
+        if not self.left:
+            raise ValueError(f"HaloSpec: need widths for at least one rank, got left={self.left}, right={self.right}.")
         if len(self.left) != len(self.right) or min(self.left + self.right, default=0) < 0:
             raise ValueError(f"HaloSpec: need equal-length non-negative widths, got {self.left}, {self.right}.")
         if not self.periodic and (self.left[0] or self.right[-1]):
@@ -132,6 +134,7 @@ class HaloHandle:
     """
 
     def __init__(self, x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> None:
+        _check_ring(spec, ring)
         self.spec, self.ring = spec, ring
         self.grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         to_left, to_right = spec.send_widths(ring.index)
@@ -204,8 +207,9 @@ def _return_halo_grads(
     # What this rank sent to the left (its head) comes back from the left, and vice versa.
     head = _empty(grad_x, d, to_left)
     tail = _empty(grad_x, d, to_right)
-    g_left = g_left.contiguous() if g_left is not None and g_left.shape[d] else None
-    g_right = g_right.contiguous() if g_right is not None and g_right.shape[d] else None
+    # A halo that no output used still has a neighbour waiting for its (zero) gradient.
+    g_left = _grad_or_zeros(g_left, grad_x, d, spec.left[ring.index])
+    g_right = _grad_or_zeros(g_right, grad_x, d, spec.right[ring.index])
     for w in _exchange(ring, spec.periodic, g_left, g_right, head, tail):
         w.wait()
     n = grad_x.shape[d]
@@ -213,6 +217,25 @@ def _return_halo_grads(
         grad_x.narrow(d, 0, to_left).add_(head)
     if tail is not None:
         grad_x.narrow(d, n - to_right, to_right).add_(tail)
+
+
+def _grad_or_zeros(g: torch.Tensor | None, like: torch.Tensor, dim: int, width: int) -> torch.Tensor | None:
+    if width == 0:
+        return None
+    if g is None:
+        shape = list(like.shape)
+        shape[dim] = width
+        return like.new_zeros(shape)
+    return g.contiguous()
+
+
+def _check_ring(spec: HaloSpec, ring: AxisRing) -> None:
+    # Same facts on every rank of the axis, so all of them raise together.
+    if len(spec.left) != ring.size:
+        raise ValueError(
+            f"halo exchange: HaloSpec has widths for {len(spec.left)} ranks but the mesh axis has "
+            f"{ring.size}. Build the spec from the layout of this axis."
+        )
 
 
 def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> HaloHandle:
@@ -240,6 +263,7 @@ def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> torch.Tensor:
 class _HaloCat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisRing):  # noqa: D102
+        _check_ring(spec, ring)
         to_left, to_right = spec.send_widths(ring.index)
         d = spec.dim
         left, right = _empty(x, d, spec.left[ring.index]), _empty(x, d, spec.right[ring.index])

@@ -76,6 +76,8 @@ def layouts_from_shapes(
     if len({len(s) for s in shapes}) != 1:
         raise ShardingError(f"{what}: ranks hold tensors of different ranks (ndims): {shapes}.")
     ndim = len(shapes[0])
+    if any(not -ndim <= d < ndim for d in dims):
+        raise ShardingError(f"{what}: dims {tuple(dims)} are out of range for tensors with {ndim} dims.")
     dims = tuple(d % ndim for d in dims)
     layouts = []
     for d in range(ndim):
