@@ -133,9 +133,9 @@ class HaloHandle:
     ``wait()`` returns the (left, right) halos (None where the width is zero).
     """
 
-    def __init__(self, x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> None:
+    def __init__(self, x: torch.Tensor, spec: HaloSpec, ring: AxisRing, grad_inplace: bool = False) -> None:
         _check_ring(spec, ring)
-        self.spec, self.ring = spec, ring
+        self.spec, self.ring, self.grad_inplace = spec, ring, grad_inplace
         self.grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         to_left, to_right = spec.send_widths(ring.index)
         d = spec.dim
@@ -163,8 +163,10 @@ class _HaloStart(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         h = ctx.handle
         g_left, g_right = h.grads if h.grads is not None else (None, None)
-        # Only clone when gradients will be added into the edges of this slab.
-        grad = g.clone() if any(h.spec.send_widths(h.ring.index)) else g
+        # Received halo gradients are added into the edges of this slab's gradient: in place
+        # when the caller knows the incoming gradient is a fresh buffer nobody else holds (it
+        # saves a slab-sized copy), else into a clone.
+        grad = g.clone() if any(h.spec.send_widths(h.ring.index)) and not h.grad_inplace else g
         _return_halo_grads(grad, g_left, g_right, h.spec, h.ring)
         return grad, None
 
@@ -238,17 +240,20 @@ def _check_ring(spec: HaloSpec, ring: AxisRing) -> None:
         )
 
 
-def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> HaloHandle:
+def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing, *, grad_inplace: bool = False) -> HaloHandle:
     """Start exchanging halos of ``x``; returns a handle.
 
     Compute on ``handle.x`` while the halos travel, then ``handle.wait()`` gives (left, right).
+    ``grad_inplace=True`` adds the returned halo gradients into the incoming gradient of
+    ``handle.x`` in place; only for callers whose use of ``handle.x`` produces a fresh gradient
+    buffer (a convolution's input gradient).
 
     Args:
         x: this rank's slab.
         spec: widths for every rank along the axis (see ``HaloSpec``).
         ring: the axis, from ``axis_ring(mesh, axis)``.
     """
-    return HaloHandle(x, spec, ring)
+    return HaloHandle(x, spec, ring, grad_inplace)
 
 
 def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> torch.Tensor:

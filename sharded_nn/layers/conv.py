@@ -29,7 +29,7 @@ from ..comm import axis_ring, gather_layouts
 from ..registry import register
 from ..layout import Layout
 from .base import ShardedMixin
-from .window import Window, WindowPlan, apply_overlapped, extend, pad_unsharded, plan_window
+from .window import Window, WindowPlan, apply_linear, apply_overlapped, extend, pad_unsharded, plan_window
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -97,17 +97,26 @@ class _ShardedConvNd(ShardedMixin):
                     conv_padding[d - 2] = pl
                     del pads[d]
 
-        def conv(t: torch.Tensor) -> torch.Tensor:
+        def conv(t: torch.Tensor, pad: int = 0, bias: bool = True) -> torch.Tensor:
             t = pad_unsharded(t, pads, mode)
-            return _CONV_FN[n](t, self.weight, self.bias, self.stride, conv_padding, self.dilation, self.groups)
+            padding = list(conv_padding)
+            padding[last_dim - 2] = pad
+            b = self.bias if bias else None
+            return _CONV_FN[n](t, self.weight, b, self.stride, padding, self.dilation, self.groups)
 
         # Earlier sharded dims are extended first (this also fills the corners); the last one is
-        # overlapped with the interior convolution when ``overlap`` is set.
+        # handled without an extended copy of the slab (apply_linear) where the geometry allows,
+        # else overlapped with the interior convolution, else synchronously.
         last = len(plans) - 1
+        last_dim = self.dims[last]
         for k in range(last):
             x = extend(x, plans[k], rings[k], mode)
         if self.overlap:
-            return apply_overlapped(x, plans[last], rings[last], mode, self._window(self.dims[last] - 2), conv)
+            window = self._window(last_dim - 2)
+            out = apply_linear(x, plans[last], rings[last], mode, window, conv, lambda t: conv(t, bias=False))
+            if out is not None:
+                return out
+            return apply_overlapped(x, plans[last], rings[last], mode, window, conv)
         return conv(extend(x, plans[last], rings[last], mode))
 
     def extra_repr(self) -> str:  # noqa: D102

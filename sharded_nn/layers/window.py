@@ -220,3 +220,62 @@ def apply_overlapped(
         src = torch.cat(pieces, d)
         parts.append(fn(src.narrow(d, start - head, src.shape[d] - (start - head))))
     return torch.cat(parts, d)
+
+
+def apply_linear(
+    x: torch.Tensor,
+    plan: WindowPlan,
+    ring: AxisRing,
+    mode: str,
+    w: Window,
+    conv_zero_padded,
+    conv_piece,
+) -> torch.Tensor | None:
+    """A *linear* window op (convolution) without copying the slab; None when not applicable.
+
+    Linearity splits the extended input ``[L | x | R]`` into ``[0 | x | 0] + [L | 0 | R]``. The
+    first term is one call on the slab itself with zero padding ``pad_left`` on both sides
+    (``conv_zero_padded(x, pad)``, with bias): it overlaps the halo exchange, saves only a view
+    of ``x`` for its backward and needs no extended copy. The second term touches only the first
+    and last few output rows and is computed from thin pieces (``conv_piece``, no bias) once the
+    halos arrive, then added in place. Applicable when the zero-padded call yields exactly this
+    rank's output rows and the two corrected bands do not overlap; the caller falls back to
+    ``apply_overlapped`` otherwise (the halo traffic is the same either way).
+    """
+    d, r, s, e, pl = plan.halo.dim, ring.index, w.stride, w.span, w.pad_left
+    n = x.shape[d]
+    n_out = plan.out.sizes[r]
+    right = plan.halo.right[r] + (plan.pad_right if ring.is_last else 0) - plan.trim[r]
+    if (n + 2 * pl - e) // s + 1 != n_out or right > pl:
+        return None
+    a = min(-(-pl // s), n_out)  # rows whose window starts left of the slab
+    j0 = max((n + pl - e) // s + 1, 0)  # first row whose window ends right of the slab
+    if a > j0:
+        return None
+    communicates = ring.size > 1 or plan.halo.periodic
+    handle = halo_exchange(x, plan.halo, ring, grad_inplace=True) if communicates else None
+    if handle is not None:
+        x = handle.x
+    out = conv_zero_padded(x, pl)
+    left_halo, right_halo = handle.wait() if handle is not None else (None, None)
+    if left_halo is None and ring.is_first and plan.pad_left and mode != "zeros":
+        left_halo = edge_slab(x, d, plan.pad_left, True, mode)
+    if right_halo is None and ring.is_last and plan.pad_right and mode != "zeros":
+        right_halo = edge_slab(x.narrow(d, 0, n - plan.trim[r]), d, plan.pad_right, False, mode)
+    if a > 0 and left_halo is not None:
+        need = (a - 1) * s + e
+        piece = torch.cat([left_halo, _zeros_like_along(x, d, max(need - pl, 0))], d).narrow(d, 0, need)
+        out.narrow(d, 0, a).add_(conv_piece(piece))
+    if j0 < n_out and right_halo is not None:
+        start = j0 * s - pl  # in slab coordinates
+        zeros = _zeros_like_along(x, d, max(n - start, 0))
+        piece = torch.cat([zeros, right_halo], d)
+        piece = piece.narrow(d, max(start - n, 0), piece.shape[d] - max(start - n, 0))
+        out.narrow(d, j0, n_out - j0).add_(conv_piece(piece))
+    return out
+
+
+def _zeros_like_along(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = width
+    return x.new_zeros(shape)
