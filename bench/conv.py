@@ -35,7 +35,7 @@ Run it from the repository root::
 
     python bench/conv.py                                  # both cases at full size (a few minutes)
     python bench/conv.py --case conv3d --size 32 --iters 2   # a quick smoke run
-    python bench/conv.py --profile                        # also: where P=2 spends its time
+    python bench/conv.py --profile                        # also: where the time goes, by kind of op
 
 Absolute times drift on shared machines; the ratios are measured side by side in one run.
 """
@@ -86,10 +86,11 @@ class RunResult:
 
     nprocs: int
     times: list[float]
+    cpu_times: list[float]
     mem_mib: list[float]
     loss: float
     grads: list[float]
-    profile: str | None = None
+    profile: tuple[dict[str, float], str] | None = None
 
     @property
     def median(self) -> float:
@@ -149,15 +150,31 @@ def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def _profile_step(model: nn.Module, x: torch.Tensor) -> str:
-    """One extra profiled iteration: self CPU time per op, to tell the halo exchange from the conv."""
+# Buckets for ``--profile``: which ops are the convolution itself, halo/collective traffic, data
+# movement that sharding adds (cat, pad, copies), and the ReLUs.
+_PROFILE_BUCKETS = (
+    ("conv", ("conv",)),
+    ("comm", ("c10d::", "gloo", "halo", "allgather", "all_gather", "barrier", "send", "recv")),
+    ("copy/cat/pad", ("cat", "copy", "pad", "fill", "zero", "narrow", "clone", "empty", "contiguous")),
+    ("relu", ("relu", "clamp", "threshold")),
+)
+
+
+def _profile_step(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, float], str]:
+    """One extra profiled iteration on this rank: self CPU seconds per bucket, and the top ops."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _step(model, x)
     dist.barrier()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    events = prof.key_averages()
+    buckets = {name: 0.0 for name, _ in _PROFILE_BUCKETS} | {"other": 0.0}
+    for ev in events:
+        key = ev.key.lower()
+        name = next((n for n, words in _PROFILE_BUCKETS if any(w in key for w in words)), "other")
+        buckets[name] += ev.self_cpu_time_total / 1e6
+    return buckets, events.table(sort_by="self_cpu_time_total", row_limit=10)
 
 
 def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> RunResult:
@@ -167,10 +184,10 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> Ru
         case: the benchmark case.
         dtype_name: a key of ``_DTYPES``.
         iters: timed iterations (after one warm-up).
-        want_profile: also profile one extra iteration (after the timing and memory readings).
+        want_profile: also profile one more iteration (after the timing and memory readings).
 
     Returns:
-        Per-iteration times (max over ranks), per-rank memory above baseline, the global loss and
+        Per-iteration wall and CPU times (max over ranks), per-rank memory above baseline, the global loss and
         the domain-summed parameter gradients; only rank 0's copy reaches ``launch``'s caller.
     """
     mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
@@ -185,17 +202,20 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> Ru
     x = local_input(case, mesh, dtype)
 
     _step(model, x)  # warm-up: first-touch allocations, layout planning, oneDNN primitive caches
-    times = []
+    times, cpu_times = [], []
     for _ in range(iters):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = _step(model, x)
+        # CPU seconds of this rank alone, read before the closing barrier: unlike wall time, they
+        # barely change when other processes share the cores, which helps to read a noisy run.
+        cpu_times.append(time.process_time() - c0)
         dist.barrier()
         times.append(time.perf_counter() - t0)
     mem_mib = _maxrss_mib() - base_mib
 
     # Collectives below are outside the timed region and after the memory reading.
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor([times, cpu_times], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     mems = [None] * dist.get_world_size(group)
     dist.all_gather_object(mems, mem_mib, group=group)
@@ -207,7 +227,7 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> Ru
     prof = _profile_step(model, x) if want_profile else None
     # Plain floats, not a tensor: launch returns results through a multiprocessing queue, where a
     # tensor travels as a shared-memory handle that dies with the rank process that made it.
-    return RunResult(dist.get_world_size(), t.tolist(), mems, loss64.item(), grads.tolist(), prof)
+    return RunResult(dist.get_world_size(), t[0].tolist(), t[1].tolist(), mems, loss64.item(), grads.tolist(), prof)
 
 
 def run_case(case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool) -> tuple[RunResult, ...]:
@@ -215,10 +235,11 @@ def run_case(case: Case, dtype_name: str, iters: int, timeout: float, want_profi
     out = []
     for p in (1, 2):
         t0 = time.perf_counter()
-        res = snn.launch(rank_main, p, case, dtype_name, iters, want_profile and p == 2, timeout=timeout, threads=1)
+        res = snn.launch(rank_main, p, case, dtype_name, iters, want_profile, timeout=timeout, threads=1)
         print(
             f"  {case.name} P={p}: median {res.median:.3f} s over {iters} iters "
-            f"(all {', '.join(f'{v:.3f}' for v in res.times)}), mem/rank MiB "
+            f"(all {', '.join(f'{v:.3f}' for v in res.times)}; CPU s/rank, max over ranks, median "
+            f"{statistics.median(res.cpu_times):.3f}), mem/rank MiB "
             f"{', '.join(f'{m:.0f}' for m in res.mem_mib)}, launch {time.perf_counter() - t0:.1f} s",
             flush=True,
         )
@@ -282,10 +303,14 @@ def report(rows: list[tuple[Case, RunResult, RunResult]], dtype_name: str) -> No
             f"mem ratio {ratio:.2f}x {_mark(ratio <= MEM_RATIO_TARGET)}   "
             f"(P=2 vs P=1: loss rel. diff {loss_err:.1e}, grad rel. diff {grad_err:.1e})"
         )
-    for case, _, r2 in rows:
-        if r2.profile:
-            print(f"\nprofile of one P=2 iteration, {case.name}, rank 0 (self CPU time per op):")
-            print(r2.profile)
+        cpu_ratio = statistics.median(r1.cpu_times) / statistics.median(r2.cpu_times)
+        print(f"  {'':<8} CPU-time ratio T1/T2 (busiest rank, robust to other load) {cpu_ratio:.2f}x")
+    for case, r1, r2 in rows:
+        if r1.profile and r2.profile:
+            print(f"\nprofile of one more iteration, {case.name}, rank 0: self CPU seconds by kind of op")
+            for name in r1.profile[0]:
+                print(f"  {name:<13} P=1 {r1.profile[0][name]:8.3f}   P=2 {r2.profile[0][name]:8.3f}")
+            print(f"top ops at P=2:\n{r2.profile[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch (default 1800)")
-    parser.add_argument("--profile", action="store_true", help="print a per-op profile of one P=2 iteration")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more iteration per run; print where the time goes"
+    )
     args = parser.parse_args(argv)
     if args.iters < 1:
         parser.error("--iters must be >= 1")

@@ -79,8 +79,9 @@ class Head(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        self.norm = nn.BatchNorm2d(4)
+        # Leaf layers that mix positions and have no sharded class.
+        self.pool = nn.PixelShuffle(2)
+        self.norm = nn.Softmax(dim=2)
         self.flat = nn.Flatten()
         self.fc = nn.Linear(16, 2)
 
@@ -90,9 +91,9 @@ class Head(nn.Module):
 
 def _hazards():
     m = mesh(2)
-    with pytest.warns(snn.ShardingWarning, match=r"pool \(MaxPool2d\).*norm \(BatchNorm2d\).*flat \(Flatten\)"):
+    with pytest.warns(snn.ShardingWarning, match=r"pool \(PixelShuffle\).*norm \(Softmax\).*flat \(Flatten\)"):
         snn.convert(Head(), m)
-    with pytest.raises(snn.ShardingNotImplementedError, match="MaxPool2d"):
+    with pytest.raises(snn.ShardingNotImplementedError, match="PixelShuffle"):
         snn.convert(Head(), m, strict=True)
     # Reviewed layers (plan entry None) are neither converted nor reported.
     with warnings.catch_warnings():

@@ -25,3 +25,10 @@ __all__ = [
     "layouts_from_shapes",
     "scatter_uneven",
 ]
+from .all_to_all import heads_to_seq, seq_to_heads
+from .ring_pass import RingHandle, domain_ring, gather_ints, ring_pass
+
+__all__ += ["RingHandle", "domain_ring", "gather_ints", "heads_to_seq", "ring_pass", "seq_to_heads"]
+from .halo_add import halo_add
+
+__all__ += ["halo_add"]

@@ -1,0 +1,67 @@
+"""Halo reduction: the adjoint of a halo exchange.
+
+A layer that *scatters* each input position into a window of outputs (a transposed convolution,
+an unpooling) produces, on every rank, a few outputs that belong to its neighbours. ``halo_add``
+sends those strips to the neighbours that own them and adds what it receives into the edges of
+its own slab. It is the exact adjoint of ``halo_cat`` with the same ``HaloSpec``: where
+``halo_cat`` reads ``left[r]`` positions from the left neighbour's tail and ``right[r]`` from the
+right neighbour's head, ``halo_add`` writes them back there (adding). Its backward is therefore
+an ordinary halo exchange of the gradient, and vice versa.
+
+The message ordering and tags are those of ``halo.py`` (``_exchange``), so the two can be mixed
+on one ring without confusing gloo's tag matching or NCCL's issue-order matching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .halo import HaloSpec, _check_ring, _edge, _empty, _exchange, halo_cat
+from .ring import AxisRing
+
+
+def halo_add(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> torch.Tensor:
+    """Reduce the strips of ``x`` that belong to the neighbours into their slabs.
+
+    Args:
+        x: ``[L | core | R]`` along ``spec.dim``, where ``L`` (``spec.left[r]`` positions) belongs
+            to the tail of the left neighbour's core and ``R`` (``spec.right[r]`` positions) to
+            the head of the right neighbour's core.
+        spec: widths for every rank of the axis; validate it with ``spec.check(core_sizes, ...)``.
+        ring: the axis, from ``axis_ring(mesh, axis)``.
+
+    Returns:
+        ``core`` with the neighbours' strips added into its edges (autograd-aware; the backward
+        is ``halo_cat`` of the gradient).
+    """
+    return _HaloAdd.apply(x, spec, ring)
+
+
+class _HaloAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisRing):  # noqa: D102
+        _check_ring(spec, ring)
+        d, r = spec.dim, ring.index
+        lw, rw = spec.left[r], spec.right[r]
+        n = x.shape[d] - lw - rw
+        # What the neighbours send here is what halo_cat would have sent there: the widths of
+        # halo_cat's sends are this rank's receives.
+        from_left, from_right = spec.send_widths(r)
+        core = x.narrow(d, lw, n).clone()
+        head, tail = _empty(core, d, from_left), _empty(core, d, from_right)
+        send_left, send_right = _edge(x, d, lw, True), _edge(x, d, rw, False)
+        for w in _exchange(ring, spec.periodic, send_left, send_right, head, tail):
+            w.wait()
+        if head is not None:
+            core.narrow(d, 0, from_left).add_(head)
+        if tail is not None:
+            core.narrow(d, n - from_right, from_right).add_(tail)
+        ctx.spec, ctx.ring = spec, ring
+        return core
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        # The adjoint of "send and add" is "read back": each strip's gradient is the gradient of
+        # the positions it was added into, which is exactly a halo exchange of g.
+        with torch.no_grad():
+            return halo_cat(g.contiguous(), ctx.spec, ctx.ring), None, None

@@ -1,0 +1,241 @@
+"""Attention over a token sequence sharded on the domain axis.
+
+Sharding contract (every class here): token tensors hold this rank's slab of the sequence
+(``(B, H, L_local, D)`` for the attention cores, ``(B, L_local, C)`` or ``(L_local, B, C)`` for
+the drop-in modules); outputs have the same layout as the queries. Parameters are replicated.
+Two algorithms (``attention=``):
+
+- ``"ring"`` (``RingAttention``): K/V blocks travel around the ranks by double-buffered
+  point-to-point messages, overlapped with the block computation; partial results are merged by
+  their log-sum-exp. Any head count, uneven slabs, causal (``layout="zigzag"`` balances it),
+  key padding, grouped-query attention. Memory O(L_local x D) per rank.
+- ``"ulysses"`` (``UlyssesAttention``): an all-to-all turns sequence slabs into head groups, a
+  local attention kernel runs over the full sequence, a second all-to-all turns it back. Needs
+  the heads divisible by the number of domain ranks.
+
+A mesh with several domain axes is flattened row-major into one sequence axis.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..errors import ShardingError, ShardingNotImplementedError
+from ..functional import ring_attention, ulysses_attention
+from ..mesh import domain_axes
+from ..registry import register
+from .base import ShardedMixin
+
+_ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def _algorithm(name: str, what: str):
+    if name not in _ALGORITHMS:
+        raise ValueError(f"{what}: attention must be one of {tuple(_ALGORITHMS)}, got {name!r}.")
+    return _ALGORITHMS[name]
+
+
+class RingAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` over a sharded sequence, by ring passing of K/V blocks.
+
+    Call as ``attn(q, k, v, key_padding_mask=None)`` with ``(B, H, L_local, D)`` slabs; see
+    ``sharded_nn.functional.ring_attention`` for the contract and the options.
+
+    Args:
+        mesh: mesh with domain axes.
+        is_causal: causal mask on global token positions.
+        scale: score scale; default ``1 / sqrt(D)``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (load-balanced causal layout).
+    """
+
+    _fn = staticmethod(ring_attention)
+
+    def __init__(
+        self, mesh: DeviceMesh, is_causal: bool = False, *, scale: float | None = None, layout: str = "contiguous"
+    ) -> None:
+        super().__init__()
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"{type(self).__name__}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+        domain_axes(mesh)
+        self.mesh, self.is_causal, self.scale, self.layout = mesh, is_causal, scale, layout
+
+    def forward(self, q, k, v, *, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+        return self._fn(
+            q, k, v, self.mesh, self.is_causal, self.scale, key_padding_mask=key_padding_mask, layout=self.layout
+        )
+
+    def extra_repr(self) -> str:
+        axes = domain_axes(self.mesh)
+        return f"is_causal={self.is_causal}, scale={self.scale}, layout={self.layout!r}, mesh_axes={axes}"
+
+
+class UlyssesAttention(RingAttention):
+    """``F.scaled_dot_product_attention`` over a sharded sequence, by all-to-all to head sharding.
+
+    Same call signature and options as ``RingAttention``; the query and key/value heads must be
+    divisible by the number of domain ranks (a ``ShardingError`` on every rank otherwise). See
+    ``sharded_nn.functional.ulysses_attention``.
+    """
+
+    _fn = staticmethod(ulysses_attention)
+
+
+class _AttentionMixin(ShardedMixin):
+    """Mesh options shared by the drop-in modules: the algorithm and the token layout."""
+
+    _seq_dim = 1
+
+    def _init_sharding(self, mesh: DeviceMesh, *, attention: str = "ring", layout: str = "contiguous") -> None:
+        name = type(self).__name__
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"{name}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+        _algorithm(attention, name)
+        if layout not in ("contiguous", "zigzag"):
+            raise ValueError(f"{name}: layout must be 'contiguous' or 'zigzag', got {layout!r}.")
+        self.mesh, self.attention, self.layout = mesh, attention, layout
+        self.mesh_axes = domain_axes(mesh)
+        self.dims = (self._seq_dim,)
+
+    def _attend(self, q, k, v, is_causal, key_padding_mask, scale=None):
+        fn = _algorithm(self.attention, type(self).__name__)
+        return fn(q, k, v, self.mesh, is_causal, scale, key_padding_mask=key_padding_mask, layout=self.layout)
+
+    def _check_dropout(self, p: float) -> None:
+        if self.training and p > 0:
+            raise ShardingNotImplementedError(
+                f"{type(self).__name__}: attention dropout (p={p}) in training is not supported by the "
+                "sharded kernels. Set the dropout to 0, or call .eval()."
+            )
+
+    def sharding_repr(self) -> str:
+        return f"{super().sharding_repr()}, attention={self.attention!r}, layout={self.layout!r}"
+
+
+@register(nn.MultiheadAttention)
+class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` over token slabs (``need_weights=False``).
+
+    Sharding contract: query/key/value are this rank's slabs, ``(B, L_local, E)`` with
+    ``batch_first=True`` or ``(L_local, B, E)`` otherwise; the output is the query's slab.
+    ``key_padding_mask`` is the bool ``(B, L_local)`` slab of the keys' padding flags.
+    ``is_causal=True`` applies the causal mask on global positions (an ``attn_mask`` passed with
+    it is taken as that causal mask, as torch's hint says). Not supported: attention weights
+    (they are L x L), other ``attn_mask``s, ``add_bias_kv``, ``add_zero_attn``, dropout in
+    training. Same state_dict keys as ``nn.MultiheadAttention``.
+
+    Keyword-only options: ``mesh``; ``attention`` (``"ring"`` or ``"ulysses"``); ``layout``
+    (``"contiguous"`` or ``"zigzag"``).
+    """
+
+    def __init__(self, *args, mesh: DeviceMesh, attention: str = "ring", layout: str = "contiguous", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sharding(mesh, attention=attention, layout=layout)
+
+    @property
+    def _seq_dim(self) -> int:  # type: ignore[override]
+        return 1 if self.batch_first else 0
+
+    def forward(  # noqa: D102
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        name = type(self).__name__
+        if need_weights:
+            raise ShardingNotImplementedError(
+                f"{name}: need_weights=True would build the L x L attention weights; call it with "
+                "need_weights=False (the output is the same)."
+            )
+        if attn_mask is not None and not is_causal:
+            raise ShardingNotImplementedError(
+                f"{name}: an explicit attn_mask is not supported on a sharded sequence; use "
+                "is_causal=True or key_padding_mask."
+            )
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ShardingNotImplementedError(f"{name}: add_bias_kv and add_zero_attn are not supported.")
+        self._check_dropout(self.dropout)
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise ShardingError(f"{name}: key_padding_mask must be bool (True = ignore), got {key_padding_mask.dtype}.")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        heads = self.num_heads
+        q, k, v = (
+            F.linear(t, w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+            for t, w, bias in ((query, w_q, b_q), (key, w_k, b_k), (value, w_v, b_v))
+        )
+        out = self._attend(q, k, v, is_causal, key_padding_mask)
+        out = self.out_proj(out.transpose(1, 2).flatten(2))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+            f"{self.sharding_repr()}"
+        )
+
+
+try:
+    from timm.models.vision_transformer import Attention as _TimmAttention
+except ImportError:  # timm is optional
+    _TimmAttention = None
+
+
+if _TimmAttention is not None:
+
+    @register(_TimmAttention)
+    class ShardedTimmAttention(_AttentionMixin, _TimmAttention):
+        """timm's ViT ``Attention`` over token slabs ``(B, L_local, C)``; same state_dict keys.
+
+        Mirrors ``timm.models.vision_transformer.Attention.forward`` (qkv projection, q/k norm,
+        optional gate and scale norm, output projection) with the attention core replaced by
+        ring or Ulysses attention. ``is_causal`` is supported; an explicit ``attn_mask`` and
+        attention dropout in training are not. Build with ``from_module`` or ``convert``
+        (options ``attention``, ``layout``).
+        """
+
+        def forward(  # noqa: D102
+            self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+        ) -> torch.Tensor:
+            if attn_mask is not None:
+                raise ShardingNotImplementedError(
+                    f"{type(self).__name__}: an explicit attn_mask is not supported on a sharded sequence; "
+                    "use is_causal."
+                )
+            self._check_dropout(self.attn_drop.p)
+            b, n, _ = x.shape
+            gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+            qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+            x = self._attend(q, k, v, is_causal, None, self.scale)
+            x = x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
+            x = self.norm(x)
+            if gate is not None:
+                x = x * gate
+            x = self.proj(x)
+            return self.proj_drop(x)
+
+        def extra_repr(self) -> str:
+            return f"num_heads={self.num_heads}, head_dim={self.head_dim}, {self.sharding_repr()}"
+
+    __all__ = ["RingAttention", "ShardedMultiheadAttention", "ShardedTimmAttention", "UlyssesAttention"]
+else:
+    __all__ = ["RingAttention", "ShardedMultiheadAttention", "UlyssesAttention"]

@@ -1,0 +1,159 @@
+"""Sharded transposed convolutions: ``ShardedConvTranspose1d``, ``2d``, ``3d``.
+
+A transposed convolution scatters input ``i`` into the (uncropped) outputs ``[i*s, i*s + e)``
+(stride ``s``, span ``e = dilation * (kernel - 1) + 1``); the global output is that buffer
+cropped by ``padding`` ``p`` on both sides and extended by ``output_padding`` at the end. In
+output coordinates input ``i`` lands in ``[i*s - p, i*s - p + e)``.
+
+Sharding contract:
+    input: ``(N, C_in, S0, ...)`` (or unbatched), sharded along ``dims`` by the domain axes in
+        any contiguous slabs (no alignment is needed: every input position has its own outputs).
+    output: sharded along the same dims; a rank whose input slab is ``[a, b)`` holds the outputs
+        ``[a*s, b*s)`` (the last rank: up to the global end), so output slabs start at
+        ``s * (input start)`` and stay aligned to ``s * align``.
+    forward: one all-gather of local shapes, then the local transposed convolution with padding 0
+        gives outputs ``[a*s - p, (b-1)*s - p + e)``. The ``p`` positions left of ``a*s`` belong
+        to the left neighbour and the ``e - s - p`` right of ``b*s`` to the right one: they are
+        sent there and *added* (``comm.halo_add``, the adjoint of a halo exchange). The first
+        rank drops its left strip (it is the global crop), the last rank crops or zero-extends its
+        tail to the global output size. The bias is added once, after the reduction.
+    backward: the input gradient is exact on every rank (``halo_add``'s backward is a halo
+        exchange of the output gradient); weight and bias gradients are partial sums over the
+        domain ranks (reduce them with ``sharded_nn.parallelize``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..comm import HaloSpec, axis_ring, gather_layouts, halo_add
+from ..errors import ShardingError, ShardingNotImplementedError
+from ..layout import Layout
+from ..registry import register
+from .base import ShardedMixin
+
+_CONVT_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _narrow_or_pad(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``x[start:start+length]`` along ``dim``; positions beyond ``x``'s end are zeros."""
+    have = x.shape[dim] - start
+    if have >= length:
+        return x.narrow(dim, start, length)
+    shape = list(x.shape)
+    shape[dim] = length - have
+    return torch.cat([x.narrow(dim, start, have), x.new_zeros(shape)], dim)
+
+
+class _ShardedConvTransposeNd(ShardedMixin):
+    """Shared forward of the sharded transposed convolutions (mixed into the torch classes)."""
+
+    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sharding(mesh, dims)
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        """See the module docstring."""
+        super()._init_sharding(mesh, dims)
+        if self.padding_mode != "zeros":
+            raise ShardingNotImplementedError(
+                f"{type(self).__name__}: padding_mode={self.padding_mode!r}; torch only supports 'zeros' for "
+                "transposed convolutions."
+            )
+
+    def _plan(self, layout: Layout, dim: int, out_pad: int) -> tuple[HaloSpec, Layout, int]:
+        """Halo-reduction spec, output layout and the last rank's tail adjustment along ``dim``."""
+        i = dim - 2
+        s, p = self.stride[i], self.padding[i]
+        e = self.dilation[i] * (self.kernel_size[i] - 1) + 1
+        sizes, n_ranks = layout.sizes, layout.parts
+        # Outputs each rank owns: [a*s, b*s), the last one up to the global output size.
+        total = (layout.size - 1) * s - 2 * p + e + out_pad
+        core = [n * s for n in sizes[:-1]]
+        core.append(total - layout.starts[-1] * s)
+        name = type(self).__name__
+        if min(core) < 1:
+            raise ShardingError(
+                f"{name}: along dim {dim} (kernel {self.kernel_size[i]}, stride {s}, padding {p}, output_padding "
+                f"{out_pad}) the input slabs {sizes} leave the last rank with no output. Use fewer ranks or "
+                "a larger input."
+            )
+        right = max(e - s - p, 0)
+        spec = HaloSpec(
+            dim,
+            tuple(p if r > 0 else 0 for r in range(n_ranks)),
+            tuple(right if r < n_ranks - 1 else 0 for r in range(n_ranks)),
+        )
+        # A strip wider than the neighbour's output slab would have to travel further than one hop.
+        spec.check(tuple(core), name)
+        return spec, Layout(tuple(core), layout.align * s), total
+
+    def forward(self, x: torch.Tensor, output_size: Sequence[int] | None = None) -> torch.Tensor:  # noqa: D102
+        n = self._spatial_dims
+        name = type(self).__name__
+        if x.dim() == n + 1:
+            return self.forward(x.unsqueeze(0), output_size).squeeze(0)
+        if x.dim() != n + 2:
+            raise ValueError(
+                f"{name}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, got shape {tuple(x.shape)}."
+            )
+        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
+        global_shape = list(x.shape)
+        for lay, d in zip(layouts, self.dims):
+            global_shape[d] = lay.size
+        # output_size names the *global* output size, as on one device; torch turns it into an
+        # output_padding from the global input shape (a meta tensor: no data, same on every rank).
+        out_pad = self._output_padding(
+            torch.empty(global_shape, device="meta"), output_size, self.stride, self.padding, self.kernel_size,
+            n, self.dilation,
+        )
+        padding, output_padding = list(self.padding), list(out_pad)
+        for d in self.dims:
+            padding[d - 2] = output_padding[d - 2] = 0
+        y = _CONVT_FN[n](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
+        for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
+            i = d - 2
+            spec, out_layout, _ = self._plan(lay, d, out_pad[i])
+            ring = axis_ring(self.mesh, axis)
+            r = ring.index
+            p = self.padding[i]
+            # Local buffer in output coordinates starts at a*s - p. Keep [a*s - left, a*s + core +
+            # right): the first rank drops its left strip (the global crop), and every rank pads
+            # with zeros where its buffer ends before the region it must cover (e < s + p, or
+            # output_padding on the last rank).
+            start = p - spec.left[r]
+            y = _narrow_or_pad(y, d, start, spec.left[r] + out_layout.sizes[r] + spec.right[r])
+            if ring.size > 1:
+                y = halo_add(y, spec, ring)
+        if self.bias is not None:
+            y = y + self.bias.view(-1, *([1] * n))
+        return y
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"{super().extra_repr()}, {self.sharding_repr()}"
+
+
+@register(nn.ConvTranspose1d)
+class ShardedConvTranspose1d(_ShardedConvTransposeNd, nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` over a length sharded on the domain axis; see the module docstring."""
+
+    _spatial_dims = 1
+
+
+@register(nn.ConvTranspose2d)
+class ShardedConvTranspose2d(_ShardedConvTransposeNd, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` over an image sharded along H (1-D domain) or H and W (2-D domain)."""
+
+    _spatial_dims = 2
+
+
+@register(nn.ConvTranspose3d)
+class ShardedConvTranspose3d(_ShardedConvTransposeNd, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` over a volume sharded along D (and H with a 2-D domain mesh)."""
+
+    _spatial_dims = 3

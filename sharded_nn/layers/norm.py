@@ -1,0 +1,333 @@
+"""Sharded normalization: GroupNorm, InstanceNorm1/2/3d, BatchNorm1/2/3d and LayerNorm.
+
+Sharding contract:
+    input: ``(N, C, S0, S1, ...)`` sharded along ``dims`` (default: the first spatial dims, one
+        per domain axis), any slab sizes (uneven slabs are exact: counts are summed, not
+        assumed). Output: same shape and layout as the input.
+    statistics: two-pass and numerically stable. Pass one all-reduces the per-rank sums
+        together with the element count (one collective) and forms the global mean; pass two
+        all-reduces the sums of squared deviations from that mean. No ``E[x^2] - E[x]^2``.
+        GroupNorm, InstanceNorm and LayerNorm reduce over the domain ranks; BatchNorm reduces
+        over the domain ranks *and* the data ranks when the mesh has a ``"data"`` axis, so its
+        statistics are those of the global batch (what ``nn.SyncBatchNorm`` computes).
+    backward: through ``comm.all_reduce_sum`` (gradient convention): input gradients are exact,
+        weight and bias gradients are partial sums over the domain ranks (``parallelize`` sums
+        them).
+    running statistics (BatchNorm, InstanceNorm with ``track_running_stats``): updated from
+        the global statistics exactly as the single-device layer does (unbiased variance over
+        the global count, ``momentum``, ``num_batches_tracked``, ``momentum=None`` cumulative
+        average), so they are identical on every rank. Eval mode with running statistics is
+        local: no communication.
+
+Every layer starts with ``gather_layouts`` (a few integers), so a malformed input raises the
+same ``ShardingError`` on every rank before any statistic is exchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..comm import all_reduce_sum, gather_layouts
+from ..errors import ShardingError
+from ..mesh import data_axis, domain_axes, group_over
+from ..registry import register
+from .base import ShardedMixin
+
+
+def global_moments(
+    x: torch.Tensor, reduce_dims: Sequence[int], group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean and biased variance of ``x`` over ``reduce_dims`` of every rank of ``group``.
+
+    Two passes (sum and count, then squared deviations from the global mean), both through the
+    autograd-aware ``all_reduce_sum``. ``group=None`` computes the local statistics.
+
+    Returns:
+        ``(mean, var, count)``: mean and var keep the reduced dims (size 1); count is a 0-d
+        tensor, the global number of elements per statistic.
+    """
+    reduce_dims = tuple(reduce_dims)
+    n_local = math.prod(x.shape[d] for d in reduce_dims)
+    s = x.sum(reduce_dims, keepdim=True)
+    # The count travels with the sums: uneven slabs (and uneven data batches) need no assumption.
+    reduce = (lambda t: t) if group is None else (lambda t: all_reduce_sum(t, group))
+    packed = reduce(torch.cat([s.reshape(-1), s.new_full((1,), float(n_local))]))
+    count = packed[-1].detach()
+    mean = packed[:-1].reshape(s.shape) / count
+    dev = x - mean
+    var = reduce(dev.square().sum(reduce_dims, keepdim=True)) / count
+    return mean, var, count
+
+
+def _channel_view(p: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
+    """A per-channel parameter shaped to broadcast against ``(N, C, ...)``."""
+    return None if p is None else p.reshape(1, -1, *([1] * (ndim - 2)))
+
+
+def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def _unbiased(var: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return var * (count / (count - 1))
+
+
+class _ShardedNorm(ShardedMixin):
+    """Shared pieces: keyword-only mesh options, the sharded-dims check, the reduction group."""
+
+    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sharding(mesh, dims)
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        super()._init_sharding(mesh, dims)
+
+    def _layouts(self, x: torch.Tensor):
+        # Every rank validates the same gathered shapes, so a bad input raises everywhere.
+        return gather_layouts(x.shape, self.mesh, self.dims, what=type(self).__name__)
+
+    def _domain_group(self) -> dist.ProcessGroup:
+        return group_over(self.mesh, self.mesh_axes)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"{super().extra_repr()}, {self.sharding_repr()}"
+
+
+def _require_ndim(what: str, x: torch.Tensor, allowed: Sequence[int], hint: str) -> None:
+    if x.dim() not in allowed:
+        raise ShardingError(f"{what}: expected a {hint} input, got shape {tuple(x.shape)}.")
+
+
+# --------------------------------------------------------------------------------------------
+# GroupNorm
+
+
+@register(nn.GroupNorm)
+class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
+    """``nn.GroupNorm`` on ``(N, C, S0, ...)`` sharded along spatial dims; see the module docstring."""
+
+    _spatial_dims = 8  # GroupNorm takes any number of spatial dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        name = type(self).__name__
+        if x.dim() < 2:
+            raise ShardingError(f"{name}: expected an (N, C, ...) input, got shape {tuple(x.shape)}.")
+        self._layouts(x)
+        if x.shape[1] != self.num_channels:
+            raise ShardingError(
+                f"{name}: expected {self.num_channels} channels (dim 1), got input shape {tuple(x.shape)}."
+            )
+        n, c = x.shape[:2]
+        xg = x.reshape(n, self.num_groups, -1)
+        mean, var, _ = global_moments(xg, (2,), self._domain_group())
+        y = ((xg - mean) * torch.rsqrt(var + self.eps)).reshape(x.shape)
+        return _affine(y, _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim()))
+
+
+# --------------------------------------------------------------------------------------------
+# InstanceNorm
+
+
+class _ShardedInstanceNorm(_ShardedNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        n = self._spatial_dims
+        if x.dim() == n + 1:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        name = type(self).__name__
+        _require_ndim(name, x, (n + 2,), f"{n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
+        self._layouts(x)
+        if x.shape[1] != self.num_features and self.affine:
+            raise ShardingError(
+                f"{name}: expected {self.num_features} channels (dim 1) for affine=True, got shape {tuple(x.shape)}."
+            )
+        use_input_stats = self.training or not self.track_running_stats
+        w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
+        if not use_input_stats:
+            # Running statistics are replicated: eval mode is local.
+            rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
+            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b)
+        mean, var, count = global_moments(x, tuple(range(2, x.dim())), self._domain_group())
+        if self.training and self.running_mean is not None and self.momentum is not None:
+            # torch's instance_norm averages the per-instance statistics over the batch.
+            with torch.no_grad():
+                m = self.momentum
+                self.running_mean.mul_(1 - m).add_(mean.reshape(x.shape[0], -1).mean(0), alpha=m)
+                self.running_var.mul_(1 - m).add_(_unbiased(var, count).reshape(x.shape[0], -1).mean(0), alpha=m)
+        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b)
+
+
+@register(nn.InstanceNorm1d)
+class ShardedInstanceNorm1d(_ShardedInstanceNorm, nn.InstanceNorm1d):
+    """``nn.InstanceNorm1d`` on ``(N, C, L)`` sharded along L."""
+
+    _spatial_dims = 1
+
+
+@register(nn.InstanceNorm2d)
+class ShardedInstanceNorm2d(_ShardedInstanceNorm, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` on ``(N, C, H, W)`` sharded along H (and W)."""
+
+    _spatial_dims = 2
+
+
+@register(nn.InstanceNorm3d)
+class ShardedInstanceNorm3d(_ShardedInstanceNorm, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` on ``(N, C, D, H, W)`` sharded along D (and H, W)."""
+
+    _spatial_dims = 3
+
+
+# --------------------------------------------------------------------------------------------
+# BatchNorm
+
+
+class _ShardedBatchNorm(_ShardedNorm):
+    _allowed_ndims: tuple[int, ...] = ()
+
+    def _stats_group(self, dims: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """Domain ranks sharding ``dims`` and data ranks: the statistics of the global batch."""
+        wanted = set(self.mesh_axes[: len(dims)]) | ({data_axis(self.mesh)} - {None})
+        axes = tuple(a for a in self.mesh.mesh_dim_names if a in wanted)
+        # No axis: the input is replicated over the domain ranks (e.g. (N, C) after a global
+        # pool) and there is no data axis, so the local statistics are the global ones.
+        return group_over(self.mesh, axes) if axes else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        name = type(self).__name__
+        _require_ndim(name, x, self._allowed_ndims, " or ".join(f"{d}-d" for d in self._allowed_ndims))
+        # (N, C) input to BatchNorm1d has no spatial dim: nothing is sharded, shapes still agree.
+        dims = tuple(d for d in self.dims if d < x.dim())
+        gather_layouts(x.shape, self.mesh, dims, what=name)
+        if x.shape[1] != self.num_features:
+            raise ShardingError(f"{name}: expected {self.num_features} channels (dim 1), got shape {tuple(x.shape)}.")
+
+        # Mirrors torch's _BatchNorm.forward.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
+        if not batch_stats:
+            rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
+            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b)
+
+        reduce_dims = (0, *range(2, x.dim()))
+        mean, var, count = global_moments(x, reduce_dims, self._stats_group(dims))
+        if count.item() <= 1:
+            # count is all-reduced, so every rank raises together (torch raises ValueError too).
+            raise ShardingError(
+                f"{name}: expected more than 1 value per channel when training over the whole "
+                f"(global) batch, got {int(count.item())} (local input shape {tuple(x.shape)})."
+            )
+        if self.training and self.running_mean is not None:
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(_unbiased(var, count).reshape(-1), alpha=factor)
+        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b)
+
+
+@register(nn.BatchNorm1d)
+class ShardedBatchNorm1d(_ShardedBatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` on ``(N, C, L)`` sharded along L, or ``(N, C)`` (nothing sharded)."""
+
+    _spatial_dims = 1
+    _allowed_ndims = (2, 3)
+
+
+@register(nn.BatchNorm2d)
+class ShardedBatchNorm2d(_ShardedBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` on ``(N, C, H, W)`` sharded along H (and W)."""
+
+    _spatial_dims = 2
+    _allowed_ndims = (4,)
+
+
+@register(nn.BatchNorm3d)
+class ShardedBatchNorm3d(_ShardedBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` on ``(N, C, D, H, W)`` sharded along D (and H, W)."""
+
+    _spatial_dims = 3
+    _allowed_ndims = (5,)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm
+
+
+@register(nn.LayerNorm)
+class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
+    """``nn.LayerNorm`` whose ``normalized_shape`` may cover sharded dims.
+
+    E.g. ``LayerNorm([C, H, W])`` on ``(N, C, H, W)`` sharded along H: the statistics are
+    all-reduced over the domain axes that shard a normalized dim, and each rank applies its own
+    slice of ``weight`` / ``bias`` (their gradients are partial sums, zero outside the slice).
+
+    When no sharded dim lies among the normalized (trailing) dims, the layer is exactly
+    ``nn.LayerNorm``: no communication at all. ``dims`` defaults to the first spatial dims (as
+    for every grid layer) when ``normalized_shape`` has several dims, and to ``()`` (nothing
+    sharded) when it has one: a one-dim LayerNorm normalizes channels (the last dim of tokens
+    ``(B, L, C)`` or of channels-last grids), which ``convert`` treats as pointwise. Pass
+    ``dims`` explicitly for token tensors (e.g. ``dims=(1,)`` for ``LayerNorm([L, C])``).
+    """
+
+    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sharding(mesh, dims)
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        name = type(self).__name__
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"{name}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+        axes = domain_axes(mesh)
+        if dims is None:
+            dims = () if len(self.normalized_shape) == 1 else tuple(range(2, 2 + len(axes)))
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        if len(dims) > len(axes) or any(d < 1 for d in dims):
+            raise ShardingError(
+                f"{name}: dims={dims} must name at most {len(axes)} non-batch tensor dims (>= 1), one "
+                f"per domain axis {axes}."
+            )
+        self.mesh, self.dims, self.mesh_axes = mesh, dims, axes[: len(dims)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        k = len(self.normalized_shape)
+        first = x.dim() - k
+        covered = [(i, d) for i, d in enumerate(self.dims) if first <= d < x.dim()]
+        if not covered:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        name = type(self).__name__
+        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
+        global_shape = list(x.shape)
+        for lay, d in zip(layouts, self.dims):
+            global_shape[d] = lay.size
+        if tuple(global_shape[first:]) != tuple(self.normalized_shape):
+            raise ShardingError(
+                f"{name}: normalized_shape {tuple(self.normalized_shape)} must match the trailing dims "
+                f"of the global input shape {tuple(global_shape)} (local {tuple(x.shape)})."
+            )
+        axes = [self.mesh_axes[i] for i, _ in covered]
+        mean, var, _ = global_moments(x, tuple(range(first, x.dim())), group_over(self.mesh, axes))
+        y = (x - mean) * torch.rsqrt(var + self.eps)
+        w, b = self.weight, self.bias
+        for i, d in covered:
+            # This rank's slice of the elementwise affine parameters along the sharded dim.
+            lay = layouts[i]
+            start = lay.starts[self.mesh.get_local_rank(self.mesh_axes[i])]
+            w = None if w is None else w.narrow(d - first, start, x.shape[d])
+            b = None if b is None else b.narrow(d - first, start, x.shape[d])
+        return _affine(y, w, b)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"{super().extra_repr()}, {self.sharding_repr()}"

@@ -1,0 +1,198 @@
+"""Sharded padding: ``pad`` (``F.pad`` on slabs) and the ``nn.*Pad1d/2d/3d`` layers.
+
+Sharding contract:
+    input: ``(N, C, S0, S1, ...)`` sharded along ``dims`` (default: the first spatial dims, one
+        per domain axis), any slab sizes.
+    output: sharded along the same dims. Padding of a sharded dim is global: only the first rank
+        of the axis adds the left padding and only the last rank the right padding, so the edge
+        slabs grow and the output layout is no longer balanced (layers gather layouts on every
+        call, so that is fine). Unsharded dims are padded locally, exactly as ``F.pad`` does.
+    modes: ``constant`` and ``replicate`` need no communication. ``reflect`` reads the edge slab
+        only; a slab thinner than the padding + 1 raises a ``ShardingError`` (use fewer ranks).
+        ``circular`` wraps around the ring: the first rank receives the last ``pad_left``
+        positions from the last rank and vice versa (one periodic halo exchange, autograd-aware:
+        the halo gradients flow back to their owners). Several sharded dims are padded one
+        after another on the already padded tensor, which fills the corners.
+    negative padding (cropping) is supported on unsharded dims; on a sharded dim it raises
+        ``ShardingNotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..comm import HaloSpec, axis_ring, gather_layouts, halo_cat
+from ..errors import ShardingError, ShardingNotImplementedError
+from ..mesh import domain_axes
+from ..registry import register
+from .base import ShardedMixin
+from .window import edge_pad
+
+MODES = ("constant", "reflect", "replicate", "circular")
+
+
+def pad(
+    x: torch.Tensor,
+    pad: Sequence[int],
+    mesh: DeviceMesh,
+    mode: str = "constant",
+    value: float | None = None,
+    *,
+    dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``F.pad(x_full, pad, mode, value)`` on this rank's slab; see the module docstring.
+
+    Args:
+        x: this rank's slab.
+        pad: ``(left_last, right_last, left_second_to_last, ...)`` as in ``F.pad``.
+        mesh: mesh with domain axes.
+        mode: ``"constant"``, ``"reflect"``, ``"replicate"`` or ``"circular"``.
+        value: fill value for ``"constant"`` (default 0).
+        dims: sharded dims of ``x`` (default: the first spatial dims, one per domain axis).
+
+    Raises:
+        ShardingError: bad ``pad`` or mode, inconsistent slabs, a slab too thin for reflect, or a
+            neighbour slab thinner than a circular halo (same error on every rank).
+        ShardingNotImplementedError: negative padding of a sharded dim.
+    """
+    what = "pad"
+    axes = domain_axes(mesh)
+    if dims is None:
+        dims = tuple(range(2, 2 + len(axes)))
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    layouts = gather_layouts(x.shape, mesh, dims, what=what)
+    pad = tuple(int(p) for p in pad)
+    if mode not in MODES:
+        raise ShardingError(f"{what}: unknown mode {mode!r}; expected one of {MODES}.")
+    if len(pad) % 2 or len(pad) // 2 > x.dim():
+        raise ShardingError(
+            f"{what}: pad must hold (left, right) pairs for at most {x.dim()} dims, got {pad} for shape "
+            f"{tuple(x.shape)}."
+        )
+    if mode != "constant" and value not in (None, 0, 0.0):
+        raise ShardingError(f"{what}: value={value} is only valid with mode='constant', got mode={mode!r}.")
+    per_dim = {x.dim() - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
+    sharded = {d: (a, lay) for d, a, lay in zip(dims, axes, layouts)}
+    for d, (pl, pr) in per_dim.items():
+        if d in sharded and min(pl, pr) < 0:
+            raise ShardingNotImplementedError(
+                f"{what}: negative padding (cropping) {pl, pr} of sharded dim {d} is not supported; "
+                "crop the full tensor before sharding, or after gathering."
+            )
+        if d in sharded and mode == "reflect":
+            sizes = sharded[d][1].sizes
+            for r, width in ((0, pl), (len(sizes) - 1, pr)):
+                if width >= sizes[r]:
+                    raise ShardingError(
+                        f"{what}: reflect padding of {width} along sharded dim {d} needs rank {r}'s slab to "
+                        f"hold more than {width} positions, got {sizes[r]} (sizes {sizes}). Use fewer ranks "
+                        "or a larger input."
+                    )
+    # Unsharded dims first, in one local F.pad call (zeros for the sharded dims' pairs).
+    local = list(pad)
+    for d in sharded:
+        if d in per_dim:
+            i = x.dim() - 1 - d
+            local[2 * i : 2 * i + 2] = [0, 0]
+    if any(local):
+        x = F.pad(x, local, mode, value) if mode == "constant" else F.pad(x, local, mode)
+    fill = 0.0 if value is None else value
+    for d in dims:
+        pl, pr = per_dim.get(d, (0, 0))
+        if not (pl or pr):
+            continue
+        axis, layout = sharded[d]
+        ring = axis_ring(mesh, axis)
+        if mode == "circular":
+            p = layout.parts
+            spec = HaloSpec(d, (pl,) + (0,) * (p - 1), (0,) * (p - 1) + (pr,), periodic=True)
+            spec.check(layout.sizes, what)
+            x = halo_cat(x, spec, ring)
+            continue
+        if ring.is_first:
+            x = edge_pad(x, d, pl, True, mode, fill)
+        if ring.is_last:
+            x = edge_pad(x, d, pr, False, mode, fill)
+    return x
+
+
+class _ShardedPadNd(ShardedMixin):
+    _mode = "constant"
+
+    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sharding(mesh, dims)
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        super()._init_sharding(mesh, dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        n = self._spatial_dims
+        if x.dim() == n + 1:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        if x.dim() != n + 2:
+            raise ShardingError(
+                f"{type(self).__name__}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, "
+                f"got shape {tuple(x.shape)}."
+            )
+        return pad(x, self.padding, self.mesh, self._mode, getattr(self, "value", None), dims=self.dims)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"{super().extra_repr()}, {self.sharding_repr()}"
+
+
+def _make(torch_cls: type[nn.Module], mode: str, nd: int) -> type:
+    name = f"Sharded{torch_cls.__name__}"
+    cls = type(
+        name,
+        (_ShardedPadNd, torch_cls),
+        {
+            "_mode": mode,
+            "_spatial_dims": nd,
+            "__doc__": f"``nn.{torch_cls.__name__}`` on slabs: padding only at the domain edges (module docstring).",
+            "__module__": __name__,
+            "__qualname__": name,
+        },
+    )
+    return register(torch_cls)(cls)
+
+
+ShardedZeroPad1d = _make(nn.ZeroPad1d, "constant", 1)
+ShardedZeroPad2d = _make(nn.ZeroPad2d, "constant", 2)
+ShardedZeroPad3d = _make(nn.ZeroPad3d, "constant", 3)
+ShardedConstantPad1d = _make(nn.ConstantPad1d, "constant", 1)
+ShardedConstantPad2d = _make(nn.ConstantPad2d, "constant", 2)
+ShardedConstantPad3d = _make(nn.ConstantPad3d, "constant", 3)
+ShardedReflectionPad1d = _make(nn.ReflectionPad1d, "reflect", 1)
+ShardedReflectionPad2d = _make(nn.ReflectionPad2d, "reflect", 2)
+ShardedReflectionPad3d = _make(nn.ReflectionPad3d, "reflect", 3)
+ShardedReplicationPad1d = _make(nn.ReplicationPad1d, "replicate", 1)
+ShardedReplicationPad2d = _make(nn.ReplicationPad2d, "replicate", 2)
+ShardedReplicationPad3d = _make(nn.ReplicationPad3d, "replicate", 3)
+ShardedCircularPad1d = _make(nn.CircularPad1d, "circular", 1)
+ShardedCircularPad2d = _make(nn.CircularPad2d, "circular", 2)
+ShardedCircularPad3d = _make(nn.CircularPad3d, "circular", 3)
+
+__all__ = [
+    "ShardedCircularPad1d",
+    "ShardedCircularPad2d",
+    "ShardedCircularPad3d",
+    "ShardedConstantPad1d",
+    "ShardedConstantPad2d",
+    "ShardedConstantPad3d",
+    "ShardedReflectionPad1d",
+    "ShardedReflectionPad2d",
+    "ShardedReflectionPad3d",
+    "ShardedReplicationPad1d",
+    "ShardedReplicationPad2d",
+    "ShardedReplicationPad3d",
+    "ShardedZeroPad1d",
+    "ShardedZeroPad2d",
+    "ShardedZeroPad3d",
+    "pad",
+]

@@ -1,0 +1,280 @@
+"""Sharded normalization layers against the torch layers on the full tensor, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import sharded_nn as snn
+from sharded_nn.layers.norm import global_moments
+
+from .harness import mesh, world_of
+from .reference import check_against_reference
+
+
+def _input(*shape, seed=1, offset=0.0):
+    torch.manual_seed(seed)
+    # A large common offset makes E[x^2] - E[x]^2 lose every digit; two-pass keeps them.
+    return torch.randn(*shape, dtype=torch.float64) + offset
+
+
+def _module(factory):
+    torch.manual_seed(0)
+    m = factory().double()
+    # Non-trivial affine parameters, so that wrong slicing or channel views show up.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p))
+    return m
+
+
+def _check_buffers(ref: nn.Module, sharded: nn.Module) -> None:
+    for (name, a), (_, b) in zip(ref.named_buffers(), sharded.named_buffers()):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"buffer {n}: {m}")
+
+
+# (factory, input shape, dims) cases; sizes chosen so that slabs are uneven on 2, 3 and 4 ranks.
+CASES_1D = [
+    (partial(nn.GroupNorm, 2, 4), (2, 4, 11), (2,)),
+    (partial(nn.GroupNorm, 3, 6), (2, 6, 11, 5), (2,)),
+    (partial(nn.GroupNorm, 1, 4, affine=False), (2, 4, 7, 3, 2), (2,)),
+    (partial(nn.GroupNorm, 4, 4), (2, 4, 5, 11), (3,)),
+    (partial(nn.InstanceNorm1d, 3, affine=True), (2, 3, 11), (2,)),
+    (partial(nn.InstanceNorm2d, 3), (2, 3, 11, 4), (2,)),
+    (partial(nn.InstanceNorm2d, 3, affine=True, track_running_stats=True), (2, 3, 11, 4), (2,)),
+    (partial(nn.InstanceNorm3d, 2, affine=True, track_running_stats=True, momentum=0.3), (2, 2, 9, 3, 2), (2,)),
+    (partial(nn.BatchNorm1d, 3), (2, 3, 11), (2,)),
+    (partial(nn.BatchNorm2d, 3), (2, 3, 11, 4), (2,)),
+    (partial(nn.BatchNorm2d, 3, momentum=None), (2, 3, 11, 4), (2,)),
+    (partial(nn.BatchNorm2d, 3, affine=False, track_running_stats=False), (3, 3, 11, 4), (2,)),
+    (partial(nn.BatchNorm3d, 2, momentum=0.5), (2, 2, 9, 3, 2), (2,)),
+    (partial(nn.LayerNorm, [4, 11, 5]), (2, 4, 11, 5), (2,)),
+    (partial(nn.LayerNorm, [11, 5], elementwise_affine=True, bias=False), (2, 4, 11, 5), (2,)),
+    (partial(nn.LayerNorm, [5, 11]), (2, 4, 5, 11), (3,)),  # shards the last dim
+    (partial(nn.LayerNorm, [3, 11]), (2, 3, 11), (2,)),
+]
+CASES_2D = [
+    (partial(nn.GroupNorm, 2, 4), (2, 4, 7, 5), (2, 3)),
+    (partial(nn.InstanceNorm3d, 2, affine=True, track_running_stats=True), (2, 2, 5, 7, 2), (2, 3)),
+    (partial(nn.BatchNorm2d, 3), (2, 3, 7, 5), (2, 3)),
+    (partial(nn.BatchNorm3d, 3, momentum=None), (2, 3, 5, 7, 2), (3, 4)),
+    (partial(nn.LayerNorm, [4, 7, 5]), (2, 4, 7, 5), (2, 3)),
+]
+
+
+def _check_cases(domain, cases, steps=2):
+    m = mesh(domain)
+    for i, (factory, shape, dims) in enumerate(cases):
+        ref = _module(factory)
+        sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": dims}})
+        assert type(sharded).__name__.startswith("Sharded"), type(sharded)
+        # Several training steps: running statistics (momentum, cumulative average,
+        # num_batches_tracked) must evolve exactly as on one device.
+        for step in range(steps if any(True for _ in ref.buffers()) else 1):
+            for p in (*ref.parameters(), *sharded.parameters()):
+                p.grad = None
+            x = _input(*shape, seed=10 * i + step)
+            check_against_reference(ref, x, m, dims=dims, sharded=sharded, atol=1e-9, rtol=1e-9)
+            _check_buffers(ref, sharded)
+        # Eval mode uses the (identical) running statistics, or batch statistics without them.
+        ref.eval(), sharded.eval()
+        with torch.no_grad():
+            x = _input(*shape, seed=99)
+            y = snn.gather(sharded(snn.shard(x, m, dims=dims)), m, dims=dims)
+            torch.testing.assert_close(y, ref(x), atol=1e-10, rtol=1e-10)
+    return True
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3, 4])
+def test_norms_match_torch_1d_mesh(run, domain):
+    assert all(run(domain, _check_cases, domain, CASES_1D))
+
+
+def test_norms_match_torch_2x2_mesh(run):
+    assert all(run(4, _check_cases, (2, 2), CASES_2D))
+
+
+def _stable_with_offset():
+    # x ~ 1e8 + N(0, 1): E[x^2] - E[x]^2 cancels every digit even in float64 (the variance would
+    # come out as a multiple of ~1e16 * 2^-52 ~ 2, or negative); the two passes keep ~1e-8. torch's
+    # own kernel is no more exact than that, so compare to a float64 reference computed from the
+    # centred data, which is exact.
+    m = mesh(3)
+    x = _input(2, 4, 11, offset=1e8)
+    gn = snn.convert(nn.GroupNorm(2, 4, affine=False).double(), m)
+    y = snn.gather(gn(snn.shard(x, m)), m)
+    xg = (x - 1e8).reshape(2, 2, -1)  # exact: the offset is an integer in float64
+    want = ((xg - xg.mean(2, keepdim=True)) / (xg.var(2, unbiased=False, keepdim=True) + gn.eps).sqrt())
+    torch.testing.assert_close(y, want.reshape(x.shape), atol=1e-6, rtol=0)
+    return True
+
+
+def test_norms_are_stable_with_a_large_offset(run):
+    assert all(run(3, _stable_with_offset))
+
+
+def _moments_uneven():
+    # Explicit, very uneven slabs (1 vs 9 positions): counts are summed, never assumed.
+    m = mesh(2)
+    x = _input(2, 3, 10)
+    r = m.get_local_rank("domain")
+    x_local = x[..., :1] if r == 0 else x[..., 1:]
+    mean, var, count = global_moments(x_local, (2,), snn.domain_group(m))
+    torch.testing.assert_close(mean.squeeze(-1), x.mean(2))
+    torch.testing.assert_close(var.squeeze(-1), x.var(2, unbiased=False))
+    assert count.item() == 10
+    return True
+
+
+def test_moments_on_very_uneven_slabs(run):
+    assert all(run(2, _moments_uneven))
+
+
+def _batchnorm_data_and_domain(domain, dims, shape, momentum):
+    """Statistics over the data ranks and the domain ranks equal those of the global batch."""
+    m = mesh(domain, data=2)
+    d = m.get_local_rank("data")
+    factory = {4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)]
+    ref = _module(lambda: factory(shape[1], momentum=momentum))
+    sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": dims}})
+    n_local = shape[0] // 2
+    for step in range(2):
+        for p in (*ref.parameters(), *sharded.parameters()):
+            p.grad = None
+        x = _input(*shape, seed=step).requires_grad_()
+        y = ref(x)
+        g = torch.randn_like(y)
+        (y * g).sum().backward()
+        batch = slice(d * n_local, (d + 1) * n_local)
+        x_local = snn.shard(x.detach()[batch], m, dims=dims).requires_grad_()
+        y_full = snn.gather(sharded(x_local), m, dims=dims)
+        torch.testing.assert_close(y_full, y.detach()[batch], atol=1e-10, rtol=1e-10)
+        snn.losses.share((y_full * g[batch]).sum(), m).backward()
+        torch.testing.assert_close(snn.gather(x_local.grad, m, dims=dims), x.grad[batch], atol=1e-10, rtol=1e-10)
+        for (name, p_ref), p in zip(ref.named_parameters(), sharded.parameters()):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)  # every rank of the mesh holds a partial sum of the global batch
+            torch.testing.assert_close(grad, p_ref.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+        _check_buffers(ref, sharded)
+    return True
+
+
+@pytest.mark.parametrize(
+    "domain,dims,shape,momentum",
+    [(2, (2,), (4, 3, 9, 4), 0.1), (1, (2,), (4, 3, 5, 4), None), ((2, 2), (2, 3), (2, 3, 7, 5, 2), 0.2)],
+    ids=["data2xdomain2", "data2xdomain1", "data2xdomain2x2"],
+)
+def test_batchnorm_over_data_and_domain(run, domain, dims, shape, momentum):
+    assert all(run(world_of(domain, 2), _batchnorm_data_and_domain, domain, dims, shape, momentum))
+
+
+def _batchnorm_eval_is_local():
+    m = mesh(2)
+    bn = snn.convert(_module(partial(nn.BatchNorm2d, 3)), m).eval()
+    calls = []
+    orig = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(a) or orig(*a, **k)
+    try:
+        bn(torch.randn(1, 3, 4 + m.get_local_rank("domain"), 4, dtype=torch.float64))
+    finally:
+        dist.all_reduce = orig
+    assert not calls
+    return True
+
+
+def test_batchnorm_eval_mode_does_not_reduce(run):
+    assert all(run(2, _batchnorm_eval_is_local))
+
+
+def _channel_layernorms_are_local():
+    import timm.layers
+
+    m = mesh(2)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.LayerNorm(5), timm.layers.LayerNorm(5), nn.Conv2d(5, 4, 1), timm.layers.LayerNorm2d(4)
+    ).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ShardingWarning: channel LayerNorms are pointwise
+        sharded = snn.convert(copy.deepcopy(model), m)
+    assert isinstance(sharded[0], snn.ShardedLayerNorm) and sharded[0].dims == ()
+    # timm's variants subclass nn.LayerNorm over one (channel) dim: convert keeps them as they are.
+    assert type(sharded[1]) is timm.layers.LayerNorm and type(sharded[3]) is timm.layers.LayerNorm2d
+    assert list(sharded.state_dict()) == list(model.state_dict())
+    check_against_reference(model, _input(2, 5, 9, 5), m, sharded=sharded)
+    calls = []
+    orig = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(a) or orig(*a, **k)
+    try:
+        sharded(snn.shard(_input(2, 5, 9, 5), m))
+    finally:
+        dist.all_reduce = orig
+    assert not calls  # the LayerNorms never reduce (the conv only exchanges halos)
+    return True
+
+
+def test_channel_layernorms_stay_local(run):
+    assert all(run(2, _channel_layernorms_are_local))
+
+
+def _tokens_layernorm():
+    # Tokens (B, L, C) sharded along L: LayerNorm([L, C]) with dims=(1,).
+    m = mesh(3)
+    ref = _module(partial(nn.LayerNorm, [10, 4]))
+    sharded = snn.ShardedLayerNorm.from_module(copy.deepcopy(ref), m, dims=(1,))
+    check_against_reference(ref, _input(2, 10, 4), m, dims=(1,), sharded=sharded)
+    return True
+
+
+def test_layernorm_over_sharded_tokens(run):
+    assert all(run(3, _tokens_layernorm))
+
+
+# --- bad input: the same clear error on every rank ------------------------------------------
+
+
+def _errors():
+    m = mesh(2)
+    r = m.get_local_rank("domain")
+    gn = snn.ShardedGroupNorm(2, 4, mesh=m).double()
+    with pytest.raises(snn.ShardingError, match="expected 4 channels"):
+        gn(torch.randn(1, 6, 5, 3, dtype=torch.float64))
+    with pytest.raises(snn.ShardingError, match="differs across ranks"):
+        gn(torch.randn(1, 4, 5, 3 + r, dtype=torch.float64))  # only rank 1 is off
+    bn = snn.ShardedBatchNorm1d(3, mesh=m).double()
+    with pytest.raises(snn.ShardingError, match="more than 1 value per channel"):
+        bn(torch.randn(1, 3, dtype=torch.float64))  # replicated (N=1, C): one value globally
+    with pytest.raises(snn.ShardingError, match="expected a 2-d or 3-d"):
+        bn(torch.randn(1, 3, 2, 2, dtype=torch.float64))
+    ln = snn.ShardedLayerNorm([4, 10, 3], mesh=m).double()
+    with pytest.raises(snn.ShardingError, match="must match the trailing dims"):
+        ln(torch.randn(1, 4, 4 + r, 3, dtype=torch.float64))  # global H = 9, not 10
+    with pytest.raises(snn.ShardingError, match="not spatial dims"):
+        snn.ShardedInstanceNorm2d(3, mesh=m, dims=(4,))
+    with pytest.raises(snn.ShardingError, match="non-batch tensor dims"):
+        snn.ShardedLayerNorm([3, 4], mesh=m, dims=(0,))
+    return True
+
+
+def test_bad_input_raises_on_every_rank(run):
+    assert all(run(2, _errors))
+
+
+def test_state_dict_keys_and_repr(run):
+    assert all(run(2, _state_dict))
+
+
+def _state_dict():
+    m = mesh(2)
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.GroupNorm(1, 3), nn.InstanceNorm2d(3, track_running_stats=True))
+    keys = list(model.state_dict())
+    sharded = snn.convert(model, m)
+    assert list(sharded.state_dict()) == keys
+    assert "mesh_axes=('domain',)" in repr(sharded[0])
+    return True

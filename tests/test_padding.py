@@ -1,0 +1,105 @@
+"""Sharded padding layers and ``pad`` against torch on the full tensor, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sharded_nn as snn
+from sharded_nn.layers.padding import pad
+
+from .harness import mesh
+from .reference import check_against_reference
+
+SIZES = {1: (17,), 2: (14, 6), 3: (9, 5, 4)}
+
+
+def _cases():
+    out = []
+    for nd in (1, 2, 3):
+        pads = {1: [(2, 3), 1], 2: [(1, 2, 3, 1), 2], 3: [(1, 2, 0, 1, 2, 1), 1]}[nd]
+        for p in pads:
+            out += [
+                (partial(getattr(nn, f"ZeroPad{nd}d"), p), nd),
+                (partial(getattr(nn, f"ConstantPad{nd}d"), p, 1.5), nd),
+                (partial(getattr(nn, f"ReflectionPad{nd}d"), p), nd),
+                (partial(getattr(nn, f"ReplicationPad{nd}d"), p), nd),
+                (partial(getattr(nn, f"CircularPad{nd}d"), p), nd),
+            ]
+    # Negative padding (cropping) of an unsharded dim, as torch allows.
+    out.append((partial(nn.ConstantPad2d, (-1, 2, 1, 1), 0.5), 2))
+    return out
+
+
+CASES = _cases()
+
+
+def _check_layers(domain, dims, nds):
+    m = mesh(domain)
+    for factory, nd in CASES:
+        if nd not in nds:
+            continue
+        ref = factory()
+        if min(ref.padding) < 0 and 3 in dims:
+            continue  # cropping a sharded dim raises (see _errors); this case crops W
+        sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": dims}})
+        assert type(sharded).__name__ == f"Sharded{type(ref).__name__}"
+        torch.manual_seed(nd)
+        x = torch.randn(2, 3, *SIZES[nd], dtype=torch.float64)
+        check_against_reference(ref, x, m, dims=dims, sharded=sharded)
+    return True
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3, 4])
+def test_padding_layers_1d_mesh(run, domain):
+    assert all(run(domain, _check_layers, domain, (2,), (1, 2, 3)))
+
+
+def test_padding_layers_2x2_mesh(run):
+    assert all(run(4, _check_layers, (2, 2), (2, 3), (2, 3)))
+
+
+def test_padding_a_later_dim(run):
+    assert all(run(2, _check_layers, 2, (3,), (2,)))
+
+
+def _functional():
+    # pad() is F.pad on slabs, also on unbatched-looking layouts such as (C, L) via dims.
+    m = mesh(3)
+    torch.manual_seed(0)
+    x = torch.randn(4, 14, dtype=torch.float64)
+    for mode, value in (("constant", 2.0), ("reflect", None), ("replicate", None), ("circular", None)):
+        # torch's non-constant modes want a batch dim in front of (C, L).
+        want = F.pad(x.unsqueeze(0), (3, 2), mode, value).squeeze(0)
+        got = pad(snn.shard(x, m, dims=(1,)), (3, 2), m, mode, value, dims=(1,))
+        torch.testing.assert_close(snn.gather(got, m, dims=(1,)), want)
+    return True
+
+
+def test_functional_pad(run):
+    assert all(run(3, _functional))
+
+
+def _errors():
+    m = mesh(2)
+    x = snn.shard(torch.randn(1, 2, 5, 4), m, dims=(2,))  # slabs of 3 and 2
+    with pytest.raises(snn.ShardingError, match="reflect padding of 2"):
+        pad(x, (0, 0, 0, 2), m, "reflect")
+    with pytest.raises(snn.ShardingError, match="halo of 3"):
+        pad(x, (0, 0, 3, 0), m, "circular")
+    with pytest.raises(snn.ShardingNotImplementedError, match="negative padding"):
+        pad(x, (0, 0, -1, 0), m)
+    with pytest.raises(snn.ShardingError, match="unknown mode"):
+        pad(x, (1, 1), m, "wrap")
+    with pytest.raises(snn.ShardingError, match="only valid with mode='constant'"):
+        pad(x, (1, 1), m, "reflect", 3.0)
+    return True
+
+
+def test_bad_input_raises_on_every_rank(run):
+    assert all(run(2, _errors))

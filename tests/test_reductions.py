@@ -1,0 +1,136 @@
+"""Global reductions over sharded dims against torch on the full tensor, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sharded_nn as snn
+
+from .harness import mesh
+
+REDUCE_DIMS = [(2, 3), (3,), (-1, -2), None, (2,), (1, 2)]
+# On a 2x2 mesh, reducing only dim 2 leaves a tensor sharded by the second axis alone, which
+# ``gather`` cannot assemble (its k-th dim is always sharded by the k-th axis): those are
+# checked on 1-D meshes.
+REDUCE_DIMS_2D = REDUCE_DIMS[:4]
+
+
+def _reference(op, x, dims, keepdim):
+    if op == "sum":
+        return x.sum(dims if dims is not None else tuple(range(x.dim())), keepdim=keepdim)
+    if op == "mean":
+        return x.mean(dims if dims is not None else tuple(range(x.dim())), keepdim=keepdim)
+    return x.amax(dims if dims is not None else tuple(range(x.dim())), keepdim=keepdim)
+
+
+def _check(domain, sharded_dims, reduce_dims=REDUCE_DIMS, argmax_dims=(1, 2, 3)):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    smooth = torch.randn(2, 3, 11, 7, dtype=torch.float64)
+    # Few distinct values: many ties, also across ranks, for max's gradient split.
+    ties = torch.randint(0, 3, (2, 3, 11, 7)).double()
+    for x_full, keepdims in ((smooth, (False,)), (ties, (False, True))):
+        for op in ("sum", "mean", "max"):
+            for dims in reduce_dims:
+                for keepdim in keepdims:
+                    x = x_full.clone().requires_grad_()
+                    y = _reference(op, x, dims, keepdim)
+                    g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+                    (y * g).sum().backward()
+
+                    x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
+                    y_local = getattr(snn.reductions, op)(x_local, m, dims, keepdim=keepdim, sharded_dims=sharded_dims)
+                    # Dims that were sharded and not reduced stay sharded: gather them.
+                    left = _still_sharded(sharded_dims, dims, x.dim(), keepdim)
+                    y_full = snn.gather(y_local, m, dims=left) if left else y_local
+                    torch.testing.assert_close(y_full, y.detach(), atol=1e-12, rtol=1e-12)
+                    loss = (y_full * g).sum()
+                    if left:
+                        # gather assumes its input is not also replicated over other domain
+                        # axes; y_local is, over the reduced axis, so count each copy once.
+                        loss = loss / (snn.domain_size(m) // _ranks_along(m, len(left)))
+                    # A replicated loss: each rank contributes 1/P (the gradient convention).
+                    snn.losses.share(loss, m).backward()
+                    gx = snn.gather(x_local.grad, m, dims=sharded_dims)
+                    torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"{op} {dims}: {s}")
+        for dim in argmax_dims:
+            want = x_full.argmax(dim, keepdim=True)
+            x_local = snn.shard(x_full, m, dims=sharded_dims)
+            got = snn.reductions.argmax(x_local, m, dim, keepdim=True, sharded_dims=sharded_dims)
+            left = _still_sharded(sharded_dims, (dim,), 4, True)
+            got = snn.gather(got, m, dims=left) if left else got
+            assert torch.equal(got, want), (dim, got, want)
+            assert snn.reductions.argmax(x_local, m, dim, sharded_dims=sharded_dims).dim() == 3
+    return True
+
+
+def _ranks_along(m, n_axes):
+    out = 1
+    for a in snn.domain_axes(m)[:n_axes]:
+        out *= m.size(m.mesh_dim_names.index(a))
+    return out
+
+
+def _still_sharded(sharded_dims, dims, ndim, keepdim):
+    reduced = set(range(ndim)) if dims is None else {d % ndim for d in dims}
+    out = []
+    for d in sharded_dims:
+        if d not in reduced:
+            out.append(d if keepdim else d - sum(1 for r in reduced if r < d))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3, 4])
+def test_reductions_1d_mesh(run, domain):
+    assert all(run(domain, _check, domain, (2,)))
+
+
+def test_reductions_2x2_mesh(run):
+    assert all(run(4, _check, (2, 2), (2, 3), REDUCE_DIMS_2D, (1, 3)))
+
+
+def test_reductions_shard_a_later_dim(run):
+    assert all(run(3, _check, 3, (3,)))
+
+
+def _pool_then_linear():
+    # A classification head: global average pool over the sharded grid, then a Linear.
+    m = mesh(2)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(3, 4).double()
+    x = torch.randn(2, 3, 9, 5, dtype=torch.float64, requires_grad=True)
+    ref = head(x.mean((2, 3)))
+    ref.square().sum().backward()
+    ref_w = head.weight.grad.clone()
+    head.weight.grad = None
+    x_local = snn.shard(x.detach(), m).requires_grad_()
+    out = head(snn.reductions.mean(x_local, m, (2, 3)))
+    torch.testing.assert_close(out, ref.detach())
+    snn.losses.share(out.square().sum(), m).backward()
+    torch.testing.assert_close(snn.gather(x_local.grad, m), x.grad)
+    torch.testing.assert_close(snn.losses.domain_sum(head.weight.grad, m), ref_w)
+    return True
+
+
+def test_global_pool_then_linear(run):
+    assert all(run(2, _pool_then_linear))
+
+
+def _errors():
+    m = mesh(2)
+    r = m.get_local_rank("domain")
+    x = torch.randn(1, 2, 4, 3 + r)  # the unsharded W differs on rank 1 only
+    with pytest.raises(snn.ShardingError, match="differs across ranks"):
+        snn.reductions.sum(x, m, (2,))
+    y = torch.randn(1, 2, 4, 3)
+    with pytest.raises(snn.ShardingError, match="must be distinct dims"):
+        snn.reductions.mean(y, m, (2, 2))
+    with pytest.raises(snn.ShardingError, match="one int"):
+        snn.reductions.argmax(y, m, (2, 3))
+    return True
+
+
+def test_bad_input_raises_on_every_rank(run):
+    assert all(run(2, _errors))
+
