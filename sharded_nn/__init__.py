@@ -7,7 +7,7 @@ statistics and pass attention blocks so that the result equals the single-device
 from . import comm, losses, reductions
 from .convert import convert
 from .errors import ShardingError, ShardingNotImplementedError, ShardingWarning
-from .launch import launch
+from .launch import launch, tune_host_allocator
 from .layers import ShardedConv1d, ShardedConv2d, ShardedConv3d
 from .layers.norm import (
     ShardedBatchNorm1d,
@@ -44,6 +44,7 @@ __all__ = [
     "gather",
     "init_mesh",
     "launch",
+    "tune_host_allocator",
     "local_slices",
     "losses",
     "parallelize",

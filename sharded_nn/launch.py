@@ -7,6 +7,7 @@ its traceback.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
@@ -36,6 +37,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tune_host_allocator(mmap_threshold: int = 1 << 16) -> bool:
+    """Fix glibc's mmap threshold so that freed large CPU tensors go back to the OS.
+
+    glibc raises its mmap threshold each time a mapped block is freed; after that, the many
+    mid-sized buffers of sharded layers (halos, boundary strips) are served from heap arenas
+    and fragment them, so a P=2 rank's resident memory can exceed the single-process run's.
+    Fixing the threshold (as ``MALLOC_MMAP_THRESHOLD_`` would) keeps per-rank memory at about
+    1/P. ``launch`` calls this in every worker; under torchrun, call it at start-up (or export
+    ``MALLOC_MMAP_THRESHOLD_=65536``). Returns False where glibc's ``mallopt`` is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
+_M_MMAP_THRESHOLD = -3
+
+
 def init_worker(rank: int, world_size: int, port: int, timeout: timedelta, device_type: str | None = None) -> None:
     """Join the process group of a local launch (gloo on CPU, NCCL on CUDA)."""
     device_type = device_type or default_device_type()
@@ -54,6 +75,7 @@ def init_worker(rank: int, world_size: int, port: int, timeout: timedelta, devic
 
 def _worker(rank, world_size, port, timeout, device_type, threads, fn, args, results) -> None:
     try:
+        tune_host_allocator()
         if threads is not None:
             torch.set_num_threads(threads)
         init_worker(rank, world_size, port, timeout, device_type)

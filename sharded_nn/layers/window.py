@@ -265,14 +265,33 @@ def apply_linear(
     if a > 0 and left_halo is not None:
         need = (a - 1) * s + e
         piece = torch.cat([left_halo, _zeros_like_along(x, d, max(need - pl, 0))], d).narrow(d, 0, need)
-        out.narrow(d, 0, a).add_(conv_piece(piece))
+        out = _AddBand.apply(out, conv_piece(piece), d, 0)
     if j0 < n_out and right_halo is not None:
         start = j0 * s - pl  # in slab coordinates
         zeros = _zeros_like_along(x, d, max(n - start, 0))
         piece = torch.cat([zeros, right_halo], d)
         piece = piece.narrow(d, max(start - n, 0), piece.shape[d] - max(start - n, 0))
-        out.narrow(d, j0, n_out - j0).add_(conv_piece(piece))
+        out = _AddBand.apply(out, conv_piece(piece), d, j0)
     return out
+
+
+class _AddBand(torch.autograd.Function):
+    """``out[band] += corr`` in place, with a backward that copies nothing.
+
+    Autograd's generic in-place-on-a-view path (CopySlices) clones the whole gradient of ``out``;
+    here the gradient of ``out`` passes through as is and ``corr`` gets a view of its band.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, corr: torch.Tensor, dim: int, start: int):  # noqa: D102
+        ctx.dim, ctx.start, ctx.width = dim, start, corr.shape[dim]
+        out.narrow(dim, start, corr.shape[dim]).add_(corr)
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        return g, g.narrow(ctx.dim, ctx.start, ctx.width), None, None
 
 
 def _zeros_like_along(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
