@@ -4,21 +4,13 @@ Split one huge sample across processes; explicit sharded layers exchange halos, 
 statistics and pass attention blocks so that the result equals the single-device model.
 """
 
-from . import comm, losses, reductions
+from . import comm, functional, losses, reductions
+from . import layers as _layers
 from .convert import convert
 from .errors import ShardingError, ShardingNotImplementedError, ShardingWarning
 from .launch import launch, tune_host_allocator
-from .layers import ShardedConv1d, ShardedConv2d, ShardedConv3d
-from .layers.norm import (
-    ShardedBatchNorm1d,
-    ShardedBatchNorm2d,
-    ShardedBatchNorm3d,
-    ShardedGroupNorm,
-    ShardedInstanceNorm1d,
-    ShardedInstanceNorm2d,
-    ShardedInstanceNorm3d,
-    ShardedLayerNorm,
-)
+from .layers import *  # noqa: F403 - every sharded layer, re-exported (the list lives in layers/__init__.py)
+from .layers.upsample import interpolate
 from .layout import Layout
 from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh
 from .parallel import parallelize
@@ -29,9 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Layout",
-    "ShardedConv1d",
-    "ShardedConv2d",
-    "ShardedConv3d",
     "ShardingError",
     "ShardingNotImplementedError",
     "ShardingWarning",
@@ -41,85 +30,17 @@ __all__ = [
     "domain_axes",
     "domain_group",
     "domain_size",
+    "functional",
     "gather",
     "init_mesh",
+    "interpolate",
     "launch",
-    "tune_host_allocator",
     "local_slices",
     "losses",
     "parallelize",
+    "reductions",
     "register",
     "shard",
-]
-__all__ += [
-    "ShardedBatchNorm1d",
-    "ShardedBatchNorm2d",
-    "ShardedBatchNorm3d",
-    "ShardedGroupNorm",
-    "ShardedInstanceNorm1d",
-    "ShardedInstanceNorm2d",
-    "ShardedInstanceNorm3d",
-    "ShardedLayerNorm",
-]
-
-from .layers.conv_transpose import ShardedConvTranspose1d, ShardedConvTranspose2d, ShardedConvTranspose3d  # noqa: E402
-
-__all__ += ["ShardedConvTranspose1d", "ShardedConvTranspose2d", "ShardedConvTranspose3d"]
-
-from . import functional  # noqa: E402
-from .layers.attention import RingAttention, ShardedMultiheadAttention, UlyssesAttention  # noqa: E402
-
-__all__ += ["RingAttention", "ShardedMultiheadAttention", "UlyssesAttention", "functional"]
-try:
-    from .layers.attention import ShardedTimmAttention  # noqa: E402
-
-    __all__ += ["ShardedTimmAttention"]
-except ImportError:  # timm is optional
-    pass
-
-from .layers import pool as _pool  # noqa: E402
-from .layers.pool import *  # noqa: E402, F403
-
-__all__ += _pool.__all__
-__all__ += ["reductions"]
-
-from .layers.upsample import ShardedUpsample, ShardedUpsamplingBilinear2d, ShardedUpsamplingNearest2d  # noqa: E402
-from .layers.upsample import interpolate  # noqa: E402
-
-__all__ += ["ShardedUpsample", "ShardedUpsamplingBilinear2d", "ShardedUpsamplingNearest2d", "interpolate"]
-
-from .layers.padding import (  # noqa: E402
-    ShardedCircularPad1d,
-    ShardedCircularPad2d,
-    ShardedCircularPad3d,
-    ShardedConstantPad1d,
-    ShardedConstantPad2d,
-    ShardedConstantPad3d,
-    ShardedReflectionPad1d,
-    ShardedReflectionPad2d,
-    ShardedReflectionPad3d,
-    ShardedReplicationPad1d,
-    ShardedReplicationPad2d,
-    ShardedReplicationPad3d,
-    ShardedZeroPad1d,
-    ShardedZeroPad2d,
-    ShardedZeroPad3d,
-)
-
-__all__ += [
-    "ShardedCircularPad1d",
-    "ShardedCircularPad2d",
-    "ShardedCircularPad3d",
-    "ShardedConstantPad1d",
-    "ShardedConstantPad2d",
-    "ShardedConstantPad3d",
-    "ShardedReflectionPad1d",
-    "ShardedReflectionPad2d",
-    "ShardedReflectionPad3d",
-    "ShardedReplicationPad1d",
-    "ShardedReplicationPad2d",
-    "ShardedReplicationPad3d",
-    "ShardedZeroPad1d",
-    "ShardedZeroPad2d",
-    "ShardedZeroPad3d",
+    "tune_host_allocator",
+    *_layers.__all__,
 ]
