@@ -84,6 +84,7 @@ OPTION_CASES = [
     Cfg(kernel=3, dilation=3, padding=3),
     Cfg(kernel=1, stride=3, padding=2, size=(24, 9, 6)),  # padding wider than the kernel
     Cfg(kernel=2, stride=2, padding=3, size=(24, 9, 6)),
+    Cfg(nd=1, kernel=2, stride=2, padding=1, mode="reflect", size=(24,)),  # reflect pad + trim
     Cfg(kernel=3, groups=2, bias=False),
     Cfg(kernel=3, groups=4, cout=8),
     *[Cfg(kernel=k, padding=p, mode=m, stride=s)

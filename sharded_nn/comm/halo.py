@@ -147,7 +147,11 @@ class HaloHandle:
         self.x = _HaloStart.apply(x, self)
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        left, right = _HaloWait.apply(self.x, self)
+        # Drop the handle's reference to ``x``: ``x``'s autograd node holds this handle, so
+        # keeping both would form a cycle through C++ that Python's gc cannot collect, leaking
+        # one slab (and its halos) per call.
+        x, self.x = self.x, None
+        left, right = _HaloWait.apply(x, self)
         return (left if self.recv_left is not None else None, right if self.recv_right is not None else None)
 
 
@@ -163,6 +167,7 @@ class _HaloStart(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         h = ctx.handle
         g_left, g_right = h.grads if h.grads is not None else (None, None)
+        h.grads = None
         # Received halo gradients are added into the edges of this slab's gradient: in place
         # when the caller knows the incoming gradient is a fresh buffer nobody else holds (it
         # saves a slab-sized copy), else into a clone.

@@ -148,10 +148,11 @@ def extend(
     d = plan.halo.dim
     r = ring.index
     x = halo_cat(x, plan.halo, ring) if ring.size > 1 or plan.halo.periodic else x
-    if plan.trim[r]:
-        x = x.narrow(d, 0, x.shape[d] - plan.trim[r])
+    # Left padding before the trim: reflect padding reads positions that the trim may drop.
     if ring.is_first:
         x = edge_pad(x, d, plan.pad_left, True, mode, value)
+    if plan.trim[r]:
+        x = x.narrow(d, 0, x.shape[d] - plan.trim[r])
     if ring.is_last:
         x = edge_pad(x, d, plan.pad_right, False, mode, value)
     return x
