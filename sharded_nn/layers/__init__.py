@@ -41,38 +41,7 @@ __all__ += _pool.__all__
 from .upsample import ShardedUpsample, ShardedUpsamplingBilinear2d, ShardedUpsamplingNearest2d
 
 __all__ += ["ShardedUpsample", "ShardedUpsamplingBilinear2d", "ShardedUpsamplingNearest2d"]
-from .padding import (  # noqa: E402
-    ShardedCircularPad1d,
-    ShardedCircularPad2d,
-    ShardedCircularPad3d,
-    ShardedConstantPad1d,
-    ShardedConstantPad2d,
-    ShardedConstantPad3d,
-    ShardedReflectionPad1d,
-    ShardedReflectionPad2d,
-    ShardedReflectionPad3d,
-    ShardedReplicationPad1d,
-    ShardedReplicationPad2d,
-    ShardedReplicationPad3d,
-    ShardedZeroPad1d,
-    ShardedZeroPad2d,
-    ShardedZeroPad3d,
-)
+from . import padding as _padding
+from .padding import *  # noqa: F403 - the padding layers; the list lives in padding.py
 
-__all__ += [
-    "ShardedCircularPad1d",
-    "ShardedCircularPad2d",
-    "ShardedCircularPad3d",
-    "ShardedConstantPad1d",
-    "ShardedConstantPad2d",
-    "ShardedConstantPad3d",
-    "ShardedReflectionPad1d",
-    "ShardedReflectionPad2d",
-    "ShardedReflectionPad3d",
-    "ShardedReplicationPad1d",
-    "ShardedReplicationPad2d",
-    "ShardedReplicationPad3d",
-    "ShardedZeroPad1d",
-    "ShardedZeroPad2d",
-    "ShardedZeroPad3d",
-]
+__all__ += [n for n in _padding.__all__ if n.startswith("Sharded")]  # the layers; F.pad stays in .padding
