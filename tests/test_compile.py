@@ -31,6 +31,8 @@ def _stack(kind: str) -> nn.Module:
             nn.MaxPool2d(3, stride=1, padding=1),
             nn.LayerNorm([4, 6, 5]),
         ]
+    elif kind == "conv3d":  # depth-padded Conv3d: the custom weight-gradient path on CPU
+        layers = [nn.Conv3d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 2, (3, 1, 3), padding=(1, 0, 1), groups=2)]
     else:  # a small conv / norm stack for the 2-D mesh
         layers = [nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 4)]
     return nn.Sequential(*layers).double()
@@ -50,7 +52,7 @@ def _check(domain, dims, backend, kind):
     for _ in range(2):  # the second call reuses the compiled graphs
         for p in (*ref.parameters(), *sharded.parameters()):
             p.grad = None
-        x = torch.randn(2, 3, 12, 10, dtype=torch.float64)
+        x = torch.randn(2, 3, 12, 10, *((6,) if kind == "conv3d" else ()), dtype=torch.float64)
         check_against_reference(ref, x, m, dims=dims, align=2, sharded=sharded, atol=1e-9, rtol=1e-9)
     for a, b in zip(ref.buffers(), sharded.buffers()):
         torch.testing.assert_close(b, a)
@@ -65,3 +67,7 @@ def test_compiled_norm_pool_stack(run):
 
 def test_compiled_conv_norm_2x2_mesh(run):
     assert all(run(4, _check, (2, 2), (2, 3), "aot_eager", "small", timeout=300))
+
+
+def test_compiled_conv3d_stack(run):
+    assert all(run(3, _check, 3, (2,), "aot_eager", "conv3d", timeout=300))

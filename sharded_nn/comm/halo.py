@@ -151,8 +151,13 @@ class HaloHandle:
         # keeping both would form a cycle through C++ that Python's gc cannot collect, leaking
         # one slab (and its halos) per call.
         x, self.x = self.x, None
+        has_left, has_right = self.recv_left is not None, self.recv_right is not None
         left, right = _HaloWait.apply(x, self)
-        return (left if self.recv_left is not None else None, right if self.recv_right is not None else None)
+        # The backward needs none of the buffers; the handle lives until then (the autograd
+        # nodes hold it), so drop them now: the halos live on only where the caller uses them.
+        self.recv_left = self.recv_right = None
+        self._sends, self._works = (None, None), []
+        return (left if has_left else None, right if has_right else None)
 
 
 class _HaloStart(torch.autograd.Function):

@@ -34,6 +34,92 @@ from .window import Window, WindowPlan, apply_linear, apply_overlapped, extend, 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """``F.conv{n}d``, with a faster weight gradient for depth-padded CPU ``conv3d``.
+
+    On CPU, oneDNN computes the weight gradient of a ``conv3d`` whose input is zero-padded along
+    depth (the first spatial dim) about 2.5x slower than for the same input padded explicitly
+    (measured with torch 2.14: 1.27 s against 0.49 s for 16 channels on 64 x 128 x 128), and
+    sharded convolutions pad along depth whenever the volume is sharded there. ``_DepthPadConv3d``
+    keeps the fast forward and input gradient and computes the weight gradient from a transient,
+    explicitly padded copy of the input.
+    """
+    if (
+        n == 3
+        and padding[0] > 0
+        and x.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and weight.requires_grad
+    ):
+        return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+    return _CONV_FN[n](x, weight, bias, stride, padding, dilation, groups)
+
+
+class _DepthPadConv3d(torch.autograd.Function):
+    """``F.conv3d`` whose backward computes the weight gradient with explicit depth padding."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):  # noqa: D102
+        ctx.conf = (stride, padding, dilation, groups)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):  # noqa: D102
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conf
+        bwd = torch.ops.aten.convolution_backward
+        gx = gw = gb = None
+        # The weight gradient first, so that the padded copy is freed before the input gradient
+        # is allocated: the transient peak is one input-sized buffer, not two.
+        if ctx.needs_input_grad[1]:
+            pd = padding[0]
+            # Zero only the padding planes (F.pad would fill the whole buffer, then copy over it).
+            xp = x.new_empty((*x.shape[:2], x.shape[2] + 2 * pd, *x.shape[3:]))
+            xp.narrow(2, 0, pd).zero_()
+            xp.narrow(2, pd + x.shape[2], pd).zero_()
+            xp.narrow(2, pd, x.shape[2]).copy_(x)
+            inner = [0, padding[1], padding[2]]
+            gw = bwd(g, xp, weight, None, stride, inner, dilation, False, [0, 0, 0], groups, [False, True, False])[1]
+            del xp
+        if ctx.needs_input_grad[0]:
+            gx = bwd(g, x, weight, None, stride, padding, dilation, False, [0, 0, 0], groups, [True, False, False])[0]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum((0, 2, 3, 4))
+        return gx, gw, gb, None, None, None, None
+
+
+def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation, groups) -> torch.Tensor:
+    """One output row along ``dim`` from the input ``planes`` under kernel ``taps`` only.
+
+    Sharded convolutions correct their first and last output rows with the few taps that read
+    the halos (``window.apply_linear``). A convolution over a volume one or two planes thick runs
+    on torch's slow reference kernel (about 7x slower per output than a slab for ``conv3d`` on
+    CPU), so the taps are folded into the channels instead: an ``(n-1)``-d convolution with
+    ``C_in * len(taps)`` input channels, on the fast kernels. Equals the sum over ``taps`` of the
+    tap's weights applied to its plane, with no bias; the result has size 1 along ``dim``.
+    """
+    i, t = dim - 2, len(taps)
+    # (N, C, T, ...) -> (N, C*T, ...): channel index c*T + tap, a view for one contiguous plane.
+    u = planes.movedim(dim, 2)
+    u = u.reshape(u.shape[0], u.shape[1] * t, *u.shape[3:])
+    # (C_out, C_in/g, k_dim, ...) -> (C_out, C_in/g * T, other taps), the same channel order
+    # within each group.
+    wt = weight.movedim(dim, 2)
+    wt = wt.narrow(2, taps[0], t) if taps == tuple(range(taps[0], taps[0] + t)) else wt[:, :, list(taps)]
+    wt = wt.reshape(wt.shape[0], wt.shape[1] * t, *wt.shape[3:])
+    if n == 1:
+        # No spatial dim is left: a length-1 conv1d keeps the grouping arithmetic.
+        return F.conv1d(u.unsqueeze(-1), wt.unsqueeze(-1), None, 1, 0, 1, groups)
+    keep = [j for j in range(n) if j != i]
+    y = _CONV_FN[n - 1](
+        u, wt, None, [stride[j] for j in keep], [padding[j] for j in keep], [dilation[j] for j in keep], groups
+    )
+    return y.unsqueeze(dim)
+
+
 class _ShardedConvNd(ShardedMixin):
     """Shared forward of the sharded convolutions (mixed into the torch classes)."""
 
@@ -102,7 +188,13 @@ class _ShardedConvNd(ShardedMixin):
             padding = list(conv_padding)
             padding[last_dim - 2] = pad
             b = self.bias if bias else None
-            return _CONV_FN[n](t, self.weight, b, self.stride, padding, self.dilation, self.groups)
+            return _conv(n, t, self.weight, b, self.stride, padding, self.dilation, self.groups)
+
+        def band(planes: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
+            planes = pad_unsharded(planes, pads, mode)
+            return _tap_conv(
+                n, planes, self.weight, last_dim, taps, self.stride, conv_padding, self.dilation, self.groups
+            )
 
         # Earlier sharded dims are extended first (this also fills the corners); the last one is
         # handled without an extended copy of the slab (apply_linear) where the geometry allows,
@@ -113,7 +205,7 @@ class _ShardedConvNd(ShardedMixin):
             x = extend(x, plans[k], rings[k], mode)
         if self.overlap:
             window = self._window(last_dim - 2)
-            out = apply_linear(x, plans[last], rings[last], mode, window, conv, lambda t: conv(t, bias=False))
+            out = apply_linear(x, plans[last], rings[last], mode, window, conv, band)
             if out is not None:
                 return out
             return apply_overlapped(x, plans[last], rings[last], mode, window, conv)

@@ -230,7 +230,7 @@ def apply_linear(
     mode: str,
     w: Window,
     conv_zero_padded,
-    conv_piece,
+    conv_taps,
 ) -> torch.Tensor | None:
     """A *linear* window op (convolution) without copying the slab; None when not applicable.
 
@@ -238,20 +238,18 @@ def apply_linear(
     first term is one call on the slab itself with zero padding ``pad_left`` on both sides
     (``conv_zero_padded(x, pad)``, with bias): it overlaps the halo exchange, saves only a view
     of ``x`` for its backward and needs no extended copy. The second term touches only the first
-    and last few output rows and is computed from thin pieces (``conv_piece``, no bias) once the
-    halos arrive, then added in place. Applicable when the zero-padded call yields exactly this
-    rank's output rows and the two corrected bands do not overlap; the caller falls back to
-    ``apply_overlapped`` otherwise (the halo traffic is the same either way).
+    and last few output rows, and each of those rows reads only a few kernel taps of the halos:
+    ``conv_taps(planes, taps)`` (no bias) computes one output row from the halo planes under the
+    taps ``taps``, and the result is added in place. The corrections therefore read (and save for
+    backward) nothing but the received halos. Applicable when the zero-padded call yields exactly
+    this rank's output rows; the caller falls back to ``apply_overlapped`` otherwise (the halo
+    traffic is the same either way).
     """
-    d, r, s, e, pl = plan.halo.dim, ring.index, w.stride, w.span, w.pad_left
+    d, r, s, pl = plan.halo.dim, ring.index, w.stride, w.pad_left
     n = x.shape[d]
     n_out = plan.out.sizes[r]
     right = plan.halo.right[r] + (plan.pad_right if ring.is_last else 0) - plan.trim[r]
-    if (n + 2 * pl - e) // s + 1 != n_out or right > pl:
-        return None
-    a = min(-(-pl // s), n_out)  # rows whose window starts left of the slab
-    j0 = max((n + pl - e) // s + 1, 0)  # first row whose window ends right of the slab
-    if a > j0:
+    if (n + 2 * pl - w.span) // s + 1 != n_out or right > pl:
         return None
     communicates = ring.size > 1 or plan.halo.periodic
     handle = halo_exchange(x, plan.halo, ring, grad_inplace=True) if communicates else None
@@ -263,17 +261,41 @@ def apply_linear(
         left_halo = edge_slab(x, d, plan.pad_left, True, mode)
     if right_halo is None and ring.is_last and plan.pad_right and mode != "zeros":
         right_halo = edge_slab(x.narrow(d, 0, n - plan.trim[r]), d, plan.pad_right, False, mode)
-    if a > 0 and left_halo is not None:
-        need = (a - 1) * s + e
-        piece = torch.cat([left_halo, _zeros_like_along(x, d, max(need - pl, 0))], d).narrow(d, 0, need)
-        out = _AddBand.apply(out, conv_piece(piece), d, 0)
-    if j0 < n_out and right_halo is not None:
-        start = j0 * s - pl  # in slab coordinates
-        zeros = _zeros_like_along(x, d, max(n - start, 0))
-        piece = torch.cat([zeros, right_halo], d)
-        piece = piece.narrow(d, max(start - n, 0), piece.shape[d] - max(start - n, 0))
-        out = _AddBand.apply(out, conv_piece(piece), d, j0)
+    for halo, left in ((left_halo, True), (right_halo, False)):
+        if halo is None or halo.shape[d] == 0:
+            continue
+        width = halo.shape[d]
+        for row, taps, idx in _halo_taps(w, n, n_out, width, left):
+            out = _AddBand.apply(out, conv_taps(_planes(halo, d, idx), taps), d, row)
     return out
+
+
+def _halo_taps(w: Window, n: int, n_out: int, width: int, left: bool):
+    """``(row, taps, halo_index)`` for each output row that reads the left (or right) halo.
+
+    Output row ``j`` reads slab position ``j*s - pad_left + t*dilation`` under tap ``t``; the
+    positions before 0 lie in the left halo (``width`` planes ending at 0), the ones from ``n``
+    on in the right halo (``width`` planes starting at ``n``). Positions beyond a halo are
+    zero padding of the main call and contribute nothing.
+    """
+    rows = range(0, min(-(-w.pad_left // w.stride), n_out)) if left else range(max((n + w.pad_left - w.span) // w.stride + 1, 0), n_out)
+    for j in rows:
+        taps, idx = [], []
+        for t in range(w.kernel):
+            p = j * w.stride - w.pad_left + t * w.dilation
+            q = p + width if left else p - n
+            if (p < 0 if left else p >= n) and 0 <= q < width:
+                taps.append(t)
+                idx.append(q)
+        if taps:
+            yield j, tuple(taps), tuple(idx)
+
+
+def _planes(halo: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
+    """The halo planes at ``idx`` along ``dim`` (a view for one plane or a unit-step run)."""
+    if idx == tuple(range(idx[0], idx[0] + len(idx))):
+        return halo.narrow(dim, idx[0], len(idx))
+    return halo.index_select(dim, torch.tensor(idx, device=halo.device))
 
 
 class _AddBand(torch.autograd.Function):
@@ -293,9 +315,3 @@ class _AddBand(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         return g, g.narrow(ctx.dim, ctx.start, ctx.width), None, None
-
-
-def _zeros_like_along(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = width
-    return x.new_zeros(shape)
