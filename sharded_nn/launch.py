@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -55,6 +56,7 @@ def tune_host_allocator(mmap_threshold: int = 1 << 16) -> bool:
 
 
 _M_MMAP_THRESHOLD = -3
+_THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 def init_worker(rank: int, world_size: int, port: int, timeout: timedelta, device_type: str | None = None) -> None:
@@ -80,7 +82,9 @@ def _worker(rank, world_size, port, timeout, device_type, threads, fn, args, res
             torch.set_num_threads(threads)
         init_worker(rank, world_size, port, timeout, device_type)
         out = fn(*args)
-        results.put((rank, "ok", out if rank == 0 else None))
+        # Plain pickle bytes, not the object: multiprocessing would send a tensor as a handle to
+        # this process's shared memory, which dies with it before the parent can read it.
+        results.put((rank, "ok", pickle.dumps(out) if rank == 0 else None))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         tb = traceback.format_exc()
         try:
@@ -102,6 +106,7 @@ def launch(
     timeout: float = 300.0,
     device_type: str | None = None,
     threads: int | None = None,
+    huge_pages: bool = True,
 ) -> Any:
     """Run ``fn(*args)`` on ``nprocs`` local processes with a process group; return rank 0's result.
 
@@ -113,6 +118,11 @@ def launch(
         device_type: ``"cuda"`` (one GPU per rank, NCCL) or ``"cpu"`` (gloo); default: CUDA when
             there are enough GPUs.
         threads: torch threads per process (``None`` leaves torch's default).
+        huge_pages: start the processes with ``THP_MEM_ALLOC_ENABLE=1`` (unless the variable is
+            already set), so that torch puts large CPU tensors on transparent huge pages. Every
+            fresh activation buffer of a big sample is otherwise page-faulted in 4 KiB at a time:
+            on a 128^3 Conv3d stack this was a third of the run time. Under torchrun, export the
+            variable yourself.
 
     Raises:
         The first failing rank's exception, with its remote traceback as ``__cause__``;
@@ -131,8 +141,17 @@ def launch(
         )
         for r in range(nprocs)
     ]
-    for p in procs:
-        p.start()
+    saved_env = os.environ.get(_THP_ENV)
+    if huge_pages and saved_env is None:
+        # Read once by torch's CPU allocator at its first allocation, so it must be in the
+        # environment the processes start with; the parent's own environment is restored below.
+        os.environ[_THP_ENV] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved_env is None:
+            os.environ.pop(_THP_ENV, None)
     try:
         return _collect(procs, results, timeout)
     finally:
@@ -173,7 +192,7 @@ def _collect(procs, results, timeout: float) -> Any:
             raise exc from RemoteTraceback(text)
         pending.discard(rank)
         if rank == 0:
-            out = payload
+            out = pickle.loads(payload)
     return out
 
 

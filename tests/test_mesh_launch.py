@@ -162,6 +162,9 @@ def _launch_ok(tag):
         "tag": tag,
         "names": m.mesh_dim_names,
         "threads": torch.get_num_threads(),
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+        # A tensor must survive the trip after this process exits (no shared-memory handle).
+        "tensor": torch.arange(4.0) * (dist.get_rank() + 1),
     }
 
 
@@ -188,8 +191,14 @@ def _children() -> set[int]:
 
 def test_launch_returns_rank0_result():
     before = _children()
+    env = os.environ.get("THP_MEM_ALLOC_ENABLE")
     out = snn.launch(_launch_ok, 2, "hello", timeout=120, device_type="cpu", threads=1)
-    assert out == {"rank": 0, "world": 2, "sum": 3.0, "tag": "hello", "names": ("domain",), "threads": 1}
+    tensor = out.pop("tensor")
+    assert torch.equal(tensor, torch.arange(4.0))
+    thp = env if env is not None else "1"  # huge pages on by default, a user's setting kept
+    expected = {"rank": 0, "world": 2, "sum": 3.0, "tag": "hello", "names": ("domain",), "threads": 1, "thp": thp}
+    assert out == expected
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == env  # the parent's environment is left as it was
     assert _children() <= before
 
 
