@@ -28,12 +28,19 @@ What is measured (DESIGN.md section 7):
   P=1 (the input is generated plane by plane from per-plane seeds, so both runs see the same
   global sample), to make sure that the timings are of a correct computation.
 
+* Also measured (skip with ``--quick``): the plain torch stack at P=1, i.e. what a user runs
+  without sharded_nn, and P=2 with ``overlap=False`` (halos exchanged synchronously into an
+  extended copy of the slab, then one convolution), to show what the overlapped, copy-free path
+  buys in time and memory.
+* ``launch`` starts the ranks with ``THP_MEM_ALLOC_ENABLE=1`` (large tensors on transparent huge
+  pages) for every configuration alike, plain torch included.
+
 Targets: speedup >= 1.8x and memory ratio <= 0.55x; the table marks each PASS or MISS. The exit
 code is 0 whether or not the targets are met: this is a benchmark, not a test.
 
 Run it from the repository root::
 
-    python bench/conv.py                                  # both cases at full size (a few minutes)
+    python bench/conv.py                                  # both cases at full size (about 7 minutes)
     python bench/conv.py --case conv3d --size 32 --iters 2   # a quick smoke run
     python bench/conv.py --profile                        # also: where the time goes, by kind of op
 
@@ -177,7 +184,22 @@ def _profile_step(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, float], 
     return buckets, events.table(sort_by="self_cpu_time_total", row_limit=10)
 
 
-def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> RunResult:
+#: What a launch runs: the converted model (the benchmark), the converted model with
+#: ``overlap=False`` (halos exchanged synchronously into an extended copy), or the plain torch
+#: model (P=1 only: what a user runs without sharded_nn).
+VARIANTS = ("sharded", "no-overlap", "torch")
+
+
+def build_model(case: Case, dtype: torch.dtype, mesh: DeviceMesh, variant: str) -> nn.Module:
+    """The stack of ``case`` as ``variant`` says (see ``VARIANTS``)."""
+    model = build_stack(case.spatial_dims, dtype)
+    if variant == "torch":
+        return model
+    plan = {"*": {"overlap": False}} if variant == "no-overlap" else None
+    return snn.convert(model, mesh, plan=plan, strict=True)
+
+
+def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, variant: str = "sharded") -> RunResult:
     """Body of every rank: build the sharded stack and its slab, time it, measure its memory.
 
     Args:
@@ -185,6 +207,7 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> Ru
         dtype_name: a key of ``_DTYPES``.
         iters: timed iterations (after one warm-up).
         want_profile: also profile one more iteration (after the timing and memory readings).
+        variant: one of ``VARIANTS``.
 
     Returns:
         Per-iteration wall and CPU times (max over ranks), per-rank memory above baseline, the global loss and
@@ -198,7 +221,7 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> Ru
         raise RuntimeError(f"bench: expected 1 torch thread per rank, got {torch.get_num_threads()}.")
     dtype = _DTYPES[dtype_name]
     group = snn.domain_group(mesh)
-    model = snn.convert(build_stack(case.spatial_dims, dtype), mesh, strict=True)
+    model = build_model(case, dtype, mesh, variant)
     x = local_input(case, mesh, dtype)
 
     _step(model, x)  # warm-up: first-touch allocations, layout planning, oneDNN primitive caches
@@ -225,26 +248,33 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool) -> Ru
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).to(torch.float64)
     dist.all_reduce(grads, group=group)
     prof = _profile_step(model, x) if want_profile else None
-    # Plain floats, not a tensor: launch returns results through a multiprocessing queue, where a
-    # tensor travels as a shared-memory handle that dies with the rank process that made it.
     return RunResult(dist.get_world_size(), t[0].tolist(), t[1].tolist(), mems, loss64.item(), grads.tolist(), prof)
 
 
-def run_case(case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool) -> tuple[RunResult, ...]:
-    """P=1 then P=2, each in its own launch so that each high-water mark is its own."""
-    out = []
-    for p in (1, 2):
+def run_case(
+    case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool, extra: bool
+) -> dict[str, RunResult]:
+    """P=1 then P=2 (and, with ``extra``, plain torch at P=1 and P=2 without overlap).
+
+    Each configuration runs in its own launch, so that each high-water mark is its own.
+    """
+    runs = [("P=1", 1, "sharded"), ("P=2", 2, "sharded")]
+    if extra:
+        runs += [("torch P=1", 1, "torch"), ("P=2 no-overlap", 2, "no-overlap")]
+    out = {}
+    for label, p, variant in runs:
         t0 = time.perf_counter()
-        res = snn.launch(rank_main, p, case, dtype_name, iters, want_profile, timeout=timeout, threads=1)
+        prof = want_profile and variant == "sharded"
+        res = snn.launch(rank_main, p, case, dtype_name, iters, prof, variant, timeout=timeout, threads=1)
         print(
-            f"  {case.name} P={p}: median {res.median:.3f} s over {iters} iters "
+            f"  {case.name} {label}: median {res.median:.3f} s over {iters} iters "
             f"(all {', '.join(f'{v:.3f}' for v in res.times)}; CPU s/rank, max over ranks, median "
             f"{statistics.median(res.cpu_times):.3f}), mem/rank MiB "
             f"{', '.join(f'{m:.0f}' for m in res.mem_mib)}, launch {time.perf_counter() - t0:.1f} s",
             flush=True,
         )
-        out.append(res)
-    return tuple(out)
+        out[label] = res
+    return out
 
 
 def busy_cores(interval: float = 1.0) -> float:
@@ -269,7 +299,7 @@ def _mark(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def report(rows: list[tuple[Case, RunResult, RunResult]], dtype_name: str) -> None:
+def report(rows: list[tuple[Case, dict[str, RunResult]]], dtype_name: str) -> None:
     """Print the results table, the targets and the P=1 / P=2 consistency check."""
     head = (
         f"{'case':<8} {'shape':<18} {'T1 s':>8} {'T2 s':>8} {'speedup':>9} {'effic.':>7} "
@@ -279,7 +309,8 @@ def report(rows: list[tuple[Case, RunResult, RunResult]], dtype_name: str) -> No
     print(f"sharded_nn conv benchmark: P=1 vs P=2, 1 thread/rank, {dtype_name}, forward+backward")
     print(head)
     print("-" * len(head))
-    for case, r1, r2 in rows:
+    for case, runs in rows:
+        r1, r2 = runs["P=1"], runs["P=2"]
         t1, t2 = r1.median, r2.median
         m1, m2 = max(r1.mem_mib), max(r2.mem_mib)
         speedup = t1 / t2
@@ -291,7 +322,8 @@ def report(rows: list[tuple[Case, RunResult, RunResult]], dtype_name: str) -> No
         )
     print()
     print(f"targets: speedup >= {SPEEDUP_TARGET}x, mem ratio <= {MEM_RATIO_TARGET}x")
-    for case, r1, r2 in rows:
+    for case, runs in rows:
+        r1, r2 = runs["P=1"], runs["P=2"]
         speedup = r1.median / r2.median
         ratio = max(r2.mem_mib) / max(r1.mem_mib)
         loss_err = abs(r2.loss - r1.loss) / max(abs(r1.loss), 1e-30)
@@ -305,7 +337,22 @@ def report(rows: list[tuple[Case, RunResult, RunResult]], dtype_name: str) -> No
         )
         cpu_ratio = statistics.median(r1.cpu_times) / statistics.median(r2.cpu_times)
         print(f"  {'':<8} CPU-time ratio T1/T2 (busiest rank, robust to other load) {cpu_ratio:.2f}x")
-    for case, r1, r2 in rows:
+        if "torch P=1" in runs:
+            tt = runs["torch P=1"]
+            print(
+                f"  {'':<8} plain torch at P=1: {tt.median:.3f} s, {max(tt.mem_mib):.0f} MiB "
+                f"(sharded P=1 / torch: time {r1.median / tt.median:.2f}x, memory "
+                f"{max(r1.mem_mib) / max(tt.mem_mib):.2f}x; speedup of P=2 over plain torch "
+                f"{tt.median / r2.median:.2f}x)"
+            )
+        if "P=2 no-overlap" in runs:
+            no = runs["P=2 no-overlap"]
+            print(
+                f"  {'':<8} P=2 with overlap=False: {no.median:.3f} s, {max(no.mem_mib):.0f} MiB "
+                f"(overlap saves {1 - r2.median / no.median:+.0%} time, {1 - max(r2.mem_mib) / max(no.mem_mib):+.0%} memory)"
+            )
+    for case, runs in rows:
+        r1, r2 = runs["P=1"], runs["P=2"]
         if r1.profile and r2.profile:
             print(f"\nprofile of one more iteration, {case.name}, rank 0: self CPU seconds by kind of op")
             for name in r1.profile[0]:
@@ -326,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="profile one more iteration per run; print where the time goes"
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only P=1 and P=2; skip the plain-torch baseline and the overlap=False run",
+    )
     args = parser.parse_args(argv)
     if args.iters < 1:
         parser.error("--iters must be >= 1")
@@ -342,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     busy_before = busy_cores()
     rows = []
     for case in cases:
-        r1, r2 = run_case(case, args.dtype, args.iters, args.timeout, args.profile)
-        rows.append((case, r1, r2))
+        rows.append((case, run_case(case, args.dtype, args.iters, args.timeout, args.profile, not args.quick)))
     report(rows, args.dtype)
     busy_after = busy_cores()
     print(f"\ncores busy with other work (1 s sample) before: {busy_before:.2f}, after: {busy_after:.2f}", end="")
