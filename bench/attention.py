@@ -18,6 +18,14 @@ What is measured (DESIGN.md section 7):
   P=2 run in separate launches, so each high-water mark belongs to one configuration.
 * Consistency: the global sums of the output and of dq must agree between P=1 and P=2.
 
+Where the memory goes, in local slabs (one slab: B x H x L/P x D float32), at the backward peak:
+this script holds q, k, v, the loss weight and the previous iteration's output (5); ring
+attention holds its output (saved for backward), dout and the three gradients (5); that floor of
+10 slabs is the same at every P. P=1 adds nothing else (about 10.5 slabs measured). At P>1 the
+ring adds one piece of the travelling K/V, the kernel's three block gradients and the dK/dV
+accumulator hop (sent and received): 9 pieces of 1/8 slab (``_RING_CHUNKS``), so P=2 holds about
+11.1 half-size slabs and the ratio is about 11.1 / (2 x 10.5) = 0.53; the floor alone is 0.48.
+
 Targets: speedup >= 1.8x and memory ratio <= 0.55x (marked PASS or MISS; the exit code is 0
 either way: this is a benchmark, not a test).
 

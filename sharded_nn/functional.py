@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from .attention_kernels import acc_dtype, block_backward, block_forward, merge
 from .comm.all_to_all import heads_to_seq, seq_to_heads
 from .comm.collectives import all_gather_uneven
 from .comm.ring import AxisRing
@@ -31,8 +32,11 @@ from .layout import Layout
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
 _LAYOUTS = ("contiguous", "zigzag")
-#: Query rows per tile in the blocked math path: bounds its score matrix to tile x block.
-_Q_TILE = 1024
+#: Pieces that the travelling K/V slab (and its dK/dV accumulator) is cut into, along batch and
+#: KV heads: the ring's in-flight buffers are then about 1/_RING_CHUNKS of a slab each.
+_RING_CHUNKS = 8
+#: ... but no piece smaller than this many elements of K (per-message overhead would dominate).
+_MIN_CHUNK_NUMEL = 1 << 16
 # Message tags: key/value blocks and gradient accumulators are in flight at the same time.
 _TAG_KV, _TAG_DKV = 0, 8
 
@@ -91,6 +95,35 @@ class _Segment:
 
 
 @dataclass(frozen=True)
+class _Chunk:
+    """Batch items ``b0:b1`` and key/value heads ``h0:h1``: one piece of a travelling block."""
+
+    b0: int
+    b1: int
+    h0: int
+    h1: int
+
+
+def _runs(n: int, parts: int) -> list[tuple[int, int]]:
+    return [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+
+
+def _chunks(batch: int, kv_heads: int, target: int) -> tuple[_Chunk, ...]:
+    """About ``target`` pieces of (B, Hkv), each one batch item or all heads of several.
+
+    Either way a piece of a contiguous (B, Hkv, L, D) tensor is contiguous, so pieces travel and
+    land in place without copies. With fewer than ``target`` (batch, head) pairs, the pieces
+    are single heads.
+    """
+    if target <= 1:
+        return (_Chunk(0, batch, 0, kv_heads),)
+    if batch >= target:
+        return tuple(_Chunk(lo, hi, 0, kv_heads) for lo, hi in _runs(batch, target))
+    per = min(kv_heads, -(-target // batch))
+    return tuple(_Chunk(b, b + 1, lo, hi) for b in range(batch) for lo, hi in _runs(kv_heads, per))
+
+
+@dataclass(frozen=True)
 class _Plan:
     ring: AxisRing
     scale: float
@@ -100,6 +133,8 @@ class _Plan:
     q_segs: tuple[tuple[_Segment, ...], ...]  # per rank
     k_segs: tuple[tuple[_Segment, ...], ...]
     has_mask: bool
+    groups: int  # query heads per key/value head
+    chunks: tuple[_Chunk, ...]  # one when P == 1: nothing travels, so nothing is cut
 
 
 def _segments(lens: tuple[int, ...], layout: str, what: str) -> tuple[tuple[_Segment, ...], ...]:
@@ -175,7 +210,10 @@ def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what) -> _Plan:
     q_segs = _segments(q_lens, layout, what)
     k_segs = _segments(k_lens, layout, what)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _Plan(ring, scale, bool(is_causal), q_lens, k_lens, q_segs, k_segs, mask is not None)
+    # From gathered facts only, so that every rank cuts its blocks the same way.
+    target = min(_RING_CHUNKS, b * hk * max(k_lens) * d // max(_MIN_CHUNK_NUMEL, 1)) if ring.size > 1 else 1
+    chunks = _chunks(b, hk, target)
+    return _Plan(ring, scale, bool(is_causal), q_lens, k_lens, q_segs, k_segs, mask is not None, hq // hk, chunks)
 
 
 def _pairs(plan: _Plan, src: int):
@@ -199,132 +237,7 @@ def _pairs(plan: _Plan, src: int):
                 yield qs, ks, True
 
 
-# --------------------------------------------------------------------------- block kernels
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return t
-    b, h, n, d = t.shape
-    return t.view(b, h // groups, groups, n, d).sum(2)
-
-
-def _additive(pad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """(B, Lk) padding flags (nonzero = ignore) -> (B, 1, 1, Lk) additive mask."""
-    if pad is None:
-        return None
-    bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device)
-    return bias.masked_fill_(pad.bool(), float("-inf"))[:, None, None, :]
-
-
-def _use_cpu_flash(q: torch.Tensor, v: torch.Tensor) -> bool:
-    # The CPU flash kernel returns the log-sum-exp we merge with; it needs equal q/v head sizes.
-    dtypes = (torch.float32, torch.float64, torch.bfloat16)
-    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and q.dtype in dtypes
-
-
-def _block_forward(q, k, v, pad, scale, diag):
-    """Attention of a query run over one key block: (out in acc dtype, lse in acc dtype).
-
-    Rows whose keys are all padded get lse = -inf and out = 0, so that merging ignores them.
-    """
-    acc = _acc_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    bias = _additive(pad, q.dtype)
-    if _use_cpu_flash(q, v):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, diag, attn_mask=bias, scale=scale
-        )
-        out, lse = out.to(acc), lse.to(acc)
-    else:
-        out, lse = _math_forward(q, k, v, bias, scale, diag)
-    if pad is not None:
-        # The CPU kernel reports lse = 0 for a row with no visible key; mark it empty instead.
-        # On a diagonal block row i sees keys 0..i only, so it is empty when they all are padding.
-        flags = pad.bool()
-        empty = (flags.cumprod(-1).bool() if diag else flags.all(-1, keepdim=True))[:, None, :]
-        lse = lse.masked_fill(empty, float("-inf"))
-        out = out.masked_fill(empty[..., None], 0.0)
-    return out, lse
-
-
-def _scores(q, k, bias, scale, diag, row0, acc):
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if bias is not None:
-        s = s + bias.to(acc)
-    if diag:
-        rows = torch.arange(row0, row0 + q.shape[2], device=q.device)[:, None]
-        cols = torch.arange(k.shape[2], device=q.device)[None, :]
-        s = s.masked_fill(cols > rows, float("-inf"))
-    return s
-
-
-def _math_forward(q, k, v, bias, scale, diag):
-    acc = _acc_dtype(q.dtype)
-    outs, lses = [], []
-    for i in range(0, q.shape[2], _Q_TILE):
-        s = _scores(q[:, :, i : i + _Q_TILE], k, bias, scale, diag, i, acc)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        outs.append(torch.matmul(p, v.to(acc)))
-        lses.append(lse)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
-
-
-def _block_backward(dout, q, k, v, out, lse, pad, scale, diag):
-    """Gradients of one block pair from the final output and lse (flash-style recomputation)."""
-    groups = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
-    bias = _additive(pad, q.dtype)
-    if _use_cpu_flash(q, v):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, ke, ve, out, lse, 0.0, diag, attn_mask=bias, scale=scale
-        )
-    else:
-        dq, dk, dv = _math_backward(dout, q, ke, ve, out, lse, bias, scale, diag)
-    return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
-
-
-def _math_backward(dout, q, k, v, out, lse, bias, scale, diag):
-    acc = _acc_dtype(q.dtype)
-    kf, vf = k.to(acc), v.to(acc)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for i in range(0, q.shape[2], _Q_TILE):
-        sl = slice(i, i + _Q_TILE)
-        qt, dot = q[:, :, sl].to(acc), dout[:, :, sl].to(acc)
-        s = _scores(qt, kf, bias, scale, diag, i, acc)
-        p = torch.exp(s - lse[:, :, sl, None].to(acc))
-        delta = (dot * out[:, :, sl].to(acc)).sum(-1, keepdim=True)
-        dv += torch.matmul(p.transpose(-1, -2), dot)
-        ds = p * (torch.matmul(dot, vf.transpose(-1, -2)) - delta) * scale
-        dq[:, :, sl] = torch.matmul(ds, kf)
-        dk += torch.matmul(ds.transpose(-1, -2), qt)
-    return dq, dk, dv
-
-
-def _merge(out_acc, lse_acc, out_b, lse_b):
-    """Log-sum-exp merge of a block result into the running (out, lse), in place.
-
-    ``out_b`` is a fresh block result and is overwritten.
-    """
-    new = torch.logaddexp(lse_acc, lse_b)
-    # Rows that have seen no visible key yet keep lse = -inf; exp(-inf - -inf) would be NaN.
-    safe = torch.where(torch.isinf(new), 0.0, new)
-    w_old = torch.exp(lse_acc - safe)[..., None]
-    w_new = torch.exp(lse_b - safe)[..., None]
-    out_acc.mul_(w_old).add_(out_b.mul_(w_new))
-    lse_acc.copy_(new)
+# --------------------------------------------------------------------------- ring attention
 
 
 def _whole(seg: _Segment, n: int) -> bool:
@@ -334,8 +247,8 @@ def _whole(seg: _Segment, n: int) -> bool:
 def _accumulate(acc: torch.Tensor | None, seg: _Segment, val: torch.Tensor, shape, dtype) -> torch.Tensor:
     """``acc[:, :, seg] += val``; the first value of a whole-slab accumulator is taken as is.
 
-    Taking the kernel's fresh result instead of adding it into zeros saves a slab-sized buffer
-    per accumulator, which matters because the ring already holds block pairs in flight.
+    Taking the kernel's fresh result instead of adding it into zeros saves a buffer per
+    accumulator.
     """
     if acc is None:
         if _whole(seg, shape[2]):
@@ -345,10 +258,8 @@ def _accumulate(acc: torch.Tensor | None, seg: _Segment, val: torch.Tensor, shap
     return acc
 
 
-# --------------------------------------------------------------------------- ring attention
-
-
 def _sl(t, seg: _Segment):
+    """Tokens of ``seg`` along dim 2 of a (B, H, L, ...) tensor (a view)."""
     return t[:, :, seg.offset : seg.offset + seg.length]
 
 
@@ -356,45 +267,93 @@ def _sl_mask(m, seg: _Segment):
     return None if m is None else m[:, seg.offset : seg.offset + seg.length]
 
 
-def _block_shapes(plan: _Plan, src: int, k, v, pad):
-    n = plan.k_lens[src]
-    shapes = [(*k.shape[:2], n, k.shape[3]), (*v.shape[:2], n, v.shape[3])]
-    if pad is not None:
-        shapes.append((pad.shape[0], n))
+def _q_heads(t, c: _Chunk, groups: int):
+    """The query-side rows of chunk ``c``: its batch items and the query heads of its KV heads."""
+    return t[c.b0 : c.b1, c.h0 * groups : c.h1 * groups]
+
+
+def _kv_heads(t, c: _Chunk):
+    return t[c.b0 : c.b1, c.h0 : c.h1]
+
+
+def _unit_shapes(plan: _Plan, src: int, c: _Chunk, k, v, with_pad: bool):
+    """Shapes of chunk ``c`` of the key/value block of rank ``src`` (and of its padding flags)."""
+    n, b, h = plan.k_lens[src], c.b1 - c.b0, c.h1 - c.h0
+    shapes = [(b, h, n, k.shape[3]), (b, h, n, v.shape[3])]
+    if with_pad:
+        shapes.append((b, n))
     return shapes
 
 
+def _unit(k, v, pad, c: _Chunk) -> list[torch.Tensor]:
+    return [_kv_heads(k, c), _kv_heads(v, c)] + ([pad[c.b0 : c.b1]] if pad is not None else [])
+
+
+def _travel(plan: _Plan, c: _Chunk, k, v, pad):
+    """Yield ``(step, src, k, v, pad)`` for chunk ``c`` of the blocks of every rank in turn.
+
+    Step ``s`` holds the chunk of rank ``me - s``. Double buffering: the next chunk is already
+    travelling from the left neighbour while the caller computes on the one yielded.
+    """
+    ring, me, p = plan.ring, plan.ring.index, plan.ring.size
+    unit = _unit(k, v, pad, c)
+    for step in range(p):
+        src = (me - step) % p
+        hop = None
+        if step < p - 1:
+            shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, pad is not None)
+            hop = ring_pass(ring, unit, shapes, tag=_TAG_KV)
+        yield step, src, unit[0], unit[1], (unit[2] if pad is not None else None)
+        # Rebinding drops this step's chunk as soon as the next one has arrived.
+        unit = hop.wait() if hop is not None else []
+
+
 class _RingAttention(torch.autograd.Function):
+    """Ring attention on this rank's slabs; see ``ring_attention`` for the contract.
+
+    Schedule: the K/V slab is cut into chunks along (batch, KV heads) (``_Plan.chunks``); for
+    each chunk the ring runs its P steps (step s: the chunk of rank ``me - s``) before the next
+    chunk starts. A rank therefore forwards each chunk to its right neighbour exactly when that
+    neighbour needs it next, so only one chunk pair is in flight (double buffering at chunk
+    granularity) instead of a whole block. In backward the dK/dV accumulator of a chunk follows
+    its K/V one step behind and its last hop lands directly in the owner's gradient buffer.
+    """
+
     @staticmethod
     def forward(ctx, q, k, v, pad, plan: _Plan):  # noqa: D102
-        ring, me, p = plan.ring, plan.ring.index, plan.ring.size
-        acc = _acc_dtype(q.dtype)
-        b, h, n, _ = q.shape
+        g = plan.groups
+        acc = acc_dtype(q.dtype)
+        n = q.shape[2]
         out = lse = None
-        block = [k.contiguous(), v.contiguous()] + ([pad] if pad is not None else [])
-        for step in range(p):
-            src = (me - step) % p
-            handle = None
-            if step < p - 1:
-                # Double buffering: the next block travels while this one is computed on.
-                handle = ring_pass(ring, block, _block_shapes(plan, (src - 1) % p, k, v, pad), tag=_TAG_KV)
-            kb, vb = block[0], block[1]
-            mb = block[2] if pad is not None else None
-            for qs, ks, diag in _pairs(plan, src):
-                o_b, l_b = _block_forward(_sl(q, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag)
-                if out is None and _whole(qs, n):
-                    out, lse = o_b, l_b.contiguous()
-                    continue
-                if out is None:
-                    out = torch.zeros((b, h, n, v.shape[3]), dtype=acc, device=q.device)
-                    lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-                _merge(_sl(out, qs), lse[:, :, qs.offset : qs.offset + qs.length], o_b, l_b)
-                del o_b, l_b
-            # Drop the names of this step's block so that it is freed as soon as it is replaced
-            # (per-rank memory is the slab plus one block pair in flight).
-            del kb, vb, mb
-            if handle is not None:
-                block = handle.wait()
+        if len(plan.chunks) > 1:
+            out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=acc, device=q.device)
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        for c in plan.chunks:
+            qc = _q_heads(q, c, g)
+            oc, lc = (None, None) if out is None else (_q_heads(out, c, g), _q_heads(lse, c, g))
+            fresh = True  # nothing written to this chunk's output rows yet
+            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad):
+                for qs, ks, diag in _pairs(plan, src):
+                    o_b, l_b = block_forward(
+                        _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag
+                    )
+                    if fresh and _whole(qs, n):
+                        if oc is None:  # one chunk: the kernel's result is the accumulator
+                            oc, lc = o_b, l_b.contiguous()
+                        else:
+                            oc.copy_(o_b)
+                            lc.copy_(l_b)
+                    else:
+                        if oc is None:
+                            oc = torch.zeros((*qc.shape[:3], v.shape[3]), dtype=acc, device=q.device)
+                            lc = torch.full(qc.shape[:3], float("-inf"), dtype=acc, device=q.device)
+                        merge(_sl(oc, qs), _sl(lc, qs), o_b, l_b)
+                    fresh = False
+                    del o_b, l_b
+                # Drop this step's names so that a received chunk is freed once replaced.
+                del kb, vb, mb
+            if out is None:
+                out, lse = oc, lc
         out_q = out.to(q.dtype)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
@@ -406,47 +365,62 @@ class _RingAttention(torch.autograd.Function):
         plan = ctx.plan
         q, k, v, pad, out, lse = ctx.saved_tensors
         pad = pad if plan.has_mask else None
-        ring, me, p = plan.ring, plan.ring.index, plan.ring.size
-        acc = _acc_dtype(q.dtype)
-        dout = dout.contiguous()
-        dq = None
-        block = [k.contiguous(), v.contiguous()] + ([pad] if pad is not None else [])
-        dkv_handle = None
-        for step in range(p):
-            src = (me - step) % p
-            kv_handle = None
-            if step < p - 1:
-                kv_handle = ring_pass(ring, block, _block_shapes(plan, (src - 1) % p, k, v, pad), tag=_TAG_KV)
-            kb, vb = block[0], block[1]
-            mb = block[2] if pad is not None else None
-            dk = dv = None
-            for qs, ks, diag in _pairs(plan, src):
-                dq_b, dk_b, dv_b = _block_backward(
-                    _sl(dout, qs).contiguous(), _sl(q, qs), _sl(kb, ks), _sl(vb, ks),
-                    _sl(out, qs).contiguous(), lse[:, :, qs.offset : qs.offset + qs.length].contiguous(),
-                    _sl_mask(mb, ks), plan.scale, diag,
-                )
-                dq = _accumulate(dq, qs, dq_b, q.shape, acc)
-                dk = _accumulate(dk, ks, dk_b, kb.shape, acc)
-                dv = _accumulate(dv, ks, dv_b, vb.shape, acc)
-                del dq_b, dk_b, dv_b
-            if dk is None:  # a block wholly in this rank's causal future
-                dk = torch.zeros(kb.shape, dtype=acc, device=q.device)
-                dv = torch.zeros(vb.shape, dtype=acc, device=q.device)
-            if dkv_handle is not None:
-                # The accumulator of this block, from the ranks that held it before; it travelled
-                # while this rank computed its own share.
-                dk_in, dv_in = dkv_handle.wait()
-                dk += dk_in
-                dv += dv_in
-                del dk_in, dv_in
-            # After the last step the accumulator makes one more hop, back to the block's owner.
-            nxt = (src - 1) % p
-            dkv_handle = ring_pass(ring, [dk, dv], _block_shapes(plan, nxt, dk, dv, None), tag=_TAG_DKV)
-            del kb, vb, mb, dk, dv
-            if kv_handle is not None:
-                block = kv_handle.wait()
-        dk, dv = dkv_handle.wait()
+        ring, p, g = plan.ring, plan.ring.size, plan.groups
+        acc = acc_dtype(q.dtype)
+        if pad is not None:
+            # A query with no visible key at all (lse = -inf, output 0) has zero gradients:
+            # lse = +inf makes its probabilities exp(s - lse) 0 instead of NaN.
+            lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        dq = dk = dv = None
+        if len(plan.chunks) > 1:
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        if p > 1:
+            # Filled by the last hop of each chunk's accumulator.
+            dk = torch.empty(k.shape, dtype=acc, device=q.device)
+            dv = torch.empty(v.shape, dtype=acc, device=q.device)
+        dkv_hop = None
+        for c in plan.chunks:
+            qc, doc, oc, lc = (_q_heads(t, c, g) for t in (q, dout, out, lse))
+            dqc = None if dq is None else _q_heads(dq, c, g)
+            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad):
+                dkc = dvc = None
+                for qs, ks, diag in _pairs(plan, src):
+                    dq_b, dk_b, dv_b = block_backward(
+                        _sl(doc, qs).contiguous(), _sl(qc, qs), _sl(kb, ks), _sl(vb, ks),
+                        _sl(oc, qs).contiguous(), _sl(lc, qs).contiguous(),
+                        _sl_mask(mb, ks), plan.scale, diag,
+                    )
+                    dqc = _accumulate(dqc, qs, dq_b, qc.shape, acc)
+                    dkc = _accumulate(dkc, ks, dk_b, kb.shape, acc)
+                    dvc = _accumulate(dvc, ks, dv_b, vb.shape, acc)
+                    del dq_b, dk_b, dv_b
+                if dkc is None:  # a block wholly in this rank's causal future
+                    dkc = torch.zeros(kb.shape, dtype=acc, device=q.device)
+                    dvc = torch.zeros(vb.shape, dtype=acc, device=q.device)
+                if dkv_hop is not None:
+                    # The previous hop: at step > 0 the accumulator of this chunk from the ranks
+                    # that held it before (it travelled while this rank computed its share); at
+                    # step 0 the final dK/dV of this rank's previous chunk, already in place.
+                    got = dkv_hop.wait()
+                    dkv_hop = None
+                    if step > 0:
+                        dkc += got[0]
+                        dvc += got[1]
+                    del got
+                if p == 1:
+                    dk, dv = dkc, dvc
+                else:
+                    nxt = (src - 1) % p
+                    # After the last step the accumulator goes home: the left neighbour's hop
+                    # brings this rank's own final chunk straight into dk/dv.
+                    into = [_kv_heads(dk, c), _kv_heads(dv, c)] if step == p - 1 else None
+                    shapes = _unit_shapes(plan, nxt, c, k, v, False)
+                    dkv_hop = ring_pass(ring, [dkc, dvc], shapes, tag=_TAG_DKV, out=into)
+                del kb, vb, mb, dkc, dvc
+            if dq is None:
+                dq = dqc
+        if dkv_hop is not None:
+            dkv_hop.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -468,11 +442,15 @@ def ring_attention(
     ``(B, Hkv, Lk_local, Dv)`` hold this rank's tokens (dim 2 sharded, any lengths, ``layout``
     says which tokens); the result is this rank's ``(B, H, Lq_local, Dv)`` slab of
     ``F.scaled_dot_product_attention`` on the full sequence. Forward: one tiny all-gather of the
-    local shapes, then P-1 point-to-point hops of the K/V block (double-buffered, overlapped with
-    the block computation). Backward: K/V circulate again together with their dK/dV
-    accumulators, which end on their owners. Per-rank memory is O(L_local x D) plus one block
-    pair in flight; no rank ever holds the full K/V or an L x L matrix. Partial results are
-    merged in float32 (float64 for float64 inputs) by their log-sum-exp.
+    local shapes, then P-1 point-to-point hops of each K/V piece (the slab is cut into up to
+    ``_RING_CHUNKS`` pieces along batch and KV heads; each hop is double-buffered and overlapped
+    with the block computation). Backward: K/V circulate again, each piece followed by its dK/dV
+    accumulator, which ends on its owner. Per-rank memory is the O(L_local x D) slabs plus a few
+    pieces in flight (about 1.1 slabs at 8 pieces); no rank ever holds the full K/V or an
+    L x L matrix. With one rank nothing is cut and nothing is copied. Partial results are merged
+    in float32 (float64 for float64 inputs) by their log-sum-exp. Block kernels: see
+    ``sharded_nn.attention_kernels`` (CPU flash kernel, CUDA memory-efficient kernel behind a
+    one-time self-check, blocked math otherwise).
 
     Args:
         q, k, v: local slabs. ``H`` must be a multiple of ``Hkv`` (grouped-query attention).

@@ -67,6 +67,7 @@ def ring_pass(
     recv_shapes: Sequence[Sequence[int]],
     *,
     tag: int = 0,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> RingHandle:
     """Start sending ``send`` to the right neighbour and receiving tensors from the left one.
 
@@ -78,6 +79,8 @@ def ring_pass(
         tag: base message tag. Two hops in flight at the same time (key/value blocks and their
             gradient accumulators) need base tags at least ``len(send)`` apart, because gloo
             matches messages by (peer, tag).
+        out: contiguous tensors to receive into (shapes ``recv_shapes``) instead of new ones, so
+            that a result can land in its final buffer without a copy.
 
     Returns:
         A handle; ``wait()`` gives the received tensors. With one rank the sent tensors come
@@ -86,9 +89,17 @@ def ring_pass(
     if len(send) != len(recv_shapes):
         raise ValueError(f"ring_pass: {len(send)} tensors to send but {len(recv_shapes)} receive shapes.")
     if ring.size == 1:
+        if out is not None:
+            return RingHandle([], [r.copy_(t) for r, t in zip(out, send)], [])
         return RingHandle([], list(send), [])
     right, left = ring.ranks[ring.right(True)], ring.ranks[ring.left(True)]
-    received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device) for t, s in zip(send, recv_shapes)]
+    if out is None:
+        received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device) for t, s in zip(send, recv_shapes)]
+    else:
+        received = list(out)
+        for r, s in zip(received, recv_shapes):
+            if tuple(r.shape) != tuple(s) or not r.is_contiguous():
+                raise ValueError(f"ring_pass: out must be contiguous with shape {tuple(s)}, got {tuple(r.shape)}.")
     sent = [t.contiguous() for t in send]
     ops = []
     # Every rank issues its sends before its receives, in the same order; NCCL matches by issue

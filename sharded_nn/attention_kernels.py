@@ -1,0 +1,299 @@
+"""Block kernels of ring attention: one query run against one key/value block.
+
+Ring attention (``sharded_nn.functional.ring_attention``) splits exact attention into blocks and
+needs, for each block, the output *and* the log-sum-exp (lse) of its scores in forward, and in
+backward the gradients of the block from the *final* output and lse (flash-style
+recomputation). Three implementations, chosen per call:
+
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (equal q/v head
+  sizes, float32/float64/bfloat16).
+* CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward (the memory-efficient
+  kernel: additive bias for key padding, causal, any scale). Its lse is padded along L to a
+  multiple of 32 and is cut back / padded again here. Because these private ops may change
+  their signature between torch releases, every (device, dtype, head sizes, mask kind) is first
+  checked once against the math path on a tiny random problem; if the kernel raises or
+  disagrees, a ``ShardingWarning`` says so and the math path is used from then on, so a changed
+  op can never give a silently wrong answer.
+* Everywhere else (other head sizes, dtypes, devices): blocked math in float32 (float64 for
+  float64 inputs), ``_Q_TILE`` query rows at a time, so that the score matrix is at most
+  ``_Q_TILE x block``.
+
+All kernels take ``(B, H, Lq, D)`` queries and ``(B, Hkv, Lk, D)`` keys/values (GQA: H is a
+multiple of Hkv), a ``(B, Lk)`` uint8 padding mask (nonzero = ignore) or None, and ``diag``:
+the block is the causal diagonal (the query run and the key run are the same tokens, so the
+causal mask is top-left aligned).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .errors import ShardingWarning
+
+__all__ = ["acc_dtype", "block_backward", "block_forward", "merge"]
+
+#: The aten namespace, looked up through this name so that tests can stand in for the CUDA ops.
+_aten = torch.ops.aten
+#: Query rows per tile in the blocked math path: bounds its score matrix to tile x block.
+_Q_TILE = 1024
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype in which partial results are merged: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h // groups, groups, n, d).sum(2)
+
+
+def _additive(pad: torch.Tensor | None, dtype: torch.dtype, align: int = 1) -> torch.Tensor | None:
+    """(B, Lk) padding flags (nonzero = ignore) -> (B, 1, 1, Lk) additive mask.
+
+    ``align``: the storage's last dim is padded to a multiple of it (the CUDA kernel wants
+    16-element aligned rows) and the view cut back to Lk.
+    """
+    if pad is None:
+        return None
+    b, n = pad.shape
+    bias = torch.zeros((b, -(-n // align) * align), dtype=dtype, device=pad.device)[:, :n]
+    return bias.masked_fill_(pad.bool(), float("-inf"))[:, None, None, :]
+
+
+def _empty_rows(pad: torch.Tensor, diag: bool) -> torch.Tensor:
+    """(B, 1, Lq or 1) True where a query row sees no key of the block."""
+    flags = pad.bool()
+    # On a diagonal block row i sees keys 0..i only, so it is empty when they all are padding.
+    return (flags.cumprod(-1).bool() if diag else flags.all(-1, keepdim=True))[:, None, :]
+
+
+# --------------------------------------------------------------------------- math path
+
+
+def _scores(q, k, bias, scale, diag, row0, acc):
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(acc)
+    if diag:
+        rows = torch.arange(row0, row0 + q.shape[2], device=q.device)[:, None]
+        cols = torch.arange(k.shape[2], device=q.device)[None, :]
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, bias, scale, diag):
+    acc = acc_dtype(q.dtype)
+    n = q.shape[2]
+    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=acc, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    for i in range(0, n, _Q_TILE):
+        s = _scores(q[:, :, i : i + _Q_TILE], k, bias, scale, diag, i, acc)
+        tile_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isinf(tile_lse), 0.0, tile_lse)[..., None])
+        out[:, :, i : i + _Q_TILE] = torch.matmul(p, v.to(acc))
+        lse[:, :, i : i + _Q_TILE] = tile_lse
+    return out, lse
+
+
+def _math_backward(dout, q, k, v, out, lse, bias, scale, diag):
+    acc = acc_dtype(q.dtype)
+    kf, vf = k.to(acc), v.to(acc)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for i in range(0, q.shape[2], _Q_TILE):
+        sl = slice(i, i + _Q_TILE)
+        qt, dot = q[:, :, sl].to(acc), dout[:, :, sl].to(acc)
+        s = _scores(qt, kf, bias, scale, diag, i, acc)
+        p = torch.exp(s - lse[:, :, sl, None].to(acc))
+        delta = (dot * out[:, :, sl].to(acc)).sum(-1, keepdim=True)
+        dv += torch.matmul(p.transpose(-1, -2), dot)
+        ds = p * (torch.matmul(dot, vf.transpose(-1, -2)) - delta) * scale
+        dq[:, :, sl] = torch.matmul(ds, kf)
+        dk += torch.matmul(ds.transpose(-1, -2), qt)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- CPU flash kernel
+
+
+def _use_cpu_flash(q: torch.Tensor, v: torch.Tensor) -> bool:
+    # The CPU flash kernel returns the lse we merge with; it needs equal q/v head sizes.
+    dtypes = (torch.float32, torch.float64, torch.bfloat16)
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and q.dtype in dtypes
+
+
+def _cpu_forward(q, k, v, pad, scale, diag):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, diag, attn_mask=_additive(pad, q.dtype), scale=scale
+    )
+    return out, lse
+
+
+def _cpu_backward(dout, q, k, v, out, lse, pad, scale, diag):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, diag, attn_mask=_additive(pad, q.dtype), scale=scale
+    )
+
+
+# --------------------------------------------------------------------------- CUDA efficient kernel
+
+
+def _efficient_forward(q, k, v, pad, scale, diag):
+    # The kernel wants contiguous rows; the ring hands it views of query runs.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    bias = _additive(pad, q.dtype, align=16)
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out, lse, _seed, _offset = _aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, diag, scale=scale
+    )
+    # The lse comes padded along L to a multiple of 32.
+    return out, lse[:, :, : q.shape[2]]
+
+
+def _efficient_backward(dout, q, k, v, out, lse, pad, scale, diag):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    bias = _additive(pad, q.dtype, align=16)
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    n = q.shape[2]
+    lse_padded = torch.zeros((*lse.shape[:2], -(-n // 32) * 32), dtype=lse.dtype, device=lse.device)
+    lse_padded[:, :, :n] = lse
+    # Without dropout the kernel does not read the random state; it still wants the tensors.
+    seed = torch.zeros((), dtype=torch.int64)
+    offset = torch.zeros((), dtype=torch.int64)
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, k, v, bias, out.to(q.dtype).contiguous(), lse_padded, seed, offset,
+        0.0, [True, True, True, False], diag, scale=scale,
+    )
+    return dq, dk, dv
+
+
+#: Fused kernels that must pass the one-time self-check before use, by device type:
+#: (forward, backward, dtypes they accept).
+_CHECKED_KERNELS: dict[str, tuple[Callable, Callable, tuple[torch.dtype, ...]]] = {
+    "cuda": (_efficient_forward, _efficient_backward, (torch.float16, torch.bfloat16, torch.float32)),
+}
+#: Outcome of the self-check per (device, dtype, D, Dv, mask kind).
+_CHECKED: dict[tuple, bool] = {}
+
+
+def _check_tolerance(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype in (torch.float16, torch.bfloat16) else 2e-3
+
+
+def _self_check(key: tuple, fwd: Callable, bwd: Callable) -> bool:
+    """Compare a fused kernel with the math path on a tiny random problem; warn on failure."""
+    device, dtype, d, dv, masked, diag = key
+    g = torch.Generator(device="cpu").manual_seed(0)
+    b, h, n = 2, 2, 37  # a length that is not a multiple of the kernels' tile sizes
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q, k, v, dout = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, dv), rand(b, h, n, dv)
+    pad = None
+    if masked:
+        pad = (torch.rand(b, n, generator=g) < 0.3).to(torch.uint8)
+        pad[:, 0] = 0
+        pad = pad.to(device)
+    scale = 0.3
+    try:
+        out, lse = fwd(q, k, v, pad, scale, diag)
+        grads = bwd(dout, q, k, v, out, lse, pad, scale, diag)
+        ref_out, ref_lse = _math_forward(q, k, v, _additive(pad, q.dtype), scale, diag)
+        ref_grads = _math_backward(dout, q, k, v, ref_out, ref_lse, _additive(pad, q.dtype), scale, diag)
+        tol = _check_tolerance(dtype)
+        pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
+        for got, want in pairs:
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
+        warnings.warn(
+            f"ring_attention: the fused {device.type} attention kernel ({fwd.__name__}) failed its self-check "
+            f"for dtype={dtype}, head dims ({d}, {dv}), key padding mask={masked}, causal block={diag} "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); using the slower "
+            "blocked math path instead. Results stay exact; please report this with your torch version.",
+            ShardingWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
+def _fused(q: torch.Tensor, v: torch.Tensor, pad, diag: bool) -> tuple[Callable, Callable] | None:
+    """The checked fused kernel pair for this block, or None for the other paths."""
+    entry = _CHECKED_KERNELS.get(q.device.type)
+    if entry is None or q.dtype not in entry[2]:
+        return None
+    key = (q.device, q.dtype, q.shape[-1], v.shape[-1], pad is not None, bool(diag))
+    ok = _CHECKED.get(key)
+    if ok is None:
+        ok = _CHECKED[key] = _self_check(key, entry[0], entry[1])
+    return (entry[0], entry[1]) if ok else None
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def block_forward(q, k, v, pad, scale: float, diag: bool):
+    """Attention of a query run over one key block: ``(out, lse)`` in the accumulation dtype.
+
+    Rows whose keys are all padded get lse = -inf and out = 0, so that merging ignores them.
+    """
+    acc = acc_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    fused = _fused(q, v, pad, diag)
+    if fused is not None:
+        out, lse = fused[0](q, k, v, pad, scale, diag)
+    elif _use_cpu_flash(q, v):
+        out, lse = _cpu_forward(q, k, v, pad, scale, diag)
+    else:
+        out, lse = _math_forward(q, k, v, _additive(pad, q.dtype), scale, diag)
+    # Float32 inputs: these are no-ops, not copies.
+    out, lse = out.to(acc), lse.to(acc)
+    if pad is not None:
+        # Kernels report lse = 0 (or NaN) for a row with no visible key; mark it empty instead.
+        empty = _empty_rows(pad, diag)
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty[..., None], 0.0)
+    return out, lse
+
+
+def block_backward(dout, q, k, v, out, lse, pad, scale: float, diag: bool):
+    """Gradients ``(dq, dk, dv)`` of one block pair from the final output and lse."""
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
+    fused = _fused(q, v, pad, diag)
+    if fused is not None:
+        dq, dk, dv = fused[1](dout, q, ke, ve, out, lse, pad, scale, diag)
+    elif _use_cpu_flash(q, v):
+        dq, dk, dv = _cpu_backward(dout, q, ke, ve, out, lse, pad, scale, diag)
+    else:
+        dq, dk, dv = _math_backward(dout, q, ke, ve, out, lse, _additive(pad, q.dtype), scale, diag)
+    return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
+
+
+def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Log-sum-exp merge of a block result into the running ``(out, lse)``, in place.
+
+    ``out_b`` is a fresh block result and is overwritten.
+    """
+    new = torch.logaddexp(lse_acc, lse_b)
+    # Rows that have seen no visible key yet keep lse = -inf; exp(-inf - -inf) would be NaN.
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    w_old = torch.exp(lse_acc - safe)[..., None]
+    w_new = torch.exp(lse_b - safe)[..., None]
+    out_acc.mul_(w_old).add_(out_b.mul_(w_new))
+    lse_acc.copy_(new)
