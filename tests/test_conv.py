@@ -95,6 +95,12 @@ OPTION_CASES = [
     Cfg(nd=1, kernel=7, padding="same", mode="reflect", size=(40,)),
     Cfg(nd=3, kernel=3, padding=1, size=(13, 5, 4)),
     Cfg(nd=3, kernel=(2, 3, 1), stride=(2, 1, 1), padding=(0, 1, 0), mode="replicate", size=(14, 5, 4)),
+    # Depth-padded Conv3d (its own weight-gradient path on CPU) with stride, dilation, groups;
+    # halo corrections with several taps per row; reflect; and the volume sharded along H.
+    Cfg(nd=3, kernel=3, stride=(2, 1, 1), padding=1, dilation=(1, 2, 1), groups=2, cout=4, size=(14, 5, 4)),
+    Cfg(nd=3, kernel=(5, 3, 3), padding=(2, 1, 1), size=(16, 5, 4)),
+    Cfg(nd=3, kernel=3, padding=1, mode="reflect", size=(13, 5, 4)),
+    Cfg(nd=3, kernel=3, padding=1, dims=(3,), size=(5, 13, 4)),
 ]
 
 
