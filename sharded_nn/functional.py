@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.autograd.function import once_differentiable
 
 from .attention_kernels import acc_dtype, block_backward, block_forward, merge
 from .comm.all_to_all import heads_to_seq, seq_to_heads
@@ -360,7 +361,10 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out_q, lse)
         return out_q, lse
 
+    # Its communication is not recorded for a second derivative, which would silently miss the
+    # neighbours' terms: double backward raises instead.
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, _dlse):  # noqa: D102
         plan = ctx.plan
         q, k, v, pad, out, lse = ctx.saved_tensors

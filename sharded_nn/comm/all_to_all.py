@@ -74,7 +74,8 @@ class _SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
-        return _heads_to_seq(g.contiguous(), ctx.ring, ctx.lengths), None, None
+        # The adjoint is the inverse all-to-all; applying its Function keeps double backward exact.
+        return _HeadsToSeq.apply(g.contiguous(), ctx.ring, ctx.lengths), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -85,4 +86,4 @@ class _HeadsToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
-        return _seq_to_heads(g.contiguous(), ctx.ring, ctx.lengths), None, None
+        return _SeqToHeads.apply(g.contiguous(), ctx.ring, ctx.lengths), None, None

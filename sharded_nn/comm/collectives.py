@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def _pad_to(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -49,9 +50,8 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        # Self-adjoint: applying the Function itself keeps double backward exact.
+        return _AllReduceSum.apply(g, ctx.group), None
 
 
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -121,7 +121,10 @@ class _AllGatherGrid(torch.autograd.Function):
         ctx.group, ctx.dims, ctx.sizes, ctx.coord = group, dims, sizes, coords[index]
         return out
 
+    # Its communication is not recorded for a second derivative, which would silently miss the
+    # neighbours' terms: double backward raises instead.
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):  # noqa: D102
         g = g.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from ..errors import ShardingError
 from .ring import AxisRing
@@ -168,7 +169,10 @@ class _HaloStart(torch.autograd.Function):
         ctx.handle = handle
         return x.view_as(x)
 
+    # Its communication is not recorded for a second derivative, which would silently miss the
+    # neighbours' terms: double backward raises instead.
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         h = ctx.handle
         g_left, g_right = h.grads if h.grads is not None else (None, None)
@@ -288,7 +292,10 @@ class _HaloCat(torch.autograd.Function):
         parts = [p for p in (left, x, right) if p is not None]
         return torch.cat(parts, spec.dim) if len(parts) > 1 else x.clone()
 
+    # Its communication is not recorded for a second derivative, which would silently miss the
+    # neighbours' terms: double backward raises instead.
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         spec, ring = ctx.spec, ctx.ring
         d = spec.dim

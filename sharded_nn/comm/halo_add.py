@@ -15,6 +15,7 @@ on one ring without confusing gloo's tag matching or NCCL's issue-order matching
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .halo import HaloSpec, _check_ring, _edge, _empty, _exchange, halo_cat
 from .ring import AxisRing
@@ -59,7 +60,10 @@ class _HaloAdd(torch.autograd.Function):
         ctx.spec, ctx.ring = spec, ring
         return core
 
+    # Its communication is not recorded for a second derivative, which would silently miss the
+    # neighbours' terms: double backward raises instead.
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         # The adjoint of "send and add" is "read back": each strip's gradient is the gradient of
         # the positions it was added into, which is exactly a halo exchange of g.

@@ -66,8 +66,9 @@ class _DepthPadConv3d(torch.autograd.Function):
         return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
+        # Built from differentiable ops, so that double backward (gradient penalties, physics
+        # losses on input derivatives) works as with F.conv3d.
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conf
         bwd = torch.ops.aten.convolution_backward
@@ -76,11 +77,14 @@ class _DepthPadConv3d(torch.autograd.Function):
         # is allocated: the transient peak is one input-sized buffer, not two.
         if ctx.needs_input_grad[1]:
             pd = padding[0]
-            # Zero only the padding planes (F.pad would fill the whole buffer, then copy over it).
-            xp = x.new_empty((*x.shape[:2], x.shape[2] + 2 * pd, *x.shape[3:]))
-            xp.narrow(2, 0, pd).zero_()
-            xp.narrow(2, pd + x.shape[2], pd).zero_()
-            xp.narrow(2, pd, x.shape[2]).copy_(x)
+            if torch.is_grad_enabled():  # create_graph: record the padding too
+                xp = F.pad(x, (0, 0, 0, 0, pd, pd))
+            else:
+                # Zero only the padding planes (F.pad fills the whole buffer, then copies over it).
+                xp = x.new_empty((*x.shape[:2], x.shape[2] + 2 * pd, *x.shape[3:]))
+                xp.narrow(2, 0, pd).zero_()
+                xp.narrow(2, pd + x.shape[2], pd).zero_()
+                xp.narrow(2, pd, x.shape[2]).copy_(x)
             inner = [0, padding[1], padding[2]]
             gw = bwd(g, xp, weight, None, stride, inner, dilation, False, [0, 0, 0], groups, [False, True, False])[1]
             del xp

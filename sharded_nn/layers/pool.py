@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _ntuple
+from torch.autograd.function import once_differentiable
 
 from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_ring, gather_layouts, halo_add, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
@@ -337,7 +338,10 @@ class _Unpool(torch.autograd.Function):
         ctx.plans, ctx.rings, ctx.shape = plans, rings, vals.shape
         return out
 
+    # Its communication is not recorded for a second derivative, which would silently miss the
+    # neighbours' terms: double backward raises instead.
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):  # noqa: D102
         (flat_idx,) = ctx.saved_tensors
         with torch.no_grad():
