@@ -39,13 +39,14 @@ def free_port() -> int:
 
 
 def tune_host_allocator(mmap_threshold: int = 1 << 16) -> bool:
-    """Fix glibc's mmap threshold so that freed large CPU tensors go back to the OS.
+    """Fix glibc's mmap threshold so that freed large CPU tensors go back to the OS at once.
 
-    glibc raises its mmap threshold each time a mapped block is freed; after that, the many
-    mid-sized buffers of sharded layers (halos, boundary strips) are served from heap arenas
-    and fragment them, so a P=2 rank's resident memory can exceed the single-process run's.
-    Fixing the threshold (as ``MALLOC_MMAP_THRESHOLD_`` would) keeps per-rank memory at about
-    1/P. ``launch`` calls this in every worker; under torchrun, call it at start-up (or export
+    glibc raises its mmap threshold each time a mapped block is freed; after that, mid-sized
+    buffers (halos, boundary strips) are served from heap arenas, which keep freed memory and
+    fragment, so resident memory drifts above what the live tensors need. A fixed threshold (as
+    ``MALLOC_MMAP_THRESHOLD_`` would set) keeps a rank's resident memory close to its live
+    tensors, which is what per-rank memory figures should measure. ``launch`` calls this in
+    every worker; under torchrun, call it at start-up (or export
     ``MALLOC_MMAP_THRESHOLD_=65536``). Returns False where glibc's ``mallopt`` is unavailable.
     """
     try:

@@ -29,7 +29,16 @@ from ..comm import axis_ring, gather_layouts
 from ..registry import register
 from ..layout import Layout
 from .base import ShardedMixin
-from .window import Window, WindowPlan, apply_linear, apply_overlapped, extend, pad_unsharded, plan_window
+from .window import (
+    Window,
+    WindowPlan,
+    apply_linear,
+    apply_overlapped,
+    extend,
+    pad_unsharded,
+    plan_window,
+    select_along,
+)
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -111,8 +120,7 @@ def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation,
     u = u.reshape(u.shape[0], u.shape[1] * t, *u.shape[3:])
     # (C_out, C_in/g, k_dim, ...) -> (C_out, C_in/g * T, other taps), the same channel order
     # within each group.
-    wt = weight.movedim(dim, 2)
-    wt = wt.narrow(2, taps[0], t) if taps == tuple(range(taps[0], taps[0] + t)) else wt[:, :, list(taps)]
+    wt = select_along(weight.movedim(dim, 2), 2, taps)
     wt = wt.reshape(wt.shape[0], wt.shape[1] * t, *wt.shape[3:])
     if n == 1:
         # No spatial dim is left: a length-1 conv1d keeps the grouping arithmetic.

@@ -17,6 +17,7 @@ same facts and raises the same error.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -266,19 +267,25 @@ def apply_linear(
             continue
         width = halo.shape[d]
         for row, taps, idx in _halo_taps(w, n, n_out, width, left):
-            out = _AddBand.apply(out, conv_taps(_planes(halo, d, idx), taps), d, row)
+            out = _AddBand.apply(out, conv_taps(select_along(halo, d, idx), taps), d, row)
     return out
 
 
-def _halo_taps(w: Window, n: int, n_out: int, width: int, left: bool):
+@functools.cache
+def _halo_taps(w: Window, n: int, n_out: int, width: int, left: bool) -> tuple[tuple[int, tuple, tuple], ...]:
     """``(row, taps, halo_index)`` for each output row that reads the left (or right) halo.
 
     Output row ``j`` reads slab position ``j*s - pad_left + t*dilation`` under tap ``t``; the
     positions before 0 lie in the left halo (``width`` planes ending at 0), the ones from ``n``
     on in the right halo (``width`` planes starting at ``n``). Positions beyond a halo are
-    zero padding of the main call and contribute nothing.
+    zero padding of the main call and contribute nothing. Depends on the plan only, so it is
+    worked out once per geometry.
     """
-    rows = range(0, min(-(-w.pad_left // w.stride), n_out)) if left else range(max((n + w.pad_left - w.span) // w.stride + 1, 0), n_out)
+    if left:
+        rows = range(0, min(-(-w.pad_left // w.stride), n_out))
+    else:
+        rows = range(max((n + w.pad_left - w.span) // w.stride + 1, 0), n_out)
+    out = []
     for j in rows:
         taps, idx = [], []
         for t in range(w.kernel):
@@ -288,14 +295,15 @@ def _halo_taps(w: Window, n: int, n_out: int, width: int, left: bool):
                 taps.append(t)
                 idx.append(q)
         if taps:
-            yield j, tuple(taps), tuple(idx)
+            out.append((j, tuple(taps), tuple(idx)))
+    return tuple(out)
 
 
-def _planes(halo: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
-    """The halo planes at ``idx`` along ``dim`` (a view for one plane or a unit-step run)."""
+def select_along(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s entries ``idx`` along ``dim``: a view when they are a unit-step run, else a copy."""
     if idx == tuple(range(idx[0], idx[0] + len(idx))):
-        return halo.narrow(dim, idx[0], len(idx))
-    return halo.index_select(dim, torch.tensor(idx, device=halo.device))
+        return t.narrow(dim, idx[0], len(idx))
+    return t.index_select(dim, torch.tensor(idx, device=t.device))
 
 
 class _AddBand(torch.autograd.Function):
