@@ -1,0 +1,66 @@
+"""``create_model``: one entry point for every zoo model, sharded or plain.
+
+Each model family registers a builder under one or more names (``@register_model("unet2d")``)
+from its own module; names that no family registered are handed to the timm family (timm's own
+model names, e.g. ``"vit_small_patch16_224"``), which registers itself with
+``register_model(None)`` as the fallback. Builders take ``mesh`` (``None``: the plain
+single-device model) and the family's keyword arguments, and return the model, converted for
+``mesh`` when one is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["create_model", "list_models", "register_model"]
+
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {}
+_FALLBACK: list[Callable[..., nn.Module]] = []
+
+
+def register_model(*names: str | None) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Decorator: register ``builder(name, *, mesh, **kwargs)`` under ``names``.
+
+    ``None`` among the names makes the builder the fallback for names nobody registered (the
+    timm family). A name registered twice raises, so two families never shadow each other.
+    """
+
+    def deco(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        for name in names:
+            if name is None:
+                _FALLBACK[:] = [builder]
+                continue
+            if name in _BUILDERS and _BUILDERS[name] is not builder:
+                raise ValueError(f"register_model: {name!r} is already registered by {_BUILDERS[name].__module__}.")
+            _BUILDERS[name] = builder
+        return builder
+
+    return deco
+
+
+def list_models() -> list[str]:
+    """Names registered by the zoo's own families (timm names are accepted as well)."""
+    return sorted(_BUILDERS)
+
+
+def create_model(name: str, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
+    """Build zoo model ``name``; converted for ``mesh`` (``None``: the plain model).
+
+    Args:
+        name: a zoo name (``"unet2d"``, ``"unet3d"``, ``"transolver"``, see ``list_models()``)
+            or a timm model name (``"vit_small_patch16_224"``).
+        mesh: a ``DeviceMesh`` with domain axes, or ``None`` for the single-device model.
+        **kwargs: the family's options (timm kwargs such as ``img_size``, UNet or Transolver
+            constructor arguments, ``pretrained_file``).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"create_model: name must be a str, got {type(name).__name__}.")
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        if not _FALLBACK:
+            raise ValueError(f"create_model: unknown model {name!r}; zoo models: {list_models()}.")
+        builder = _FALLBACK[0]
+    return builder(name, mesh=mesh, **kwargs)
