@@ -30,6 +30,7 @@ orphans.
 from __future__ import annotations
 
 import ctypes
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -297,8 +298,11 @@ def _raise_failure(processes: Sequence[mp.process.BaseProcess], outdir: str, fir
         if r == root:
             continue
         if r in errors:
-            exc = errors[r][0]
-            others.append(f"rank {r} raised {type(exc).__name__}: {exc}")
+            exc, _, at = errors[r]
+            # When it raised, relative to the root failure: how long a knock-on error took.
+            dt = at - errors[root][2] if root in errors else math.nan
+            when = f" {dt:+.2f} s after rank {root}" if math.isfinite(dt) else ""
+            others.append(f"rank {r} raised {type(exc).__name__}{when}: {exc}")
         elif p.exitcode not in (0, None):
             others.append(f"rank {r} ended with {_exit_status(p.exitcode)}")
     # The root error may be a knock-on one (a peer's connection closing): name every other
