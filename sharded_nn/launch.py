@@ -29,6 +29,7 @@ orphans.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import multiprocessing as mp
@@ -158,6 +159,8 @@ def _worker(
             # Plain pickle bytes in a file: a tensor sent through a multiprocessing queue would be
             # a handle to this process's shared memory, which dies with it.
             _write_atomic(_result_file(outdir), pickle.dumps(out))
+        if dist.is_initialized():  # fn may have destroyed it itself
+            dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure, Ctrl-C included, must reach the parent
         failed_at = time.monotonic()  # CLOCK_MONOTONIC: comparable between local processes
         tb = traceback.format_exc()
@@ -170,11 +173,10 @@ def _worker(
         finally:
             # Exit now: destroy_process_group or interpreter shutdown could block on peers that
             # are stuck in a collective, and the parent notices the failure by this exit.
-            sys.stdout.flush()
-            sys.stderr.flush()
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def launch(

@@ -366,3 +366,28 @@ def test_launch_bad_nprocs(nprocs):
     with pytest.raises(ValueError, match="nprocs must be >= 1"):
         snn.launch(_launch_ok, nprocs, "x")
     assert _descendants() <= before
+
+
+# ---------------------------------------------------------------------------------------------
+# host_memory: allocator tuning, kept out of the top-level API
+# ---------------------------------------------------------------------------------------------
+
+
+def test_host_memory_is_not_top_level_api():
+    from sharded_nn import host_memory
+
+    assert "tune_host_allocator" not in snn.__all__ and not hasattr(snn, "tune_host_allocator")
+    assert host_memory.tune_host_allocator() is True  # glibc's mallopt accepts the threshold here
+
+
+@pytest.mark.parametrize(("user", "enabled", "inside"), [(None, True, "1"), ("0", True, "0"), (None, False, None)])
+def test_huge_pages_for_children_restores_environment(monkeypatch, user, enabled, inside):
+    from sharded_nn.host_memory import THP_ENV, huge_pages_for_children
+
+    if user is None:
+        monkeypatch.delenv(THP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(THP_ENV, user)
+    with huge_pages_for_children(enabled):
+        assert os.environ.get(THP_ENV) == inside  # what the children start with
+    assert os.environ.get(THP_ENV) == user
