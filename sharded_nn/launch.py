@@ -221,7 +221,7 @@ def launch(
         try:
             _wait(context, timeout)
         except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as exc:
-            _raise_failure(context.processes, outdir, exc.error_index)
+            _raise_failure(context.processes, outdir, exc)
         finally:
             _stop(context.processes)
         result = _result_file(outdir)
@@ -286,13 +286,18 @@ def _load_error(path: Path) -> tuple[BaseException, str, float] | None:
         return RuntimeError(f"(the rank's exception could not be unpickled here: {exc!r})"), "", float("inf")
 
 
-def _raise_failure(processes: Sequence[mp.process.BaseProcess], outdir: str, first_exit: int) -> None:
+def _raise_failure(
+    processes: Sequence[mp.process.BaseProcess],
+    outdir: str,
+    seen: torch_mp.ProcessRaisedException | torch_mp.ProcessExitedException,
+) -> None:
     """Re-raise the root failure of a run whose processes have all ended.
 
-    ``first_exit`` is the first rank the launcher saw exit with an error. A rank that died without
+    ``seen`` names the first rank the launcher saw exit with an error. A rank that died without
     a Python exception is the root cause (its peers' errors follow from its closed connections);
     otherwise the earliest exception is, which is not always that of the first rank to exit.
     """
+    first_exit = seen.error_index
     errors = {r: e for r in range(len(processes)) if (e := _load_error(_error_file(outdir, r))) is not None}
     root = first_exit if first_exit not in errors else min(errors, key=lambda r: errors[r][2])
     others = []
@@ -311,9 +316,19 @@ def _raise_failure(processes: Sequence[mp.process.BaseProcess], outdir: str, fir
     # failure so that the cause is not lost.
     other_text = ("\n--- other ranks ---\n" + "\n".join(others)) if others else ""
     if root not in errors:
+        code = processes[root].exitcode
+        if isinstance(seen, torch_mp.ProcessRaisedException):
+            # Raised outside fn (torch's launcher caught it): its traceback is all there is.
+            hint = f"; the launcher caught:{seen.msg}"
+        elif code is not None and code < 0:
+            hint = " (killed by a signal: out of memory is a common cause)"
+        else:
+            hint = (
+                " (os._exit, or a crash before fn ran: see the rank's stderr; a function the ranks cannot "
+                "import, such as one defined in an interactive session, is a common cause)"
+            )
         raise RuntimeError(
-            f"launch: rank {root} died with {_exit_status(processes[root].exitcode)} and no traceback "
-            f"(killed by a signal or os._exit; out of memory is a common cause).{other_text}"
+            f"launch: rank {root} died with {_exit_status(code)} and no traceback{hint}{other_text}"
         ) from None
     exc, tb, _ = errors[root]
     raise exc from RemoteTraceback(f"\n--- rank {root} traceback ---\n{tb}{other_text}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -358,6 +359,13 @@ def test_launch_parent_interrupted_or_killed_leaves_no_ranks(tmp_path, sig):
         assert report["interrupted_at"] - sent < 10
     else:
         assert parent.returncode == -signal.SIGKILL
+
+
+def test_launch_unpicklable_fn_raises_without_processes():
+    before = _descendants()
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        snn.launch(lambda: 0, 2, timeout=60, device_type="cpu")
+    assert _descendants() <= before
 
 
 @pytest.mark.parametrize("nprocs", [0, -1])
