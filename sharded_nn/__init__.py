@@ -8,7 +8,7 @@ from . import comm, functional, losses, reductions
 from . import layers as _layers
 from .convert import convert
 from .errors import ShardingError, ShardingNotImplementedError, ShardingWarning
-from .launch import launch, tune_host_allocator
+from .launch import launch
 from .layers import *  # noqa: F403 - every sharded layer, re-exported (the list lives in layers/__init__.py)
 from .layers.upsample import interpolate
 from .layout import Layout
@@ -41,6 +41,5 @@ __all__ = [
     "reductions",
     "register",
     "shard",
-    "tune_host_allocator",
     *_layers.__all__,
 ]

@@ -1,27 +1,62 @@
 """``launch(fn, nprocs, *args)``: run ``fn`` on local processes that share a process group.
 
-For the demo, notebooks and tests; use torchrun on clusters. Fails fast: the first rank that
-raises ends the run, every process is stopped, and the rank's exception is re-raised here with
-its traceback.
+For the demo, notebooks and tests; use torchrun on clusters.
+
+Processes are started by torch's launcher, ``torch.multiprocessing.start_processes`` (spawn),
+and watched by its ``ProcessContext.join``: the first process that exits with an error ends the
+run, the others get ``GRACE_S`` seconds to end by themselves (gloo peers of a dead rank do, on
+the closed connection), then SIGTERM, then SIGKILL after another ``GRACE_S``.
+
+Rendezvous: the parent binds a ``TCPStore`` server on port 0, so the OS picks a free port and
+the socket stays bound for the whole run; the ranks join the process group as clients of that
+store (``init_process_group(store=...)``). Probing a free port and handing its number to the
+ranks, as this module did before, is a race: another process can take the port between the
+probe and rank 0's bind. torch's ``elastic_launch`` with a c10d rendezvous on port 0 would also
+avoid the race, but it adds an agent process, restarts and log redirection that a local run does
+not need, and it reports a rank's failure as text, where ``launch`` re-raises the exception
+object itself.
+
+Failures: a rank that raises writes its exception, traceback and time to a file of a private
+temporary directory and exits at once (no ``destroy_process_group``, which can block on peers
+stuck in a collective). The parent re-raises the earliest exception with the remote traceback as
+``__cause__`` and names the other ranks that failed; a rank that died without a Python exception
+(killed by the OS) is reported with its exit code. Rank 0's result travels the same way (a
+pickle file), so tensors of any size survive the process. The processes are stopped whatever
+ends the parent's wait (an error, the timeout, Ctrl-C); each rank also asks the kernel to kill it
+when the parent dies (``PR_SET_PDEATHSIG``), so that even a parent killed outright leaves no
+orphans.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import math
 import multiprocessing as mp
 import os
 import pickle
-import queue
-import socket
+import signal
+import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 
+from .host_memory import huge_pages_for_children, tune_host_allocator
 from .mesh import backend_for, default_device_type
+
+#: Seconds the other ranks get to end by themselves after a failure, and again after SIGTERM.
+GRACE_S = 1.0
+
+_HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class RemoteTraceback(Exception):
@@ -31,73 +66,117 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def free_port() -> int:
-    """A free TCP port on localhost for the rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(timeout: timedelta) -> dist.TCPStore:
+    """The parent's side of a local rendezvous: a ``TCPStore`` server on a port the OS picks.
 
-
-def tune_host_allocator(mmap_threshold: int = 1 << 16) -> bool:
-    """Fix glibc's mmap threshold so that freed large CPU tensors go back to the OS at once.
-
-    glibc raises its mmap threshold each time a mapped block is freed; after that, mid-sized
-    buffers (halos, boundary strips) are served from heap arenas, which keep freed memory and
-    fragment, so resident memory drifts above what the live tensors need. A fixed threshold (as
-    ``MALLOC_MMAP_THRESHOLD_`` would set) keeps a rank's resident memory close to its live
-    tensors, which is what per-rank memory figures should measure. ``launch`` calls this in
-    every worker; under torchrun, call it at start-up (or export
-    ``MALLOC_MMAP_THRESHOLD_=65536``). Returns False where glibc's ``mallopt`` is unavailable.
+    Keep the returned store alive until the ranks are done: it is their rendezvous, and while it
+    lives its port (``store.port``, for :func:`init_worker`) cannot be taken by anyone else.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
-    except (OSError, AttributeError):
-        return False
+    return dist.TCPStore(_HOST, 0, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-_M_MMAP_THRESHOLD = -3
-_THP_ENV = "THP_MEM_ALLOC_ENABLE"
+def init_worker(
+    rank: int, world_size: int, store_port: int, timeout: timedelta, device_type: str | None = None
+) -> None:
+    """Join the process group of a local launch (gloo on CPU, NCCL on CUDA, one GPU per rank).
 
-
-def init_worker(rank: int, world_size: int, port: int, timeout: timedelta, device_type: str | None = None) -> None:
-    """Join the process group of a local launch (gloo on CPU, NCCL on CUDA)."""
+    Args:
+        rank: this process's rank.
+        world_size: number of ranks.
+        store_port: port of the parent's :func:`rendezvous_store`.
+        timeout: timeout of the rendezvous and of every collective.
+        device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when a GPU is visible. With fewer
+            GPUs than ranks the group falls back to CPU (gloo), so that the launch still runs.
+    """
     device_type = device_type or default_device_type()
     if device_type == "cuda":
         if torch.cuda.device_count() < world_size:
-            # More ranks than GPUs: fall back to CPU so that the launch still runs.
             device_type = "cpu"
         else:
             torch.cuda.set_device(rank)
+    # What torchrun would set, for code that reads it; the group itself is built from the store.
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
+        MASTER_ADDR=_HOST, MASTER_PORT=str(store_port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
-    dist.init_process_group(backend_for(device_type), rank=rank, world_size=world_size, timeout=timeout)
+    store = dist.TCPStore(_HOST, store_port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend_for(device_type), store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
-def _worker(rank, world_size, port, timeout, device_type, threads, fn, args, results) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+
+    torch's launcher asks for SIGINT, which a rank blocked inside a collective only handles when
+    the collective returns; SIGKILL ends it at once. The signal fires when the parent *thread*
+    that started this process exits: ``launch`` waits in that thread until the ranks are done.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl: no signal will come
+        os._exit(1)
+
+
+def _error_file(outdir: str, rank: int) -> Path:
+    return Path(outdir) / f"error-{rank}.pickle"
+
+
+def _result_file(outdir: str) -> Path:
+    return Path(outdir) / "result.pickle"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    # Written whole or not at all: a rank can be stopped by SIGTERM at any point.
+    tmp = path.with_suffix(".partial")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    timeout: timedelta,
+    device_type: str | None,
+    threads: int | None,
+    parent_pid: int,
+    outdir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    die_with_parent(parent_pid)
     try:
         tune_host_allocator()
         if threads is not None:
             torch.set_num_threads(threads)
-        init_worker(rank, world_size, port, timeout, device_type)
+        init_worker(rank, world_size, store_port, timeout, device_type)
         out = fn(*args)
-        # Plain pickle bytes, not the object: multiprocessing would send a tensor as a handle to
-        # this process's shared memory, which dies with it before the parent can read it.
-        results.put((rank, "ok", pickle.dumps(out) if rank == 0 else None))
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        if rank == 0:
+            # Plain pickle bytes in a file: a tensor sent through a multiprocessing queue would be
+            # a handle to this process's shared memory, which dies with it.
+            _write_atomic(_result_file(outdir), pickle.dumps(out))
+        if dist.is_initialized():  # fn may have destroyed it itself
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure, Ctrl-C included, must reach the parent
+        failed_at = time.monotonic()  # CLOCK_MONOTONIC: comparable between local processes
         tb = traceback.format_exc()
         try:
-            results.put((rank, "error", (exc, tb)))
-        except Exception:  # the exception itself may not pickle
-            results.put((rank, "error", (RuntimeError(repr(exc)), tb)))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
+            data = pickle.dumps((exc, tb, failed_at))
+        except Exception:  # noqa: BLE001 - the exception itself may not pickle
+            data = pickle.dumps((RuntimeError(repr(exc)), tb, failed_at))
+        try:
+            _write_atomic(_error_file(outdir, rank), data)
+        finally:
+            # Exit now: destroy_process_group or interpreter shutdown could block on peers that
+            # are stuck in a collective, and the parent notices the failure by this exit.
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(1)
 
 
 def launch(
@@ -111,6 +190,10 @@ def launch(
 ) -> Any:
     """Run ``fn(*args)`` on ``nprocs`` local processes with a process group; return rank 0's result.
 
+    Fails fast: the first rank that raises (or dies) ends the run within about ``GRACE_S``
+    seconds, every process is stopped, and that rank's exception is re-raised here. No process
+    outlives the call, also on Ctrl-C or a timeout.
+
     Args:
         fn: a picklable (module-level) function. Inside it, ``sharded_nn.init_mesh`` finds the
             process group.
@@ -120,97 +203,132 @@ def launch(
             there are enough GPUs.
         threads: torch threads per process (``None`` leaves torch's default).
         huge_pages: start the processes with ``THP_MEM_ALLOC_ENABLE=1`` (unless the variable is
-            already set), so that torch puts large CPU tensors on transparent huge pages. Every
-            fresh activation buffer of a big sample is otherwise page-faulted in 4 KiB at a time:
-            on a 128^3 Conv3d stack this was a third of the run time. Under torchrun, export the
-            variable yourself.
+            already set), so that torch puts large CPU tensors on transparent huge pages; see
+            ``sharded_nn.host_memory``. Under torchrun, export the variable yourself.
 
     Raises:
         The first failing rank's exception, with its remote traceback as ``__cause__``;
+        ``RuntimeError`` when a rank died without a Python exception (killed by the OS);
         ``TimeoutError`` when the run exceeds ``timeout``.
     """
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}.")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, nprocs, port, timedelta(seconds=timeout), device_type, threads, fn, args, results),
-            daemon=True,
-        )
-        for r in range(nprocs)
-    ]
-    saved_env = os.environ.get(_THP_ENV)
-    if huge_pages and saved_env is None:
-        # Read once by torch's CPU allocator at its first allocation, so it must be in the
-        # environment the processes start with; the parent's own environment is restored below.
-        os.environ[_THP_ENV] = "1"
+    collective_timeout = timedelta(seconds=timeout)
+    store = rendezvous_store(collective_timeout)
+    with tempfile.TemporaryDirectory(prefix="sharded_nn-launch-") as outdir:
+        worker_args = (nprocs, store.port, collective_timeout, device_type, threads, os.getpid(), outdir, fn, args)
+        context = _start(worker_args, nprocs, huge_pages)
+        try:
+            _wait(context, timeout)
+        except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as exc:
+            _raise_failure(context.processes, outdir, exc)
+        finally:
+            _stop(context.processes)
+        result = _result_file(outdir)
+        if not result.exists():
+            raise RuntimeError("launch: every rank finished, but rank 0 left no result; this is a bug.")
+        return pickle.loads(result.read_bytes())
+
+
+def _start(worker_args: tuple[Any, ...], nprocs: int, huge_pages: bool) -> torch_mp.ProcessContext:
+    before = set(mp.active_children())
     try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved_env is None:
-            os.environ.pop(_THP_ENV, None)
-    try:
-        return _collect(procs, results, timeout)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        with huge_pages_for_children(huge_pages):
+            # Not daemonic: a rank may start processes of its own (DataLoader workers); the
+            # parent stops the ranks itself, and they die with it (die_with_parent).
+            return torch_mp.start_processes(
+                _worker, worker_args, nprocs=nprocs, join=False, daemon=False, start_method="spawn"
+            )
+    except BaseException:
+        # Interrupted between two starts (Ctrl-C): stop the ranks already running.
+        _stop([p for p in mp.active_children() if p not in before])
+        raise
 
 
-def _collect(procs, results, timeout: float) -> Any:
-    import time
-
+def _wait(context: torch_mp.ProcessContext, timeout: float) -> None:
+    """Return when every rank exited cleanly; raise torch's ``Process*Exception`` on the first failure."""
     deadline = time.monotonic() + timeout
-    pending, out = set(range(len(procs))), None
-    while pending:
+    while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=GRACE_S):
+        if time.monotonic() >= deadline:
+            pending = [r for r, p in enumerate(context.processes) if p.is_alive()]
+            raise TimeoutError(f"launch: ranks {pending} did not finish within {timeout}s.")
+
+
+def _stop(processes: Sequence[mp.process.BaseProcess]) -> None:
+    """SIGTERM, then SIGKILL after ``GRACE_S``, to every process still alive; reap them all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
         try:
-            rank, status, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            dead = [r for r in pending if not procs[r].is_alive() and procs[r].exitcode not in (None, 0)]
-            if dead:
-                r = dead[0]
-                raise RuntimeError(f"launch: rank {r} died with exit code {procs[r].exitcode} and no traceback.")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"launch: ranks {sorted(pending)} did not finish within {timeout}s.")
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _load_error(path: Path) -> tuple[BaseException, str, float] | None:
+    if not path.exists():
+        return None
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001 - e.g. an exception class this process cannot import
+        return RuntimeError(f"(the rank's exception could not be unpickled here: {exc!r})"), "", float("inf")
+
+
+def _raise_failure(
+    processes: Sequence[mp.process.BaseProcess],
+    outdir: str,
+    seen: torch_mp.ProcessRaisedException | torch_mp.ProcessExitedException,
+) -> None:
+    """Re-raise the root failure of a run whose processes have all ended.
+
+    ``seen`` names the first rank the launcher saw exit with an error. A rank that died without
+    a Python exception is the root cause (its peers' errors follow from its closed connections);
+    otherwise the earliest exception is, which is not always that of the first rank to exit.
+    """
+    first_exit = seen.error_index
+    errors = {r: e for r in range(len(processes)) if (e := _load_error(_error_file(outdir, r))) is not None}
+    root = first_exit if first_exit not in errors else min(errors, key=lambda r: errors[r][2])
+    others = []
+    for r, p in enumerate(processes):
+        if r == root:
             continue
-        if status == "error":
-            exc, tb = payload
-            others = _other_failures(procs, results, rank)
-            text = f"\n--- rank {rank} traceback ---\n{tb}"
-            if others:
-                # The first report may be a knock-on error (a peer's connection closing); name
-                # the other ranks that failed so that the root cause is not lost.
-                text += "\n--- other ranks ---\n" + "\n".join(others)
-            raise exc from RemoteTraceback(text)
-        pending.discard(rank)
-        if rank == 0:
-            out = pickle.loads(payload)
-    return out
-
-
-def _other_failures(procs, results, first: int, grace: float = 0.5) -> list[str]:
-    """Failures of ranks other than ``first`` seen within ``grace`` seconds."""
-    import time
-
-    out: list[str] = []
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            rank, status, payload = results.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        if status == "error":
-            out.append(f"rank {rank} raised {type(payload[0]).__name__}: {payload[0]}")
-    for r, p in enumerate(procs):
-        if r != first and p.exitcode not in (None, 0):
-            out.append(f"rank {r} exited with code {p.exitcode}")
-    return out
+        if r in errors:
+            exc, _, at = errors[r]
+            # When it raised, relative to the root failure: how long a knock-on error took.
+            dt = at - errors[root][2] if root in errors else math.nan
+            when = f" {dt:+.2f} s after rank {root}" if math.isfinite(dt) else ""
+            others.append(f"rank {r} raised {type(exc).__name__}{when}: {exc}")
+        elif p.exitcode not in (0, None):
+            others.append(f"rank {r} ended with {_exit_status(p.exitcode)}")
+    # The root error may be a knock-on one (a peer's connection closing): name every other
+    # failure so that the cause is not lost.
+    other_text = ("\n--- other ranks ---\n" + "\n".join(others)) if others else ""
+    if root not in errors:
+        code = processes[root].exitcode
+        if isinstance(seen, torch_mp.ProcessRaisedException):
+            # Raised outside fn (torch's launcher caught it): its traceback is all there is.
+            hint = f"; the launcher caught:{seen.msg}"
+        elif code is not None and code < 0:
+            hint = " (killed by a signal: out of memory is a common cause)"
+        else:
+            hint = (
+                " (os._exit, or a crash before fn ran: see the rank's stderr; a function the ranks cannot "
+                "import, such as one defined in an interactive session, is a common cause)"
+            )
+        raise RuntimeError(
+            f"launch: rank {root} died with {_exit_status(code)} and no traceback{hint}{other_text}"
+        ) from None
+    exc, tb, _ = errors[root]
+    raise exc from RemoteTraceback(f"\n--- rank {root} traceback ---\n{tb}{other_text}")

@@ -10,6 +10,7 @@ timeout kills the pool and raises, so a test never hangs.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -18,22 +19,24 @@ from functools import cache
 from typing import Any
 
 import torch
+import torch.multiprocessing as torch_mp
 
-from sharded_nn.launch import RemoteTraceback, free_port, init_worker
+from sharded_nn.launch import RemoteTraceback, die_with_parent, init_worker, rendezvous_store
 
 #: Collective timeout inside workers: a rank waiting for a dead peer errors out instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def _serve(rank: int, world: int, port: int, jobs, results) -> None:
+def _serve(rank: int, world: int, store_port: int, parent_pid: int, jobs: list, results) -> None:
+    die_with_parent(parent_pid)  # a killed pytest leaves no workers behind
     torch.set_num_threads(1)
     try:
-        init_worker(rank, world, port, COLLECTIVE_TIMEOUT, "cpu")
+        init_worker(rank, world, store_port, COLLECTIVE_TIMEOUT, "cpu")
     except BaseException:  # noqa: BLE001
         results.put((rank, "error", traceback.format_exc()))
         return
     while True:
-        fn, args = jobs.get()
+        fn, args = jobs[rank].get()
         try:
             results.put((rank, "ok", fn(*args)))
         except BaseException:  # noqa: BLE001 - report everything, including assertion errors
@@ -48,13 +51,12 @@ class Pool:
         self.world = world
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world)]
-        port = free_port()
-        self.procs = [
-            ctx.Process(target=_serve, args=(r, world, port, self.jobs[r], self.results), daemon=True)
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
+        # The rendezvous store is bound here (port 0) and lives as long as the pool: no port race.
+        self.store = rendezvous_store(COLLECTIVE_TIMEOUT)
+        self.procs = torch_mp.start_processes(
+            _serve, (world, self.store.port, os.getpid(), self.jobs, self.results), nprocs=world, join=False,
+            daemon=True, start_method="spawn",
+        ).processes
 
     def run(self, fn, args, timeout: float) -> list[Any]:
         for q in self.jobs:
