@@ -12,9 +12,9 @@ over all their ranks by default, so:
   then sums over all ranks and divides by the data size only. No loss scaling is needed.
 """
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-import fnmatch
 from typing import Any
 
 import torch

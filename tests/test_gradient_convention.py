@@ -205,11 +205,11 @@ def _half_case(dtype):
         "reductions.mean": snn.reductions.mean(p_loc.square(), m, (2, 3)),
         "reductions.sum": snn.reductions.sum(p_loc, m, (2, 3)),
     }
-    for name in want:
+    for name, value in want.items():
         assert got[name].dtype == dtype, (name, got[name].dtype)
         # The rounding of the inputs' difference and of the result to the input dtype, nothing more.
         tol = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
-        torch.testing.assert_close(got[name].float(), want[name], rtol=tol, atol=tol, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(got[name].float(), value, rtol=tol, atol=tol, msg=lambda s, n=name: f"{n}: {s}")
     return True
 
 
@@ -266,7 +266,7 @@ def _src_device_case():
     On CPU there is no NCCL, so the communication device is replaced by "meta" (different from
     x's CPU device, as CUDA is on an NCCL mesh) and the scatter is recorded instead of run.
     """
-    import sharded_nn.sharding as sharding
+    from sharded_nn import sharding
 
     m = mesh(2)
     seen = {}
