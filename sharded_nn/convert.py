@@ -1,16 +1,42 @@
 """``convert(model, mesh)``: swap every registered layer of a module tree for its sharded class.
 
 Plain local tensors flow between layers; only layers that mix values across a sharded dim need
-replacing. Pointwise layers (activations, Linear over channels, Dropout, channel LayerNorm) stay.
-Layers that mix positions but have no sharded class are named in a warning (an error with
-``strict=True``), because on slabs they compute a silently wrong answer.
+replacing. Every other layer is checked against the sharded dims, from what it is known to act
+on:
+
+- pointwise layers (torch's and timm's activations, Dropout, Identity, Embedding) act on no dim;
+- layers on trailing dims (``Linear``, ``Bilinear``, ``RMSNorm``, timm's channels-last
+  ``LayerNorm``/``RmsNorm``) act on the last dim(s); ``GLU``/``Softmax``/``LogSoftmax``/
+  ``Softmin`` on their ``dim``; channel layers (timm's ``LayerNorm2d``/``RmsNorm2d``,
+  ``ChannelShuffle``, ``LocalResponseNorm``) on dim 1;
+- layers that take statistics over positions without a sharded class (timm ``BatchNormAct2d``
+  in training, timm ``GroupNorm``) and unknown leaf layers mix positions.
+
+A layer is a *hazard* when a dim it acts on can be a sharded dim. Convert cannot see the rank of
+the tensors a layer receives, so it uses this documented policy:
+
+- the sharded dims are ``dims`` (the ``convert`` keyword; default ``default_dims(mesh)``, one
+  per domain axis) together with the dims of every layer it swapped (plan options included);
+- the tensor rank is ``2 + k`` for every k-d grid layer in the model (``Conv2d`` -> 4, ...): a
+  trailing-dim layer is checked as if it saw those grid tensors. So ``Linear`` is a hazard in a
+  1-d CNN (``(N, C, L)``: the last dim is L) and on a 2-D mesh of a 2-d CNN (W is sharded), not
+  on a 1-D mesh of a 2-d CNN (it acts on the unsharded W, or on channels after a permute);
+- a model without grid layers (tokens ``(B, L, C)``, points ``(B, N, C)``) is taken to carry at
+  least one trailing channel dim after the sharded dims.
+
+Hazards are named in a ``ShardingWarning`` (a ``ShardingNotImplementedError`` with
+``strict=True``); ``plan={"<name>": None}`` marks a layer reviewed. In timm modules, the children
+registered after a global pool (the classifier head: norm, flatten, fc) act on the pooled,
+replicated features and are not reported. Functional calls inside a custom ``forward`` cannot be seen from here.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -19,19 +45,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from .errors import ShardingNotImplementedError, ShardingWarning
 from .mesh import domain_axes
 from .registry import registered, sharded_classes
+from .sharding import default_dims
 
-# Layers that act on each position independently (or only across channels): safe on slabs.
-_POINTWISE: tuple[type, ...] = (
+# --------------------------------------------------------------------------------------------
+# What a layer acts on: a tuple of tensor dims (negative counts from the end; () = pointwise),
+# MIXES (takes statistics over positions: a hazard whatever is sharded) or UNKNOWN (not in the
+# tables: a hazard for leaf layers; a composite's children are checked one by one instead).
+
+MIXES = "mixes positions"
+UNKNOWN = "unknown"
+
+_TORCH_POINTWISE: tuple[type, ...] = (
     nn.Identity,
-    nn.Linear,
-    nn.Bilinear,
     nn.Dropout,
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
     nn.ReLU,
     nn.ReLU6,
     nn.LeakyReLU,
-    nn.PReLU,
+    nn.PReLU,  # one weight per channel, applied elementwise
     nn.RReLU,
     nn.ELU,
     nn.SELU,
@@ -51,32 +83,164 @@ _POINTWISE: tuple[type, ...] = (
     nn.LogSigmoid,
     nn.Tanh,
     nn.Threshold,
-    nn.GLU,
-    nn.Embedding,
-    nn.ChannelShuffle,
+    nn.Embedding,  # a lookup per index: adds a trailing dim, mixes nothing
 )
-# Channel dropout draws one mask per (sample, channel); on slabs every rank would draw its own.
+_TORCH_TRAILING: tuple[type, ...] = (nn.Linear, nn.Bilinear, nn.LazyLinear)  # the last dim
+_TORCH_DIM_ATTR: tuple[type, ...] = (nn.GLU, nn.Softmax, nn.LogSoftmax, nn.Softmin)  # their .dim
+# Channel dropout draws one mask per (sample, channel) for all positions; on slabs every rank
+# would draw its own.
 _CHANNEL_DROPOUT = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
+# Grid layers give the rank of the tensors flowing through the model: 2 + k for a k-d layer.
+# (BatchNorm1d/InstanceNorm1d also take (N, C) features, so they say nothing about the rank.)
+_GRID_BASES = (
+    "Conv", "ConvTranspose", "LazyConv", "LazyConvTranspose", "MaxPool", "AvgPool", "LPPool",
+    "AdaptiveAvgPool", "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool", "ReflectionPad",
+    "ReplicationPad", "ZeroPad", "ConstantPad", "CircularPad",
+)  # fmt: skip
+_GRID_RANK: dict[type, int] = {
+    getattr(nn, f"{base}{k}d"): k for base in _GRID_BASES for k in (1, 2, 3) if hasattr(nn, f"{base}{k}d")
+} | {getattr(nn, f"{base}{k}d"): k for base in ("BatchNorm", "InstanceNorm") for k in (2, 3)}
 
-def _is_pointwise(m: nn.Module) -> bool:
-    if isinstance(m, _POINTWISE):
-        return True
+
+def _timm_tables() -> dict[type, object]:
+    """timm layer class -> what it acts on (see ``_acts_on``), for the timm modules loaded.
+
+    A model can only hold timm layers once timm is imported, so nothing is imported here.
+    """
+    table: dict[type, object] = {}
+    for mod_name in ("timm.layers.activations", "timm.layers.activations_me"):
+        mod = sys.modules.get(mod_name)
+        for obj in vars(mod).values() if mod else ():
+            if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__ == mod_name:
+                table[obj] = ()  # every timm activation is elementwise
+    groups = {
+        "timm.layers.norm": {
+            "trailing": ("LayerNorm", "LayerNormFp32", "RmsNorm", "RmsNormFp32", "SimpleNorm", "SimpleNormFp32"),
+            "channels": (
+                "LayerNorm2d", "LayerNorm2dFp32", "LayerNormExp2d", "RmsNorm2d", "RmsNorm2dFp32", "SimpleNorm2d",
+                "SimpleNorm2dFp32",
+            ),
+            "mixes": ("GroupNorm", "GroupNorm1"),
+        },
+        "timm.layers.norm_act": {
+            "trailing": ("LayerNormAct", "LayerNormActFp32", "RmsNormAct", "RmsNormActFp32"),
+            "channels": ("LayerNormAct2d", "LayerNormAct2dFp32", "RmsNormAct2d", "RmsNormAct2dFp32"),
+            "pointwise": ("FrozenBatchNormAct2d",),
+            "batchnorm": ("BatchNormAct2d", "SyncBatchNormAct"),
+            "mixes": ("GroupNormAct", "GroupNorm1Act"),
+        },
+    }  # fmt: skip
+    for mod_name, kinds in groups.items():
+        mod = sys.modules.get(mod_name)
+        for kind, names in kinds.items() if mod else ():
+            for name in names:
+                if isinstance(getattr(mod, name, None), type):
+                    table[getattr(mod, name)] = kind
+    return table
+
+
+def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...] | str:
+    """The tensor dims ``m`` combines values along, ``MIXES``, or ``UNKNOWN``."""
+    kind = timm_table.get(type(m), UNKNOWN)
+    if kind == "trailing" or (kind is UNKNOWN and isinstance(m, nn.RMSNorm)):
+        return tuple(range(-len(m.normalized_shape), 0))
+    if kind == "channels":
+        return (1,)
+    if kind == "pointwise" or kind == ():
+        return ()
+    if kind == "mixes":
+        return MIXES
+    if kind == "batchnorm":
+        # Batch statistics (over N and every position) in training, or without running stats.
+        uses_batch_stats = m.training or m.running_mean is None
+        return MIXES if uses_batch_stats else ()
+    if isinstance(m, _TORCH_POINTWISE):
+        return ()
+    if isinstance(m, _TORCH_TRAILING):
+        return (-1,)
+    if isinstance(m, _TORCH_DIM_ATTR):
+        # Softmax(dim=None) picks a dim from the input's rank: nothing to check against.
+        return MIXES if m.dim is None else (m.dim,)
+    if isinstance(m, nn.Softmax2d):
+        return (-3,)  # channels of (N, C, H, W) or (C, H, W)
+    if isinstance(m, (nn.ChannelShuffle, nn.LocalResponseNorm)):
+        return (1,)
     if isinstance(m, _CHANNEL_DROPOUT):
-        return not m.training or m.p == 0
-    # A LayerNorm over the last dim only normalizes channels of (B, L, C) tokens.
-    if isinstance(m, nn.LayerNorm) or type(m).__name__ in ("RMSNorm",):
-        return len(getattr(m, "normalized_shape", (0, 0))) == 1
+        return () if not m.training or m.p == 0 else MIXES
+    if isinstance(m, nn.LayerNorm):  # a subclass (the exact class is registered)
+        return tuple(range(-len(m.normalized_shape), 0))
+    return UNKNOWN
+
+
+def _replicated_children(m: nn.Module) -> tuple[str, ...]:
+    """Children of a timm module that run on globally pooled (replicated) features.
+
+    timm registers a model's head in forward order (``forward_head``: global_pool -> norm ->
+    flatten -> drop -> fc, in ResNet, EfficientNet, ConvNeXt's ``NormMlpClassifierHead``, ...;
+    ``SelectAdaptivePool2d``: pool -> flatten), so the children of a timm module registered
+    after a global pool see the pooled tensor, which a sharded global pool replicates over the
+    domain ranks. A pool that is not sharded is itself reported.
+    """
+    if not type(m).__module__.startswith("timm."):
+        return ()
+    names = list(m._modules)
+    if type(m).__name__ == "SelectAdaptivePool2d":
+        return tuple(names[names.index("pool") + 1 :]) if "pool" in names and _is_global_pool(m) else ()
+    pools = [i for i, c in enumerate(m._modules.values()) if _is_global_pool(c)]
+    return tuple(names[pools[0] + 1 :]) if pools else ()
+
+
+def _is_global_pool(m: nn.Module | None) -> bool:
+    """A timm ``SelectAdaptivePool2d`` pooling to one value per channel (its default)."""
+    if type(m).__name__ != "SelectAdaptivePool2d" or m.is_identity():
+        return False
+    return getattr(m.pool, "output_size", 1) in (1, (1, 1))  # timm's fast pools always give 1
+
+
+def _hazard_dims(
+    acts: tuple[int, ...], sharded: Sequence[int], ranks: Sequence[int]
+) -> tuple[int, tuple[int, ...]] | None:
+    """(rank, acted dims that are sharded) for the first tensor rank where they meet, else None."""
+    for n in ranks:
+        if any(not -n <= d < n for d in sharded):
+            continue  # a tensor of this rank cannot carry these sharded dims
+        s = {d % n for d in sharded}
+        hit = tuple(sorted({d % n for d in acts if -n <= d < n} & s))
+        if hit:
+            return n, hit
+    return None
+
+
+def _candidate_ranks(model: nn.Module, sharded: Sequence[int]) -> list[int]:
+    """Ranks of the tensors trailing-dim layers are checked against (see the module docstring)."""
+    ranks = sorted({2 + k for m in model.modules() for cls, k in _GRID_RANK.items() if isinstance(m, cls)})
+    if ranks:
+        return ranks
+    # No grid layer: tokens / points, with a trailing channel dim after the sharded dims.
+    return [max([d + 2 for d in sharded if d >= 0] + [-d for d in sharded if d < 0] + [2])]
+
+
+def _accepts_dims(cls: type) -> bool:
+    """Whether ``cls.from_module`` takes a ``dims`` option (directly or via ``_init_sharding``)."""
+    for fn in (getattr(cls, "from_module", None), getattr(cls, "_init_sharding", None)):
+        if fn is None:
+            return False
+        params = inspect.signature(fn).parameters
+        if "dims" in params:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return False
     return False
 
 
-def _plan_entry(name: str, plan: Mapping[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
-    """(matched, options) for module ``name``; first matching glob wins, ``None`` means skip."""
+def _plan_entry(name: str, plan: Mapping[str, Any] | None) -> tuple[str | None, dict[str, Any] | None]:
+    """(matching glob, options) for module ``name``; first matching glob wins, ``None`` means skip."""
     if plan:
         for pattern, options in plan.items():
             if fnmatch.fnmatchcase(name, pattern):
-                return True, (None if options is None else dict(options))
-    return False, {}
+                return pattern, (None if options is None else dict(options))
+    return None, {}
 
 
 def convert(
@@ -84,6 +248,7 @@ def convert(
     mesh: DeviceMesh,
     *,
     plan: Mapping[str, Mapping[str, Any] | None] | None = None,
+    dims: int | Sequence[int] | None = None,
     strict: bool = False,
 ) -> nn.Module:
     """Swap every registered layer of ``model`` (in place) for its sharded class; return the model.
@@ -94,35 +259,63 @@ def convert(
         plan: maps module-name globs (``fnmatch``, matched against ``named_modules`` names, root
             ``""``) to keyword options for the sharded class's ``from_module`` (e.g.
             ``{"stem.*": {"dims": (2,)}}``) or to ``None`` to leave the module as it is. The
-            first matching glob wins. A ``None`` entry also silences the warning for that module.
+            first matching glob wins. A ``None`` entry also marks the module reviewed: it is not
+            reported as a hazard. A glob that matches no module, or whose options reach only
+            modules that are not swapped, is reported in a ``ShardingWarning``.
+        dims: the tensor dims the domain axes shard (one per axis), given to every swapped
+            layer that takes a ``dims`` option unless its plan entry sets its own; also the dims
+            the hazard check compares with. Default: each layer's own default, which is
+            ``default_dims(mesh)`` (the first spatial dims) for grid layers.
         strict: raise instead of warning when some layer would compute a wrong answer on slabs.
 
     Returns:
         The converted model. State-dict keys are unchanged; converting twice changes nothing.
 
     Raises:
-        ShardingNotImplementedError: with ``strict=True``, listing the layers that mix positions
-            across sharded dims and have no sharded class.
+        ShardingNotImplementedError: with ``strict=True``, listing the layers that act on a
+            sharded dim and have no sharded class.
     """
     domain_axes(mesh)  # a clear error now for a mesh without a domain axis
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}.")
+    if dims is not None:
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    timm_table = _timm_tables()
     done = sharded_classes()
-    hazards: list[str] = []
     replaced: dict[str, nn.Module] = {}
+    reviewed: list[str] = []  # prefixes of subtrees not to check (plan None, pooled features)
+    checked: list[tuple[str, nn.Module, tuple[int, ...] | str]] = []
+    glob_hits: dict[str, list[str]] = {g: [] for g in plan or {}}
+    glob_used: set[str] = set()
     for name, module in model.named_modules():
+        glob, options = _plan_entry(name, plan)
+        if glob is not None:
+            glob_hits[glob].append(name)
+            if options is None:
+                glob_used.add(glob)  # marking a module reviewed is never wasted
         if any(name.startswith(r + ".") or (r == "" and name) for r in replaced):
             continue  # inside a module that was just replaced: its own class handles its children
-        matched, options = _plan_entry(name, plan)
-        if matched and options is None:
+        if options is None:
+            reviewed.append(name)
             continue
         sharded_cls = registered(type(module))
         if sharded_cls is not None:
+            if dims is not None and "dims" not in options and _accepts_dims(sharded_cls):
+                options["dims"] = dims
+            if glob is not None:
+                glob_used.add(glob)
             replaced[name] = sharded_cls.from_module(module, mesh, **options)
-        elif not module._modules and type(module) not in done and not _is_pointwise(module):
-            # Leaf layers only: a composite's children are checked one by one. (Functional calls
-            # inside a custom forward cannot be seen from here.)
-            hazards.append(f"{name or '<root>'} ({type(module).__name__})")
+            continue
+        if any(name == r or name.startswith(r + ".") or (r == "" and name) for r in reviewed):
+            continue
+        reviewed += [f"{name}.{c}" if name else c for c in _replicated_children(module)]
+        acts = _acts_on(module, timm_table)
+        if type(module) in done or acts == ():
+            continue
+        if acts is UNKNOWN and module._modules:
+            continue  # a composite: its children are checked one by one
+        checked.append((name, module, acts))
+
     for name, new in replaced.items():
         if name == "":
             model = new
@@ -130,13 +323,50 @@ def convert(
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
+
+    # The sharded dims: the convert-level default and what every sharded layer shards (those
+    # swapped now and any swapped by an earlier convert).
+    sharded = set(dims if dims is not None else default_dims(mesh))
+    for m in model.modules():
+        if type(m) in done or any(m is new for new in replaced.values()):
+            layer_dims = getattr(m, "dims", ())
+            sharded |= {layer_dims} if isinstance(layer_dims, int) else set(layer_dims)
+    sharded_t = tuple(sorted(sharded))
+    ranks = _candidate_ranks(model, sharded_t)
+    hazards: list[str] = []
+    for name, module, acts in checked:
+        label = f"{name or '<root>'} ({type(module).__name__})"
+        if isinstance(acts, str):
+            hazards.append(label)
+            continue
+        hit = _hazard_dims(acts, sharded_t, ranks)
+        if hit is not None:
+            n, on = hit
+            hazards.append(f"{label} acts on dim(s) {on} of rank-{n} tensors, which are sharded")
+
+    for glob, names in glob_hits.items():
+        if not names:
+            warnings.warn(
+                f"convert: plan glob {glob!r} matches no module of the model; check the name against "
+                "model.named_modules() (the root is '').",
+                ShardingWarning,
+                stacklevel=2,
+            )
+        elif glob not in glob_used:
+            warnings.warn(
+                f"convert: plan glob {glob!r} gives options {dict(plan[glob])} only to modules that are "
+                f"not swapped ({', '.join(n or '<root>' for n in names[:8])}{', ...' if len(names) > 8 else ''}): "
+                "the options are ignored. Point it at registered layers, or use None to mark modules reviewed.",
+                ShardingWarning,
+                stacklevel=2,
+            )
     if hazards:
         msg = (
             f"convert: {len(hazards)} layer(s) have no sharded version and may mix positions across "
-            f"the sharded dims, which gives a silently wrong answer on slabs: {', '.join(hazards)}. "
-            "Register a sharded class for them (sharded_nn.register), or, if they only act on "
-            "channels or on a replicated tensor (e.g. after a global pool), mark them reviewed with "
-            "plan={'<name>': None}."
+            f"the sharded dims {sharded_t}, which gives a silently wrong answer on slabs: "
+            f"{', '.join(hazards)}. Register a sharded class for them (sharded_nn.register), or, if "
+            "they only act on channels or on a replicated tensor (e.g. after a global pool), mark them "
+            "reviewed with plan={'<name>': None}."
         )
         if strict:
             raise ShardingNotImplementedError(msg)

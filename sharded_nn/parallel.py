@@ -1,13 +1,19 @@
-"""``parallelize(model, mesh)``: convert, then reduce gradients with torch's DDP.
+"""``parallelize(model, mesh)``: convert, then reduce gradients with torch's DDP or FSDP2.
 
 Parameters are replicated over the domain ranks and every rank's parameter gradient is a
 partial sum (DESIGN.md section 3). The single-device gradient of one sample is the *sum* over
-the domain ranks; over data-parallel replicas the usual *mean* applies. DDP's default hook
-averages over all ranks, so we install a communication hook that divides by the data size only
-and then sums over the whole mesh: DDP still buckets and overlaps the reduction with backward.
+the domain ranks; over data-parallel replicas the usual *mean* applies. Both engines average
+over all their ranks by default, so:
+
+- DDP (``mode="ddp"``): a communication hook divides by the data size only and then sums over
+  the whole mesh; DDP still buckets and overlaps the reduction with backward.
+- FSDP2 (``mode="fsdp"``): ``fully_shard`` on the data x domain mesh, with every FSDP module's
+  gradient divide factor set to the data size (``set_gradient_divide_factor``): its reduction
+  then sums over all ranks and divides by the data size only. No loss scaling is needed.
 """
 
-from collections.abc import Mapping
+import fnmatch
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .convert import convert
-from .mesh import DATA_AXIS, axis_size, data_axis, group_over
+from .mesh import DATA_AXIS, axis_size, data_axis, domain_axes, group_over
 
 
 @dataclass
@@ -36,29 +42,105 @@ def _sum_domain_mean_data_hook(state: _HookState, bucket: dist.GradBucket) -> to
     return fut.then(lambda f: f.value()[0])
 
 
+def _data_size(mesh: DeviceMesh) -> int:
+    return axis_size(mesh, DATA_AXIS) if data_axis(mesh) else 1
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
     plan: Mapping[str, Mapping[str, Any] | None] | None = None,
+    dims: int | Sequence[int] | None = None,
     strict: bool = False,
-    **ddp_kwargs: Any,
-) -> DDP:
-    """Convert ``model`` for ``mesh`` and wrap it in DDP with the domain-sum / data-mean hook.
+    mode: str = "ddp",
+    fsdp_modules: Sequence[str] = (),
+    **kwargs: Any,
+) -> nn.Module:
+    """Convert ``model`` for ``mesh`` and reduce its gradients like one device would.
 
-    After ``loss.backward()`` on every rank (with the per-rank losses of ``sharded_nn.losses``),
-    every parameter's ``.grad`` equals the single-device gradient of the global batch's loss.
+    After ``loss.backward()`` on every rank (with the per-rank losses of ``sharded_nn.losses``,
+    or a loss passed through ``losses.share``), every parameter's ``.grad`` (its full tensor
+    under FSDP2) equals the single-device gradient of the global batch's loss.
 
     Args:
         model: the single-device model (converted in place).
         mesh: a mesh with domain axes and optionally a ``"data"`` axis.
-        plan, strict: passed to ``convert``.
-        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``).
+        plan, dims, strict: passed to ``convert``.
+        mode: ``"ddp"``: wrap in ``DistributedDataParallel`` with the domain-sum / data-mean
+            hook. ``"fsdp"``: apply FSDP2's ``fully_shard`` (HSDP on a data x domain mesh:
+            parameters replicated over ``"data"``, sharded over ``"domain"``; a mesh with
+            several domain axes shards them over all its ranks) and set the gradient divide
+            factor (``set_gradient_divide_factor``).
+        fsdp_modules: with ``mode="fsdp"``, globs of submodule names (``named_modules``) that
+            get their own ``fully_shard`` before the root (e.g. ``("blocks.*",)``), so that
+            their parameters are gathered and their gradients reduced one block at a time.
+        **kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``) or to every
+            ``fully_shard`` call (e.g. ``mp_policy``, ``reshard_after_forward``).
+
+    Returns:
+        The DDP wrapper, or the model itself (now an ``FSDPModule``) with ``mode="fsdp"``.
     """
-    model = convert(model, mesh, plan=plan, strict=strict)
+    if mode not in ("ddp", "fsdp"):
+        raise ValueError(f"parallelize: mode must be 'ddp' or 'fsdp', got {mode!r}.")
+    if fsdp_modules and mode != "fsdp":
+        raise ValueError(f"parallelize: fsdp_modules={tuple(fsdp_modules)!r} needs mode='fsdp', got mode={mode!r}.")
+    model = convert(model, mesh, plan=plan, dims=dims, strict=strict)
+    if mode == "fsdp":
+        return _fully_shard(model, mesh, fsdp_modules, kwargs)
     if mesh.device_type == "cuda":
-        ddp_kwargs.setdefault("device_ids", [torch.cuda.current_device()])
-    ddp = DDP(model, process_group=group_over(mesh, mesh.mesh_dim_names), **ddp_kwargs)
-    data = axis_size(mesh, DATA_AXIS) if data_axis(mesh) else 1
-    ddp.register_comm_hook(_HookState(group_over(mesh, mesh.mesh_dim_names), 1.0 / data), _sum_domain_mean_data_hook)
+        kwargs.setdefault("device_ids", [torch.cuda.current_device()])
+    group = group_over(mesh, mesh.mesh_dim_names)
+    ddp = DDP(model, process_group=group, **kwargs)
+    ddp.register_comm_hook(_HookState(group, 1.0 / _data_size(mesh)), _sum_domain_mean_data_hook)
     return ddp
+
+
+def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh for ``fully_shard``: (data, domain) for HSDP, else all ranks flattened to 1-D."""
+    names = tuple(mesh.mesh_dim_names)
+    axes = domain_axes(mesh)
+    if len(axes) == 1 and names in ((axes[0],), (DATA_AXIS, axes[0])):
+        return mesh  # 1-D: FSDP over the domain; 2-D: HSDP, replicate over dim 0, shard over dim 1
+    # Several domain axes: FSDP2 takes one shard dim, so shard over every rank of the mesh. The
+    # divide factor is the same: the sum over all ranks, divided by the data size.
+    return mesh._flatten("_".join(names) + "_flat")  # the name mesh.group_over gives it too
+
+
+def _fully_shard(model: nn.Module, mesh: DeviceMesh, fsdp_modules: Sequence[str], kwargs: dict) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp_mesh = _fsdp_mesh(mesh)
+    units = [m for name, m in model.named_modules() if name and any(fnmatch.fnmatchcase(name, g) for g in fsdp_modules)]
+    missing = [g for g in fsdp_modules if not any(fnmatch.fnmatchcase(n, g) for n, _ in model.named_modules() if n)]
+    if missing:
+        raise ValueError(
+            f"parallelize: fsdp_modules globs {missing} match no submodule; names look like "
+            f"{[n for n, _ in model.named_modules() if n][:6]}."
+        )
+    # Innermost first: a parent's fully_shard must not take over its children's parameters.
+    for m in reversed(units):
+        fully_shard(m, mesh=fsdp_mesh, **kwargs)
+    fully_shard(model, mesh=fsdp_mesh, **kwargs)
+    set_gradient_divide_factor(model, mesh)
+    return model
+
+
+def set_gradient_divide_factor(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make FSDP2's gradient reduction give the single-device gradient under the convention.
+
+    Call it after your own ``fully_shard`` calls (``parallelize(mode="fsdp")`` does it for
+    you). It sets, on every ``FSDPModule`` in ``model``, the divide factor to the data size:
+    FSDP2 then sums the gradients over all ranks (the domain ranks' partial sums add up to the
+    sample's gradient) and divides by the number of data replicas (the batch mean). On backends
+    without averaging reductions (gloo) the reduction is forced to plain sums.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    factor = float(_data_size(mesh))
+    sum_only = dist.get_backend(group_over(mesh, mesh.mesh_dim_names)) != "nccl"
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(factor)
+            if sum_only:
+                m.set_force_sum_reduction_for_comms(True)

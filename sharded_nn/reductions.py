@@ -1,14 +1,23 @@
 """Global reductions over sharded dims: ``sum``, ``mean``, ``max``, ``argmax``.
 
 For heads (global pooling, then a Linear on the replicated features) and for losses. ``x`` is
-this rank's slab of a tensor sharded along ``sharded_dims`` (default: the first spatial dims, one
-per domain axis, as for every grid layer); ``dims`` are the dims to reduce. Reducing a sharded
+this rank's slab of a tensor sharded along ``sharded_dims`` (default: ``default_dims(mesh)``,
+the first spatial dims, one per domain axis, as for every grid layer); ``dims`` are the dims to
+reduce. Reducing a sharded
 dim all-reduces over the domain axis that shards it, so the result is *replicated* over those
 ranks; dims that are sharded but not reduced stay sharded.
 
-Autograd follows the gradient convention (DESIGN.md section 3): the result is replicated, each
-rank's gradient of it is partial, and the backward of ``comm.all_reduce_sum`` sums those partial
-gradients, so every rank's input gradient is exact. ``max`` splits the gradient evenly among all
+Autograd follows the gradient convention (DESIGN.md section 3): the global loss is the sum of the
+per-rank losses. The result is a *value* replicated over the reducing ranks, not a loss: its
+gradient on each rank is taken as partial, and the backward of ``comm.all_reduce_sum`` sums those
+partial gradients, so every rank's input gradient is exact. A loss computed from a replicated
+value is therefore counted once per rank unless it is shared: write
+``losses.share(loss, mesh).backward()`` (or use ``losses.global_mean`` / ``losses.mse_loss``,
+which share for you). ``reductions.mean(err, mesh).backward()`` on every rank gives P times the
+gradient, exactly as summing P identical per-rank losses would.
+
+Precision: sums and counts accumulate in float32 for fp16/bf16 inputs (in the input dtype
+otherwise), as torch's own reductions do, and the result has the input dtype. ``max`` splits the gradient evenly among all
 elements equal to the maximum, on every rank that holds one, like ``torch.amax``. ``argmax``
 returns *global* indices (the first maximal position, like ``torch.argmax``); it has no gradient.
 
@@ -28,6 +37,7 @@ from .comm import all_reduce_max, all_reduce_sum, gather_layouts
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import domain_axes, group_over
+from .sharding import default_dims
 
 __all__ = ["argmax", "max", "mean", "sum"]
 
@@ -42,7 +52,7 @@ def _plan(
     """(reduced dims, mesh axes to reduce over, {sharded dim: (axis, layout)})."""
     axes = domain_axes(mesh)
     if sharded_dims is None:
-        sharded_dims = tuple(range(2, 2 + len(axes)))
+        sharded_dims = default_dims(mesh)
     sharded_dims = (sharded_dims,) if isinstance(sharded_dims, int) else tuple(sharded_dims)
     layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what)
     nd = x.dim()
@@ -59,6 +69,11 @@ def _plan(
 
 def _reduce_sum(t: torch.Tensor, mesh: DeviceMesh, axes: list[str]) -> torch.Tensor:
     return all_reduce_sum(t, group_over(mesh, axes)) if axes else t
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16 (what torch's reductions accumulate in), else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def sum(  # noqa: A001 - mirrors torch.sum
@@ -79,7 +94,12 @@ def sum(  # noqa: A001 - mirrors torch.sum
         sharded_dims: dims of ``x`` sharded by the domain axes (default: the first spatial dims).
     """
     dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum")
-    return _reduce_sum(x.sum(dims, keepdim=keepdim), mesh, axes)
+    if not x.is_floating_point():
+        return _reduce_sum(x.sum(dims, keepdim=keepdim), mesh, axes)
+    # Partial sums cross ranks in the accumulation dtype: rounding each rank's partial sum to
+    # bf16 before adding them would round P times where torch rounds once.
+    total = _reduce_sum(x.sum(dims, keepdim=keepdim, dtype=accumulation_dtype(x.dtype)), mesh, axes)
+    return total.to(x.dtype)
 
 
 def mean(
@@ -92,8 +112,10 @@ def mean(
 ) -> torch.Tensor:
     """``torch.mean(x_full, dims, keepdim)`` from slabs (exact on uneven slabs); see ``sum``."""
     dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean")
+    # The count comes from the agreed global layout: an exact Python int on every rank.
     count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
-    return _reduce_sum(x.sum(dims, keepdim=keepdim), mesh, axes) / count
+    total = _reduce_sum(x.sum(dims, keepdim=keepdim, dtype=accumulation_dtype(x.dtype)), mesh, axes)
+    return (total / count).to(x.dtype)
 
 
 def max(  # noqa: A001 - mirrors torch.amax
@@ -114,11 +136,16 @@ def max(  # noqa: A001 - mirrors torch.amax
         return x.amax(dims, keepdim=keepdim)
     group = group_over(mesh, axes)
     top = all_reduce_max(x.detach().amax(dims, keepdim=True), group)
+    if not x.is_floating_point():  # no gradient to route
+        return top if keepdim else top.squeeze(dims)
     hit = x.detach() == top
-    ties = all_reduce_sum(hit.sum(dims, keepdim=True).to(x.dtype), group)
+    acc = accumulation_dtype(x.dtype)
+    # Tie counts in the accumulation dtype: bf16 cannot count past 256 exactly.
+    ties = all_reduce_sum(hit.sum(dims, keepdim=True, dtype=acc), group)
     # (x - top) is exactly zero where x is maximal, so the value is exactly ``top``; its gradient
     # is hit / ties, summed over the ranks by all_reduce_sum's backward.
-    out = top + all_reduce_sum(torch.where(hit, x - top, 0).sum(dims, keepdim=True), group) / ties
+    zero = all_reduce_sum(torch.where(hit, x - top, 0).sum(dims, keepdim=True, dtype=acc), group) / ties
+    out = top + zero.to(x.dtype)
     return out if keepdim else out.squeeze(dims)
 
 

@@ -1,7 +1,10 @@
 """Moving whole tensors in and out of the sharded world: ``shard``, ``gather``, ``local_slices``.
 
 Grid tensors ``(N, C, S0, S1, ...)`` are sharded along ``dims``, the k-th dim by the k-th domain
-axis of the mesh, following the balanced aligned rule of ``Layout.balanced``.
+axis of the mesh, following the balanced aligned rule of ``Layout.balanced``. ``dims`` defaults
+to ``default_dims(mesh)``: one tensor dim per domain axis, the first spatial dims, exactly what
+every grid layer shards. One rule for the whole library, so that ``shard`` -> layers ->
+``gather`` with default arguments agree on every mesh.
 """
 
 from __future__ import annotations
@@ -15,7 +18,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import all_gather_grid, comm_device, gather_layouts, scatter_uneven
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import axis_size, domain_axes, domain_group
+from .mesh import axis_size, domain_axes, domain_group, group_over
+
+
+def default_dims(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The tensor dims the domain axes shard by default: the first spatial dims of ``(N, C, S0, ...)``.
+
+    One dim per domain axis, in order: ``(2,)`` for a 1-D domain, ``(2, 3)`` for a 2-D domain.
+    ``shard``, ``local_slices``, ``gather``, the reductions, ``convert`` and every grid layer use
+    this rule when ``dims`` is not given. Token tensors ``(B, L, C)`` and point tensors
+    ``(B, N, C)`` shard dim 1: pass ``dims=(1,)`` for them.
+    """
+    return tuple(range(2, 2 + len(domain_axes(mesh))))
 
 
 def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
@@ -57,14 +71,15 @@ def local_slices(
     global_shape: Sequence[int],
     mesh: DeviceMesh,
     *,
-    dims: int | Sequence[int] = (2,),
+    dims: int | Sequence[int] | None = None,
     align: int | Sequence[int] = 1,
 ) -> tuple[slice, ...]:
     """Index slices of this rank's slab: ``x[local_slices(x.shape, mesh)] == shard(x, mesh)``.
 
     Pure arithmetic, no communication, so a data loader can read just its slab from disk.
+    ``dims`` and ``align`` as for ``shard`` (default dims: ``default_dims(mesh)``).
     """
-    dims = normalize_dims(dims, len(global_shape), "local_slices")
+    dims = normalize_dims(default_dims(mesh) if dims is None else dims, len(global_shape), "local_slices")
     layouts = global_layouts(global_shape, mesh, dims, align)
     idx = [slice(None)] * len(global_shape)
     for d, a, lay in zip(dims, domain_axes(mesh), layouts):
@@ -76,7 +91,7 @@ def shard(
     x: torch.Tensor | None,
     mesh: DeviceMesh,
     *,
-    dims: int | Sequence[int] = (2,),
+    dims: int | Sequence[int] | None = None,
     align: int | Sequence[int] = 1,
     src: int | None = None,
 ) -> torch.Tensor:
@@ -87,14 +102,20 @@ def shard(
             rank ``r`` (its index in the domain group) passes it and the others pass ``None``,
             so no other rank ever holds the whole tensor.
         mesh: mesh with domain axes; ``dims[k]`` is sharded by the k-th domain axis.
-        dims: tensor dims to shard.
+        dims: tensor dims to shard; default ``default_dims(mesh)``, the first spatial dims (one
+            per domain axis), as the grid layers shard them.
         align: every slab starts at a multiple of this (int or one per dim): the product of the
             model's strides, or the ViT patch size.
-        src: domain rank that holds ``x``, or ``None`` when every rank holds it.
+        src: domain rank that holds ``x``, or ``None`` when every rank holds it. The slabs are
+            sent from the device the domain group communicates on (CUDA for NCCL, CPU for gloo),
+            a fact every rank shares: a CPU ``x`` on an NCCL mesh is moved there on ``src``.
 
     Returns:
-        A contiguous tensor that owns its memory (it does not keep ``x`` alive).
+        A contiguous tensor that owns its memory (it does not keep ``x`` alive). With ``src=r``
+        it lives on the communication device of the domain group on every rank.
     """
+    if dims is None:
+        dims = default_dims(mesh)
     if src is None:
         if x is None:
             raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
@@ -117,6 +138,7 @@ def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
     dims = normalize_dims(dims, len(shape), "shard")
     axes = domain_axes(mesh)
     layouts = global_layouts(shape, mesh, dims, align)
+    device = comm_device(group)
     # Group rank r's coordinates; the flat domain group orders ranks row-major over the axes.
     coords = _group_coords(mesh, axes)
     shapes = []
@@ -132,15 +154,16 @@ def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
             idx = [slice(None)] * len(shape)
             for k, d in enumerate(dims):
                 idx[d] = layouts[k].slice(c[k])
-            parts.append(x[tuple(idx)])
-    device = x.device if x is not None else comm_device(group)
+            # Moved to the communication device here, on src only: every rank derives that
+            # device from the group (a shared fact), never from its own (or a missing) x.
+            parts.append(x[tuple(idx)].to(device))
     return scatter_uneven(parts, shapes[me], dtype, device, group, src, shapes)
 
 
 def _group_coords(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
-    """Domain coordinates of each rank of the domain group, in group-rank order."""
-    group = domain_group(mesh)
-    sub = mesh[axes] if len(axes) > 1 or mesh.ndim > 1 else mesh
+    """Coordinates along ``axes`` of each rank of ``group_over(mesh, axes)``, in group-rank order."""
+    group = group_over(mesh, axes)
+    sub = mesh if tuple(mesh.mesh_dim_names or ()) == tuple(axes) else mesh[tuple(axes)]
     grid = sub.mesh
     coords = {}
     for flat, rank in enumerate(grid.flatten().tolist()):
@@ -152,22 +175,36 @@ def _group_coords(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[tuple[int, ..
     return [coords[dist.get_global_rank(group, i)] for i in range(dist.get_world_size(group))]
 
 
-def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int] = (2,)) -> torch.Tensor:
+def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int] | None = None) -> torch.Tensor:
     """The full tensor on every rank, assembled from every rank's slab (uneven slabs allowed).
 
-    Autograd: the result is replicated, so under the gradient convention (the global loss is
-    the sum of the per-rank losses) each rank's gradient of it is partial; the backward sums
-    those over the domain ranks and returns this rank's slab of the sum. If you call
-    ``y.backward(g)`` by hand on a gathered ``y`` with the full gradient ``g`` on every rank,
-    pass ``g / P`` (P = number of domain ranks), or the input gradient comes out P times too big.
+    Args:
+        x_local: this rank's slab.
+        mesh: mesh with domain axes; ``dims[k]`` is sharded by the k-th domain axis.
+        dims: the sharded tensor dims; default ``default_dims(mesh)`` (one per domain axis, as
+            ``shard`` and the grid layers). With fewer dims than domain axes, ``x_local`` is
+            taken as replicated over the remaining axes.
+
+    Autograd, under the gradient convention (the global loss is the sum of the per-rank losses;
+    DESIGN.md section 3): the result is replicated, so each rank's gradient of it is partial; the
+    backward sums those over the ranks of the gathered axes and returns this rank's slab of the
+    sum. Build losses from the result with ``losses.share(loss, mesh)`` and call ``backward()``
+    on every rank. If you call ``y.backward(g)`` by hand on a gathered ``y`` with the full
+    gradient ``g`` on every rank, pass ``g / P`` (P = ``domain_size(mesh)``), or the input
+    gradient comes out P times too big.
     """
+    if dims is None:
+        dims = default_dims(mesh)
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     # Shapes first: they are validated on every rank alike, before any local check could make
     # one rank raise alone.
     layouts = gather_layouts(x_local.shape, mesh, dims, what="gather")
     dims = normalize_dims(dims, x_local.dim(), "gather")
-    axes = domain_axes(mesh)
-    group = domain_group(mesh)
+    # Only the axes that shard a gathered dim take part: over the other domain axes the slab is
+    # a replica, whose gradient must stay this replica's share (summing over those axes too
+    # would count every replica's share once per replica).
+    axes = domain_axes(mesh)[: len(dims)]
+    group = group_over(mesh, axes)
     coords = _group_coords(mesh, axes)
     sizes = [lay.sizes for lay in layouts]
     return all_gather_grid(x_local, group, dims, coords, sizes, dist.get_rank(group))

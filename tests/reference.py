@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import sharded_nn as snn
+from sharded_nn.sharding import default_dims
 
 
 def reduce_param_grads(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
@@ -28,7 +29,7 @@ def check_against_reference(
     x: torch.Tensor,
     mesh,
     *,
-    dims: Sequence[int] = (2,),
+    dims: Sequence[int] | None = None,
     align: int | Sequence[int] = 1,
     sharded: nn.Module | None = None,
     sizes: Sequence[int] | None = None,
@@ -41,7 +42,10 @@ def check_against_reference(
     ``sizes`` gives explicit per-rank slab sizes along ``dims[0]`` (1-D meshes) instead of the
     balanced split. Compares the gathered output, the gathered input gradient and every parameter gradient
     (summed over the domain ranks) with ``torch.testing.assert_close``; returns the max errors.
+    ``dims`` defaults to the library default (one spatial dim per domain axis).
     """
+    if dims is None:
+        dims = default_dims(mesh)
     model = sharded if sharded is not None else snn.convert(copy.deepcopy(ref), mesh)
     x = x.detach().clone().requires_grad_()
     y = ref(x)

@@ -166,3 +166,136 @@ def _mesh_without_domain():
 
 def test_mesh_without_domain_axis(run):
     assert all(run(2, _mesh_without_domain))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pointwise-ness from the dims a layer acts on against the sharded dims
+# ---------------------------------------------------------------------------------------------
+
+
+def _no_warning(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn(*args, **kwargs)
+
+
+def _seq(*layers):
+    return nn.Sequential(*layers).double()
+
+
+def _last_dim_layers_1d_mesh():
+    m = mesh(2)
+    # (N, C, L): the last dim is the sharded L, so Linear and GLU() mix positions.
+    with pytest.warns(snn.ShardingWarning, match=r"1 \(Linear\) acts on dim\(s\) \(2,\).*2 \(GLU\)") as rec:
+        snn.convert(_seq(nn.Conv1d(2, 4, 3), nn.Linear(8, 8), nn.GLU(), nn.GLU(dim=1), nn.GELU()), m)
+    assert "3 (GLU" not in str(rec[0].message) and "GELU" not in str(rec[0].message)
+    with pytest.raises(snn.ShardingNotImplementedError, match=r"Linear"):
+        snn.convert(_seq(nn.Conv1d(2, 4, 3), nn.Linear(8, 8)), m, strict=True)
+    _no_warning(snn.convert, _seq(nn.Conv1d(2, 4, 3), nn.Linear(8, 8)), m, plan={"1": None}, strict=True)
+    # (N, C, H, W) with H sharded: a Linear on W (or on channels after a permute) is fine.
+    _no_warning(snn.convert, _seq(nn.Conv2d(2, 4, 3), nn.Linear(8, 8), nn.Softmax(dim=1), nn.GLU(-1)), m)
+    # ... unless W is the sharded dim: convert(dims=...) says so, and sets it on the layers.
+    with pytest.warns(snn.ShardingWarning, match=r"1 \(Linear\) acts on dim\(s\) \(3,\)"):
+        model = snn.convert(_seq(nn.Conv2d(2, 4, 3), nn.Linear(8, 8)), m, dims=(3,))
+    assert model[0].dims == (3,)
+    with pytest.warns(snn.ShardingWarning, match=r"1 \(Softmax\) acts on dim\(s\) \(2,\)"):
+        snn.convert(_seq(nn.Conv2d(2, 4, 3), nn.Softmax(dim=-2)), m)
+    # Tokens (B, L, C) without grid layers, L sharded: Linear / LayerNorm over C are pointwise,
+    # convert(dims=) reaches the layers that take dims and not the attention (which has none).
+    model = _no_warning(
+        snn.convert,
+        _seq(nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True), nn.LayerNorm(8), nn.GELU()),
+        m,
+        dims=(1,),
+    )
+    assert isinstance(model[1], snn.ShardedMultiheadAttention) and model[2].dims == (1,)
+    return True
+
+
+def test_last_dim_layers_on_a_1d_mesh(run):
+    assert all(run(2, _last_dim_layers_1d_mesh))
+
+
+def _last_dim_layers_2x2_mesh():
+    m = mesh((2, 2))
+    # On a 2x2 mesh W is sharded: a Linear on the last dim of (N, C, H, W) mixes positions.
+    with pytest.warns(snn.ShardingWarning, match=r"1 \(Linear\) acts on dim\(s\) \(3,\)"):
+        snn.convert(_seq(nn.Conv2d(2, 4, 3), nn.Linear(8, 8)), m)
+    _no_warning(snn.convert, _seq(nn.Conv2d(2, 4, 3), nn.GLU(dim=1), nn.ReLU()), m)
+    return True
+
+
+def test_last_dim_layers_on_a_2x2_mesh(run):
+    assert all(run(4, _last_dim_layers_2x2_mesh))
+
+
+def _timm_layers():
+    timm = pytest.importorskip("timm")
+    from timm.layers import activations, activations_me, norm, norm_act
+
+    m = mesh(2)
+    acts = [
+        cls()
+        for mod in (activations, activations_me)
+        for cls in vars(mod).values()
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == mod.__name__
+    ]
+    assert len(acts) >= 10  # GELU, SiLU/Swish, HardSwish, QuickGELU, Mish, ... and the *Me ones
+    channel_norms = [norm.LayerNorm2d(4), norm.RmsNorm2d(4), norm.LayerNorm(6), norm.RmsNorm(6)]
+    _no_warning(snn.convert, _seq(nn.Conv2d(4, 4, 3), *acts, *channel_norms, norm_act.LayerNormAct2d(4)), m)
+    # Batch statistics over positions: a hazard in training, pointwise in eval (running stats).
+    bn = _seq(nn.Conv2d(4, 4, 3), norm_act.BatchNormAct2d(4))
+    with pytest.warns(snn.ShardingWarning, match=r"1 \(BatchNormAct2d\)"):
+        snn.convert(bn, m)
+    _no_warning(snn.convert, bn.eval(), m)
+    with pytest.warns(snn.ShardingWarning, match=r"1 \(GroupNormAct\)"):
+        snn.convert(_seq(nn.Conv2d(4, 4, 3), norm_act.GroupNormAct(4, 2)), m)
+
+    # ConvNeXt: every GELU and LayerNorm2d is pointwise, the convs and the global pool are
+    # swapped, the head after the pool runs on replicated features: nothing to report, and
+    # the converted model equals the single-device one.
+    torch.manual_seed(0)
+    ref = timm.create_model("convnext_atto", num_classes=3).double()
+    model = _no_warning(snn.convert, copy.deepcopy(ref), m)
+    assert isinstance(model.head.global_pool.pool, snn.ShardedAdaptiveAvgPool2d)
+    x = torch.randn(1, 3, 256, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        y = model(snn.shard(x, m, align=32))
+    torch.testing.assert_close(y, ref(x).detach(), atol=1e-10, rtol=1e-10)
+    return True
+
+
+def test_timm_activations_norms_and_convnext(run):
+    assert all(run(2, _timm_layers))
+
+
+def _convnext_2x2():
+    timm = pytest.importorskip("timm")
+    _no_warning(snn.convert, timm.create_model("convnext_atto"), mesh((2, 2)))
+    return True
+
+
+def test_convnext_no_hazard_on_2x2(run):
+    assert all(run(4, _convnext_2x2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan diagnostics
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan_warnings():
+    m = mesh(2)
+    with pytest.warns(snn.ShardingWarning, match=r"plan glob 'stem\.\*' matches no module"):
+        snn.convert(_cnn(), m, plan={"stem.*": {"dims": (2,)}})
+    with pytest.warns(snn.ShardingWarning, match=r"plan glob '1' gives options \{'dims': \(3,\)\} only to modules that are not swapped \(1\)"):
+        snn.convert(_cnn(), m, plan={"1": {"dims": (3,)}})
+    # A glob whose options reach swapped layers (and also others) is fine; so is None.
+    model = _no_warning(snn.convert, _cnn(), m, plan={"2.*": None, "*": {"dims": (3,)}})
+    assert model[0].dims == (3,) and type(model[2].conv) is nn.Conv2d
+    return True
+
+
+def test_plan_warnings(run):
+    assert all(run(2, _plan_warnings))

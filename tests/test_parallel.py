@@ -110,3 +110,13 @@ def _loss_shape_error():
 
 def test_loss_shape_mismatch(run):
     assert all(run(2, _loss_shape_error))
+
+
+def test_parallelize_rejects_bad_mode():
+    import pytest
+
+    # Decided from the arguments alone, before any communication: the same error on every rank.
+    with pytest.raises(ValueError, match="mode must be 'ddp' or 'fsdp', got 'zero'"):
+        snn.parallelize(nn.Linear(1, 1), None, mode="zero")
+    with pytest.raises(ValueError, match="fsdp_modules=.*needs mode='fsdp'"):
+        snn.parallelize(nn.Linear(1, 1), None, fsdp_modules=("fc",))

@@ -46,11 +46,9 @@ def _check(domain, sharded_dims, reduce_dims=REDUCE_DIMS, argmax_dims=(1, 2, 3))
                     y_full = snn.gather(y_local, m, dims=left) if left else y_local
                     torch.testing.assert_close(y_full, y.detach(), atol=1e-12, rtol=1e-12)
                     loss = (y_full * g).sum()
-                    if left:
-                        # gather assumes its input is not also replicated over other domain
-                        # axes; y_local is, over the reduced axis, so count each copy once.
-                        loss = loss / (snn.domain_size(m) // _ranks_along(m, len(left)))
-                    # A replicated loss: each rank contributes 1/P (the gradient convention).
+                    # A replicated loss: each rank contributes 1/P (the gradient convention),
+                    # also where y_local was replicated over one axis only and gathered over the
+                    # other (gather's backward sums over the gathered axes only).
                     snn.losses.share(loss, m).backward()
                     gx = snn.gather(x_local.grad, m, dims=sharded_dims)
                     torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"{op} {dims}: {s}")
@@ -63,13 +61,6 @@ def _check(domain, sharded_dims, reduce_dims=REDUCE_DIMS, argmax_dims=(1, 2, 3))
             assert torch.equal(got, want), (dim, got, want)
             assert snn.reductions.argmax(x_local, m, dim, sharded_dims=sharded_dims).dim() == 3
     return True
-
-
-def _ranks_along(m, n_axes):
-    out = 1
-    for a in snn.domain_axes(m)[:n_axes]:
-        out *= m.size(m.mesh_dim_names.index(a))
-    return out
 
 
 def _still_sharded(sharded_dims, dims, ndim, keepdim):

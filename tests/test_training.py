@@ -39,7 +39,7 @@ def _train(domain, data, optimizer, steps, dims):
     ref = Net().double()
     model = copy.deepcopy(ref)
     model.mesh = m
-    ddp = snn.parallelize(model, m, plan={"*": {"dims": dims}})
+    ddp = snn.parallelize(model, m, dims=dims)
     opt_ref = optimizer(ref.parameters())
     opt = optimizer(ddp.parameters())
     n_local = 2
@@ -87,40 +87,49 @@ def test_parallelize_matches_single_device_training(run, domain, data, optimizer
     assert all(run(world_of(domain, data), _train, domain, data, optimizer, 3, dims))
 
 
-def _train_fsdp2(steps):
-    """FSDP2 (``fully_shard``) on the data x domain mesh: HSDP, replicated over "data" and
-    sharded over "domain". It averages gradients over all ranks, so the per-rank loss is scaled
-    by the domain size: the mean over the domain ranks of P x partial sums is their sum."""
-    from torch.distributed.fsdp import fully_shard
-
-    m = mesh(2, 2)
-    d = m.get_local_rank("data")
+def _train_fsdp2(domain, data, dtype, fsdp_modules, steps):
+    """FSDP2 through ``parallelize(mode="fsdp")``: HSDP on a data x domain mesh (replicated over
+    "data", sharded over "domain"), FSDP over all ranks on a 2-D domain. The gradient divide
+    factor makes the per-rank losses of the convention give single-device gradients with no
+    loss scaling."""
+    m = mesh(domain, data)
+    d = m.get_local_rank("data") if data > 1 else 0
     torch.manual_seed(0)
-    ref = Net().double()
-    model = snn.convert(copy.deepcopy(ref), m)
+    ref = Net().to(dtype)
+    model = copy.deepcopy(ref)
     model.mesh = m
-    fully_shard(model, mesh=m)  # 2-D mesh: replicate over dim 0 (data), shard over dim 1 (domain)
+    model = snn.parallelize(model, m, mode="fsdp", fsdp_modules=fsdp_modules)
+    tol = {"atol": 1e-10, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-4}
     opt_ref, opt = sgd(ref.parameters()), sgd(model.parameters())
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 3, 12, 10, dtype=torch.float64, generator=gen)
-        target = torch.randn(4, 2, dtype=torch.float64, generator=gen)
+        x = torch.randn(2 * data, 3, 12, 10, dtype=dtype, generator=gen)
+        target = torch.randn(2 * data, 2, dtype=dtype, generator=gen)
         opt_ref.zero_grad()
         F.mse_loss(ref(x), target).backward()
         opt.zero_grad()
         out = model(snn.shard(x[2 * d : 2 * d + 2], m, align=2))
-        (snn.losses.share(F.mse_loss(out, target[2 * d : 2 * d + 2]), m) * snn.domain_size(m)).backward()
+        snn.losses.share(F.mse_loss(out, target[2 * d : 2 * d + 2]), m).backward()
         for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
             g = p.grad.full_tensor()
-            torch.testing.assert_close(g, p_ref.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+            torch.testing.assert_close(g, p_ref.grad, **tol, msg=lambda s, n=name: f"{n}: {s}")
         opt_ref.step()
         opt.step()
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(p.full_tensor(), p_ref, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(p.full_tensor(), p_ref, **tol, msg=lambda s, n=name: f"{n}: {s}")
     for (name, a), b in zip(ref.named_buffers(), model.buffers()):
-        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(b, a, **tol, msg=lambda s, n=name: f"{n}: {s}")
     return True
 
 
-def test_fsdp2_hsdp_matches_single_device_training(run):
-    assert all(run(4, _train_fsdp2, 3))
+@pytest.mark.parametrize(
+    "domain,data,dtype,fsdp_modules",
+    [
+        (2, 2, torch.float64, ()),
+        ((2, 2), 1, torch.float64, ("conv*",)),
+        (2, 1, torch.float32, ("bn", "fc")),
+    ],
+    ids=["hsdp-data2xdomain2", "fsdp-domain2x2-per-conv", "fsdp-domain2-float32"],
+)
+def test_fsdp2_matches_single_device_training(run, domain, data, dtype, fsdp_modules):
+    assert all(run(world_of(domain, data), _train_fsdp2, domain, data, dtype, fsdp_modules, 3))
