@@ -15,7 +15,7 @@ from .layout import Layout
 from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh
 from .parallel import parallelize
 from .registry import register
-from .sharding import gather, local_slices, shard
+from .sharding import default_dims, gather, local_slices, shard
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "comm",
     "convert",
     "data_axis",
+    "default_dims",
     "domain_axes",
     "domain_group",
     "domain_size",
@@ -43,3 +44,16 @@ __all__ = [
     "shard",
     *_layers.__all__,
 ]
+
+
+# Submodules whose import pulls in model code (timm, torch_geometric) load on first use, so that
+# ``import sharded_nn`` stays cheap: ``snn.zoo``, ``snn.converters``, ``snn.points``.
+_LAZY = {"zoo": "sharded_nn.zoo", "converters": "sharded_nn.converters", "points": "sharded_nn.points"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(_LAZY[name])
+    raise AttributeError(f"module 'sharded_nn' has no attribute {name!r}")
