@@ -20,6 +20,10 @@ from sharded_nn.zoo import UNet, create_model
 from .harness import mesh, world_of
 from .reference import check_against_reference
 
+#: Harness timeout per call: these whole-model cases take a few seconds alone, much longer on a
+#: loaded 2-core machine.
+T = 300
+
 
 def _unet(spatial_dims=2, cin=2, cout=3, seed=0, **kw):
     torch.manual_seed(seed)
@@ -100,7 +104,7 @@ def test_create_model_without_mesh_is_the_plain_model():
 def test_unet2d_uneven_slabs(run, domain):
     # H = 22, align 4: slabs 12/10, 8/8/6, 8/8/4/2; the last rank pads its tail to a multiple of
     # 4 and crops it back; W = 6 (unsharded) is padded to 8 locally.
-    assert all(run(domain, _case, domain, (1, 2, 22, 6), (2,), {}))
+    assert all(run(domain, _case, domain, (1, 2, 22, 6), (2,), {}, timeout=T))
 
 
 @pytest.mark.parametrize(
@@ -115,13 +119,13 @@ def test_unet2d_uneven_slabs(run, domain):
     ids=["maxpool-nearest-batch-2blocks", "avgpool-linear-instance", "conv-linear-nonorm", "reflect", "zeros-replicate"],
 )
 def test_unet2d_options(run, unet_kw):
-    assert all(run(3, _case, 3, (2, 2, 23, 9), (2,), unet_kw))
+    assert all(run(3, _case, 3, (2, 2, 22, 5), (2,), unet_kw, timeout=T))
 
 
 @pytest.mark.parametrize("domain,dims", [(2, (2,)), (3, (2,)), ((2, 2), (2, 3))], ids=["D-2", "D-3", "DxH-2x2"])
 def test_unet3d_volumes(run, domain, dims):
     kw = {"channels": (4, 6)}
-    assert all(run(world_of(domain), _case, domain, (1, 2, 11, 10, 5), dims, kw, 3))
+    assert all(run(world_of(domain), _case, domain, (1, 2, 11, 10, 5), dims, kw, 3, timeout=T))
 
 
 @pytest.mark.parametrize(
@@ -130,7 +134,7 @@ def test_unet3d_volumes(run, domain, dims):
 def test_unet2d_periodic_longitude(run, domain, dims):
     # Latitude clamped, longitude periodic: the circular padding wraps around the ring of ranks.
     kw = {"padding_mode": ("replicate", "circular")}
-    assert all(run(world_of(domain), _case, domain, (1, 2, 9, 28), dims, kw))
+    assert all(run(world_of(domain), _case, domain, (1, 2, 9, 28), dims, kw, timeout=T))
 
 
 @pytest.mark.parametrize(
@@ -139,7 +143,7 @@ def test_unet2d_periodic_longitude(run, domain, dims):
 def test_unet2d_attention(run, domain, dims):
     # Ring attention over the flattened slab tokens at both levels.
     kw = {"attention_levels": (0, 1), "num_heads": 2, "channels": (4, 8)}
-    assert all(run(world_of(domain), _case, domain, (1, 2, 10, 12), dims, kw))
+    assert all(run(world_of(domain), _case, domain, (1, 2, 10, 12), dims, kw, timeout=T))
 
 
 def _misaligned():

@@ -34,16 +34,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharded_nn.comm import gather_layouts
+from sharded_nn.comm import axis_ring, gather_layouts
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.layers.base import ShardedMixin
 from sharded_nn.layers.padding import pad as sharded_pad
+from sharded_nn.layers.window import Window, extend, plan_window
 from sharded_nn.registry import register, registered
 
 from .factory import register_model
 
-__all__ = ["FarEdgeCrop", "FarEdgePad", "ShardedFarEdgeCrop", "ShardedFarEdgePad", "UNet"]
+__all__ = [
+    "FarEdgeCrop",
+    "FarEdgePad",
+    "PerDimPadConv",
+    "ShardedFarEdgeCrop",
+    "ShardedFarEdgePad",
+    "ShardedPerDimPadConv",
+    "UNet",
+]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 NORMS = ("group", "batch", "instance", None)
@@ -52,12 +61,6 @@ UPS = ("transpose", "nearest", "linear")
 
 # F.pad's name for each conv padding mode.
 _F_PAD_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
-_PAD_MODULE = {
-    "zeros": {1: nn.ZeroPad1d, 2: nn.ZeroPad2d, 3: nn.ZeroPad3d},
-    "reflect": {1: nn.ReflectionPad1d, 2: nn.ReflectionPad2d, 3: nn.ReflectionPad3d},
-    "replicate": {1: nn.ReplicationPad1d, 2: nn.ReplicationPad2d, 3: nn.ReplicationPad3d},
-    "circular": {1: nn.CircularPad1d, 2: nn.CircularPad2d, 3: nn.CircularPad3d},
-}
 _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 _MAXPOOL = {1: nn.MaxPool1d, 2: nn.MaxPool2d, 3: nn.MaxPool3d}
@@ -81,27 +84,96 @@ def padding_modes(padding_mode: str | Sequence[str], spatial_dims: int) -> tuple
 def conv_nd(
     spatial_dims: int, cin: int, cout: int, kernel: int, stride: int = 1, *, modes: Sequence[str]
 ) -> nn.Module:
-    """A ``kernel``-wide convolution with ``kernel // 2`` padding, each spatial dim its own mode.
+    """A ``kernel``-wide convolution with ``kernel // 2`` padding in ``modes`` (one per spatial dim).
 
-    ``nn.ConvNd`` has one ``padding_mode``: the convolution pads the dims that share the last
-    dim's mode itself (the sharded convolution then pads without copying the slab), and the
-    other dims are padded first by explicit pad modules (which ``convert`` swaps for sharded
-    pad layers), followed by a convolution with zero padding on those dims.
+    One mode for every dim: a plain ``nn.ConvNd`` (its sharded class pads without copying the
+    slab). Different modes: a ``PerDimPadConv``.
     """
-    p = kernel // 2
-    conv_mode = modes[-1]
-    own = [p if m == conv_mode else 0 for m in modes]
-    conv = _CONV[spatial_dims](cin, cout, kernel, stride=stride, padding=tuple(own), padding_mode=conv_mode)
-    if p == 0 or all(m == conv_mode for m in modes):
-        return conv
-    layers: list[nn.Module] = []
-    for mode in dict.fromkeys(m for m in modes if m != conv_mode):
-        # F.pad order: (last_left, last_right, ..., first_left, first_right).
-        widths: list[int] = []
-        for m in reversed(modes):
-            widths += [p, p] if m == mode else [0, 0]
-        layers.append(_PAD_MODULE[mode][spatial_dims](tuple(widths)))
-    return nn.Sequential(*layers, conv)
+    if len(set(modes)) == 1:
+        return _CONV[spatial_dims](cin, cout, kernel, stride=stride, padding=kernel // 2, padding_mode=modes[0])
+    return PerDimPadConv(spatial_dims, cin, cout, kernel, stride, modes=modes)
+
+
+class PerDimPadConv(nn.Module):
+    """A convolution whose padding mode differs per spatial dim (``nn.ConvNd`` has only one).
+
+    Each dim is padded by ``kernel // 2`` on both sides with its own mode (``F.pad``), then the
+    inner ``conv`` (``padding=0``) runs. Explicit pad modules followed by a ``padding=0`` conv
+    would compute the same on one device, but on slabs they shift the layout (the first rank
+    would own the rows its left padding adds), so the sharded class ``ShardedPerDimPadConv``
+    plans halos and edge padding per dim instead.
+
+    Args:
+        spatial_dims: 1, 2 or 3.
+        cin, cout, kernel, stride: as for ``nn.ConvNd``.
+        modes: one of ``"zeros"``, ``"reflect"``, ``"replicate"``, ``"circular"`` per spatial dim.
+    """
+
+    def __init__(
+        self, spatial_dims: int, cin: int, cout: int, kernel: int, stride: int = 1, *, modes: Sequence[str]
+    ) -> None:
+        super().__init__()
+        self.modes = tuple(modes)
+        self.pad = kernel // 2
+        self.conv = _CONV[spatial_dims](cin, cout, kernel, stride=stride)
+
+    def _padded(self, x: torch.Tensor, dims: Sequence[int] = ()) -> torch.Tensor:
+        """``x`` padded along every spatial dim not in ``dims``, one ``F.pad`` per mode."""
+        n = len(self.modes)
+        for mode in dict.fromkeys(self.modes):
+            widths: list[int] = []
+            for i in reversed(range(n)):  # F.pad order: last dim first
+                p = self.pad if self.modes[i] == mode and 2 + i not in dims else 0
+                widths += [p, p]
+            if any(widths):
+                x = F.pad(x, widths, _F_PAD_MODE[mode])
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.conv(self._padded(x))
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"padding={self.pad}, modes={self.modes}"
+
+
+@register(PerDimPadConv)
+class ShardedPerDimPadConv(ShardedMixin, PerDimPadConv):
+    """``PerDimPadConv`` on slabs: each sharded dim extended with halos and its own edge padding.
+
+    Sharding contract: as ``ShardedConvNd`` (input slabs aligned to the stride, output slabs
+    owned by the rank where each window starts), with each dim's padding mode (circular wraps
+    around the ring). Forward: one all-gather of local shapes, then one synchronous halo exchange
+    per sharded dim (``window.extend``), then the inner convolution on the extended slab; its
+    backward returns the halo gradients to their owners. (Belongs in ``layers/conv.py`` as a
+    per-dim ``padding_mode``, where it could reuse the copy-free path; it lives here until then.)
+    """
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        self._spatial_dims = len(self.modes)
+        super()._init_sharding(mesh, dims)
+        self._plans: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        what = type(self).__name__
+        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=what)
+        conv = self.conv
+        if layouts not in self._plans:  # keyed by the global layouts: the same hit/miss on every rank
+            self._plans[layouts] = tuple(
+                plan_window(
+                    lay,
+                    Window(conv.kernel_size[d - 2], conv.stride[d - 2], conv.dilation[d - 2], self.pad, self.pad),
+                    d,
+                    mode=self.modes[d - 2],
+                    what=what,
+                )
+                for lay, d in zip(layouts, self.dims)
+            )
+        for plan, d, axis in zip(self._plans[layouts], self.dims, self.mesh_axes):
+            x = extend(x, plan, axis_ring(self.mesh, axis), self.modes[d - 2])
+        return conv(self._padded(x, self.dims))
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"{super().extra_repr()}, {self.sharding_repr()}"
 
 
 def norm_nd(kind: str | None, spatial_dims: int, channels: int) -> nn.Module:
