@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import sharded_nn as snn
 from sharded_nn.alignment import alignment
+from sharded_nn.zoo import create_model
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -83,7 +84,7 @@ def build(case: Case, mesh):
     """The plain UNet (``mesh=None``) or the converted one, with the same seeded weights."""
     torch.manual_seed(SEED)
     name = "unet3d" if len(case.spatial) == 3 else "unet2d"
-    return snn.zoo.create_model(name, mesh=mesh, in_channels=1, out_channels=1, channels=CHANNELS)
+    return create_model(name, mesh=mesh, in_channels=1, out_channels=1, channels=CHANNELS)
 
 
 def local_input(case: Case, mesh, align: int) -> torch.Tensor:
