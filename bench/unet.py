@@ -189,9 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s:7.2f}x {max(m1):9.0f} {max(m2):9.0f} {ratio:6.2f}x   "
                 f"{'PASS' if s >= SPEEDUP_TARGET else 'MISS'}/{'PASS' if ratio <= MEM_RATIO_TARGET else 'MISS'}"
             )
-        lines.append(f"{'':<7} P=2 vs P=1: output max rel. diff {out_err:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e}")
+        lines.append(
+            f"{'':<7} P=2 vs P=1: output max rel. diff {out_err:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e}"
+        )
         print(lines[-1], flush=True)
-    head = f"{'case':<7} {'shape':<16} {'pass':<8} {'T1 s':>8} {'T2 s':>8} {'speedup':>8} {'mem1 MiB':>9} {'mem2 MiB':>9} {'ratio':>7}"
+    head = (
+        f"{'case':<7} {'shape':<16} {'pass':<8} {'T1 s':>8} {'T2 s':>8} {'speedup':>8} "
+        f"{'mem1 MiB':>9} {'mem2 MiB':>9} {'ratio':>7}"
+    )
     print(f"\nzoo UNet channels={CHANNELS}: plain model P=1 vs sharded P=2, 1 thread/rank, float32")
     print(head + "   speed/mem")
     print("-" * (len(head) + 12))

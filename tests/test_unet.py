@@ -116,7 +116,8 @@ def test_unet2d_uneven_slabs(run, domain):
         {"down": "maxpool", "up": "transpose", "norm": "group", "padding_mode": "reflect"},
         {"down": "conv", "up": "nearest", "norm": "group", "padding_mode": ("zeros", "replicate")},
     ],
-    ids=["maxpool-nearest-batch-2blocks", "avgpool-linear-instance", "conv-linear-nonorm", "reflect", "zeros-replicate"],
+    ids=["maxpool-nearest-batch-2blocks", "avgpool-linear-instance", "conv-linear-nonorm", "reflect",
+         "zeros-replicate"],
 )
 def test_unet2d_options(run, unet_kw):
     assert all(run(3, _case, 3, (2, 2, 22, 5), (2,), unet_kw, timeout=T))
@@ -166,7 +167,8 @@ def test_misaligned_slabs_raise_on_every_rank(run):
 
 def _create_model_converts():
     m = mesh(2)
-    net = create_model("unet2d", mesh=m, dims=(3,), in_channels=1, out_channels=1, channels=(4, 8), attention_levels=(1,))
+    kw = {"in_channels": 1, "out_channels": 1, "channels": (4, 8), "attention_levels": (1,)}
+    net = create_model("unet2d", mesh=m, dims=(3,), **kw)
     convs = [mod for mod in net.modules() if isinstance(mod, snn.ShardedConv2d)]
     assert convs and all(c.dims == (3,) for c in convs)
     assert isinstance(net.encoder[1].attn.attn, snn.ShardedMultiheadAttention)

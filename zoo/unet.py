@@ -1,14 +1,15 @@
 """UNet (2-D and 3-D): single-device model code that ``sharded_nn.convert`` shards.
 
-Reads top to bottom: padding helpers and the far-edge pad/crop pair, blocks (residual block,
-self-attention block, down and up steps), the model, the registered entry points
-(``create_model("unet2d" | "unet3d")``).
+Reads top to bottom: padding helpers (per-dim padding modes), the far-edge pad/crop pair, blocks
+(residual block, self-attention block, down and up steps), the model, the registered entry
+points (``create_model("unet2d" | "unet3d")``).
 
 Nothing here needs a mesh: ``UNet(2, 3, 2)`` is an ordinary ``nn.Module``. Every layer that
 mixes positions is a registered torch module (convolutions, pools, transposed convolutions,
-upsampling, norms, padding, ``nn.MultiheadAttention``) or one of the two modules below that
-come with their sharded class (``FarEdgePad``, ``FarEdgeCrop``), so ``convert`` swaps them all and
-the sharded model computes exactly what this code computes on the full grid.
+upsampling, norms, ``nn.MultiheadAttention``) or one of the three modules below that come with
+their sharded class (``PerDimPadConv``, ``FarEdgePad``, ``FarEdgeCrop``; they belong in
+``sharded_nn/layers`` and live here until they move), so ``convert`` swaps them all and the
+sharded model computes exactly what this code computes on the full grid.
 
 Sharding notes:
     - Slabs must start at multiples of ``2 ** depth`` (``depth = len(channels) - 1``) along every
@@ -270,7 +271,9 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
                     f"align=snn.alignment(model, dims={self.dims})."
                 )
             sizes[d - 2] = lay.size
-        return self._pad(x, self.amounts(sizes), lambda t, pad, mode: sharded_pad(t, pad, self.mesh, mode, dims=self.dims))
+        return self._pad(
+            x, self.amounts(sizes), lambda t, pad, mode: sharded_pad(t, pad, self.mesh, mode, dims=self.dims)
+        )
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"
@@ -376,7 +379,8 @@ def up_nd(kind: str, spatial_dims: int, cin: int, cout: int, modes: Sequence[str
         mode = "nearest" if kind == "nearest" else _LINEAR_MODE[spatial_dims]
         corners = None if kind == "nearest" else False
         return nn.Sequential(
-            nn.Upsample(scale_factor=2, mode=mode, align_corners=corners), conv_nd(spatial_dims, cin, cout, 3, modes=modes)
+            nn.Upsample(scale_factor=2, mode=mode, align_corners=corners),
+            conv_nd(spatial_dims, cin, cout, 3, modes=modes),
         )
     raise ValueError(f"UNet: up must be one of {UPS}, got {kind!r}.")
 
@@ -449,7 +453,9 @@ class UNet(nn.Module):
             raise ValueError(f"UNet: spatial_dims must be 1, 2 or 3, got {spatial_dims}.")
         channels = tuple(int(c) for c in channels)
         if not channels or min(channels) < 1 or num_res_blocks < 1:
-            raise ValueError(f"UNet: need channels >= 1 per level and num_res_blocks >= 1, got {channels}, {num_res_blocks}.")
+            raise ValueError(
+                f"UNet: need channels >= 1 per level and num_res_blocks >= 1, got {channels}, {num_res_blocks}."
+            )
         levels = len(channels)
         bad = [i for i in attention_levels if not 0 <= i < levels]
         if bad:
@@ -473,11 +479,15 @@ class UNet(nn.Module):
             Level(spatial_dims, channels[max(i - 1, 0)], channels[i], attention=i in att, **kw) for i in range(levels)
         )
         self.downs = nn.ModuleList(down_nd(down, spatial_dims, channels[i], modes) for i in range(self.depth))
-        self.ups = nn.ModuleList(up_nd(up, spatial_dims, channels[i + 1], channels[i], modes) for i in range(self.depth))
+        self.ups = nn.ModuleList(
+            up_nd(up, spatial_dims, channels[i + 1], channels[i], modes) for i in range(self.depth)
+        )
         self.decoder = nn.ModuleList(
             Level(spatial_dims, 2 * channels[i], channels[i], attention=i in att, **kw) for i in range(self.depth)
         )
-        self.head = nn.Sequential(norm_nd(norm, spatial_dims, channels[0]), nn.SiLU(), _CONV[spatial_dims](channels[0], out_channels, 1))
+        self.head = nn.Sequential(
+            norm_nd(norm, spatial_dims, channels[0]), nn.SiLU(), _CONV[spatial_dims](channels[0], out_channels, 1)
+        )
         self.crop = FarEdgeCrop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
