@@ -11,4 +11,7 @@ __all__ = ["create_model", "list_models", "register_model"]
 # Model families register themselves on import; each import line below is owned by its family.
 # (vit)
 # (unet)
+from .unet import UNet  # noqa: E402
+
+__all__ += ["UNet"]
 # (transolver)

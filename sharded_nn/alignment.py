@@ -1,0 +1,151 @@
+"""``alignment(model, dims)``: the slab alignment a model needs along each sharded dim.
+
+A strided layer (stride ``s`` along a dim) needs every slab of its input to start at a multiple
+of ``s``. Its input has been downsampled by some factor ``f`` relative to the model input, so at
+the model input the slabs must start at multiples of ``f * s``. The model's alignment is the
+least common multiple of ``f * s`` over its strided layers: ``2 ** depth`` for a UNet, 32 for a
+ResNet, the patch size for a ViT. Layers with other needs state them in an
+``alignment_multiple`` attribute (one value per spatial dim, read like a stride).
+
+``f`` depends on the model's graph, not only on its modules: a ResNet's strided shortcut runs
+beside its strided conv, not after it, so multiplying every stride of the module tree would
+overcount. ``alignment`` therefore follows one forward pass on the meta device (shapes only: no
+data is allocated and nothing is computed, the parameters are not copied) and reads the input
+size of every strided layer from a forward pre-hook. Converted models run the forwards of their
+torch base classes for this pass, so no collective is called and the answer is the same as for
+the plain model.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from fractions import Fraction
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from .registry import registered
+
+__all__ = ["alignment"]
+
+#: Spatial size of the probe input along each dim: large enough for deep models, and a power of
+#: two so that no model pads or crops on the way down.
+DEFAULT_PROBE_SIZE = 1024
+
+
+def _strides(module: nn.Module) -> tuple[int, ...] | None:
+    """Per-spatial-dim strides (or alignment needs) of ``module``; ``None`` when it has none."""
+    need = getattr(module, "alignment_multiple", None)
+    if need is not None:
+        return tuple(int(s) for s in need)
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        return tuple(module.stride)
+    if isinstance(module, (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._LPPoolNd)):
+        n = len(module.kernel_size) if isinstance(module.kernel_size, tuple) else None
+        stride = module.stride if module.stride is not None else module.kernel_size
+        if isinstance(stride, int):
+            return (stride,) * (n or 3)  # pools accept ints for every dim
+        return tuple(stride)
+    return None
+
+
+@contextmanager
+def _torch_forwards(model: nn.Module) -> Iterator[None]:
+    """Run every sharded module with the forward of the torch class it was converted from."""
+    swapped = []
+    for module in model.modules():
+        cls = type(module)
+        base = next((b for b in cls.__mro__[1:] if registered(b) is cls), None)
+        if base is not None and "forward" not in module.__dict__:
+            module.forward = types.MethodType(base.forward, module)
+            swapped.append(module)
+    try:
+        yield
+    finally:
+        for module in swapped:
+            del module.forward
+
+
+def _probe_shape(model: nn.Module, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """``(1, C_in, S, S, ...)`` from the first convolution (in registration order)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            n = len(module.kernel_size)
+            if max(dims) >= 2 + n:
+                break
+            return (1, module.in_channels, *(DEFAULT_PROBE_SIZE,) * n)
+    raise ValueError(
+        f"alignment: cannot guess the input shape of {type(model).__name__} (its first layer is not a "
+        f"convolution over dims {dims}); pass input_shape=(N, C, S0, ...)."
+    )
+
+
+def alignment(
+    model: nn.Module,
+    dims: int | Sequence[int] = (2,),
+    *,
+    input_shape: Sequence[int] | None = None,
+) -> int | tuple[int, ...]:
+    """The slab alignment ``model`` needs along each of ``dims``: pass it to ``shard(align=...)``.
+
+    Works on plain and converted models alike; nothing is allocated or communicated (see the
+    module docstring for how it is derived).
+
+    Args:
+        model: any module whose ``forward`` takes one grid tensor ``(N, C, S0, S1, ...)``.
+        dims: the sharded tensor dims (``(2,)``: S0). An int gives an int back.
+        input_shape: the shape of a probe input. Default: ``(1, C, 1024, ...)`` with ``C`` and the
+            number of spatial dims from the model's first convolution. A real input shape gives
+            the same answer when its sizes are multiples of the alignment.
+
+    Returns:
+        One alignment per dim of ``dims`` (a tuple, or an int for ``dims`` given as an int).
+
+    Raises:
+        ValueError: when no input shape can be guessed, or when the probe forward fails (for
+            example a forward that needs real data); the message says what to pass.
+    """
+    single = isinstance(dims, int)
+    dims = (dims,) if single else tuple(int(d) for d in dims)
+    if not dims or min(dims) < 2:
+        raise ValueError(f"alignment: dims must name spatial dims (>= 2) of (N, C, S0, ...) inputs, got {dims}.")
+    shape = tuple(input_shape) if input_shape is not None else _probe_shape(model, dims)
+    if max(dims) >= len(shape):
+        raise ValueError(f"alignment: dims {dims} are out of range for input shape {shape}.")
+    needs = dict.fromkeys(dims, 1)
+
+    def pre_hook(module: nn.Module, args) -> None:
+        strides = _strides(module)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if strides is None or x is None or x.dim() != len(shape):
+            return
+        n = len(strides)
+        for d in dims:
+            i = d - (x.dim() - n)  # strides cover the trailing (spatial) dims
+            if 0 <= i < n and strides[i] > 1 and x.shape[d] > 0:
+                factor = Fraction(shape[d], x.shape[d]) * strides[i]
+                needs[d] = math.lcm(needs[d], math.ceil(factor))
+
+    meta = {name: torch.empty_like(t, device="meta") for name, t in model.named_parameters()}
+    meta.update({name: torch.empty_like(t, device="meta") for name, t in model.named_buffers()})
+    dtype = next((t.dtype for t in meta.values() if t.is_floating_point()), torch.get_default_dtype())
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+    try:
+        with torch.no_grad(), _torch_forwards(model):
+            functional_call(model, meta, (x,), strict=False, tie_weights=True)
+    except Exception as e:  # noqa: BLE001 - any failure of the probe pass means "tell us the shape"
+        raise ValueError(
+            f"alignment: the shape-only forward of {type(model).__name__} on a meta tensor of shape {shape} "
+            f"failed ({type(e).__name__}: {e}). Pass input_shape= with a valid input shape, or compute the "
+            "alignment by hand (the product of the strides along the deepest path)."
+        ) from e
+    finally:
+        for h in handles:
+            h.remove()
+    out = tuple(needs[d] for d in dims)
+    return out[0] if single else out

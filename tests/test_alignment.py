@@ -1,0 +1,86 @@
+"""alignment(model, dims): the slab alignment from the model's strided layers along its graph."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torchvision
+
+import sharded_nn as snn
+from sharded_nn.alignment import alignment
+from sharded_nn.zoo import UNet, create_model
+
+from .harness import mesh
+from .reference import check_against_reference
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3, 4])
+@pytest.mark.parametrize("down", ["conv", "maxpool", "avgpool"])
+def test_unet_alignment_is_two_to_the_depth(levels, down):
+    channels = (4, 8, 8, 8)[:levels]
+    assert alignment(UNet(2, 1, 1, channels=channels, down=down), (2, 3)) == (2 ** (levels - 1),) * 2
+    assert alignment(UNet(3, 1, 1, channels=channels, down=down), 4) == 2 ** (levels - 1)
+
+
+def test_parallel_strided_branches_are_not_multiplied():
+    # ResNet-18: five stride-2 steps on the main path; each strided block also has a strided
+    # 1x1 shortcut beside it, which a product over the module tree would count twice.
+    assert alignment(torchvision.models.resnet18(), (2, 3)) == (32, 32)
+
+
+def test_per_dim_strides_upsampling_and_declared_needs():
+    class Declared(nn.Module):
+        alignment_multiple = (3, 2)
+
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, stride=(2, 1), padding=1),  # H: 2; output factors (2, 1)
+        nn.Upsample(scale_factor=2),  # factors (1, 1/2)
+        nn.Conv2d(2, 2, 3, stride=2, padding=1),  # H: 1 * 2, W: 1/2 * 2; factors (2, 1)
+        nn.MaxPool2d(kernel_size=3, stride=(1, 3), padding=1),  # W: 1 * 3; factors (2, 3)
+        Declared(),  # H: 2 * 3 = 6, W: 3 * 2 = 6
+    )
+    assert alignment(model, (2, 3), input_shape=(1, 1, 96, 96)) == (6, 6)
+    assert alignment(model, 3, input_shape=(1, 1, 96, 96)) == 6
+
+
+def test_patch_embedding_and_shape_errors():
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=64, pretrained=False, num_classes=0)
+    with pytest.raises(ValueError, match="Pass input_shape="):
+        alignment(vit, (2, 3))  # the 1024-pixel probe does not fit a ViT built for 64 pixels
+    assert alignment(vit, (2, 3), input_shape=(1, 3, 64, 64)) == (16, 16)
+    with pytest.raises(ValueError, match="cannot guess the input shape"):
+        alignment(nn.Sequential(nn.Linear(3, 3)), (2,))
+    with pytest.raises(ValueError, match="spatial dims"):
+        alignment(UNet(2, 1, 1), (1,))
+
+
+def test_third_party_unet():
+    from monai.networks.nets import UNet as MonaiUNet  # in the test extras
+
+    net = MonaiUNet(3, 1, 1, channels=(4, 8, 16, 32), strides=(2, 2, 2), num_res_units=2)
+    assert alignment(net, (2, 3, 4)) == (8, 8, 8)
+
+
+def _converted(domain):
+    m = mesh(domain)
+    plain = UNet(2, 1, 1, channels=(4, 8, 8), attention_levels=(1,))
+    model = create_model("unet2d", mesh=m, in_channels=1, out_channels=1, channels=(4, 8, 8), attention_levels=(1,))
+    resnet = snn.convert(torchvision.models.resnet18(), m, strict=True)
+    # Nothing communicates: ranks may call it alone (here only rank 0 calls it twice).
+    if m.get_local_rank("domain") == 0:
+        assert alignment(model, (2,)) == alignment(plain, (2,))
+    out = (alignment(model, (2, 3)), alignment(resnet, 2))
+    # The model still runs sharded afterwards (its own forwards were put back).
+    torch.manual_seed(0)
+    ref = UNet(2, 1, 1, channels=(4, 8)).double()
+    check_against_reference(ref, torch.randn(1, 1, 12, 4, dtype=torch.float64), m, align=alignment(ref, (2,)))
+    return out
+
+
+def test_converted_models_give_the_same_alignment(run):
+    assert run(2, _converted, 2) == [((4, 4), 32)] * 2
