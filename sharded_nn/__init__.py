@@ -6,6 +6,7 @@ statistics and pass attention blocks so that the result equals the single-device
 
 from . import comm, functional, losses, reductions
 from . import layers as _layers
+from .alignment import alignment
 from .convert import convert
 from .errors import ShardingError, ShardingNotImplementedError, ShardingWarning
 from .launch import launch
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Layout",
+    "alignment",
     "ShardingError",
     "ShardingNotImplementedError",
     "ShardingWarning",
