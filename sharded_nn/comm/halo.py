@@ -29,7 +29,10 @@ from .peers import AxisPeers
 # tags from a block reserved per call (``AxisPeers.next_tags``): ``tag`` for messages travelling
 # rightward, ``tag + 1`` leftward. A halo operation reserves ``HALO_TAGS`` tags when it starts:
 # the first two for its forward exchange, the next two for the exchange of its backward, so that
-# exchanges of different layers may overlap (see peers.py).
+# exchanges of different layers may overlap (see peers.py). ``halo_cat``, ``halo_exchange`` and
+# ``halo_add`` all reserve the same block with the same layout, and reserve it on every rank
+# (also where a rank sends nothing), so neighbours may use different forms for one exchange (a
+# layer that falls back from the overlapped form on one rank only) and the counters stay in step.
 HALO_TAGS = 4
 
 
