@@ -118,7 +118,8 @@ def _tags_in_step(world: int) -> list[int]:
     left = (0, *([1] * (world - 1)))
     open_spec = HaloSpec(2, left, (*([0] * (world - 1)), 0))  # only leftward halos; last rank sends none
     per_spec = HaloSpec(2, (1,) * world, (2,) * world, periodic=True)
-    y = comm.halo_cat(x_loc, open_spec, peers).sum() + comm.halo_add(comm.halo_cat(x_loc, per_spec, peers), per_spec, peers).sum()
+    y = comm.halo_cat(x_loc, open_spec, peers).sum()
+    y = y + comm.halo_add(comm.halo_cat(x_loc, per_spec, peers), per_spec, peers).sum()
     h = comm.halo_exchange(x_loc, per_spec, peers)
     inner = h.x
     lh, rh = h.wait()
@@ -137,6 +138,22 @@ def test_tag_counters_stay_in_step(run, world):
     assert all(o == out[0] for o in out), out
     # axis_peers and domain_peers of a one-axis mesh share one group, hence one counter.
     assert out[0][1] == out[0][0] + 1
+
+
+def test_tag_blocks_wrap_without_overlap(monkeypatch):
+    # Blocks stay within gloo's tag range and never straddle the wrap-around; a block handed out
+    # after the wrap does not overlap the blocks just before it.
+    from sharded_nn.comm import peers as peers_mod
+
+    monkeypatch.setattr(peers_mod, "_TAG_SPAN", 10)
+    counter = peers_mod._TagCounter()
+    sizes = (4, 4, 4, 3, 3, 3, 3)
+    blocks = [counter.take(n) - peers_mod._TAG_BASE for n in sizes]
+    assert blocks == [0, 4, 0, 4, 7, 0, 3]
+    for i, (start, n) in enumerate(zip(blocks, sizes)):
+        assert 0 <= start and start + n <= 10
+        if i + 1 < len(blocks):
+            assert blocks[i + 1] >= start + n or blocks[i + 1] == 0  # next block follows, or wraps
 
 
 def _reversed_in_flight(world: int, fixed_tag: bool) -> list[bool]:

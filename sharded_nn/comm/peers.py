@@ -24,7 +24,6 @@ device per rank). sharded_nn's own layers satisfy both.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -47,17 +46,16 @@ class _TagCounter:
     """Tags reserved so far on one process group (thread-safe; one per group)."""
 
     def __init__(self) -> None:
-        self._next = itertools.count()
+        self._next = 0
         self._lock = threading.Lock()
 
     def take(self, n: int) -> int:
         with self._lock:
-            start = next(self._next) % _TAG_SPAN
+            start = self._next
             # A block never straddles the wrap-around, so its n tags are consecutive.
             if start + n > _TAG_SPAN:
                 start = 0
-            for _ in range(n - 1):
-                next(self._next)
+            self._next = start + n
         return _TAG_BASE + start
 
 

@@ -107,7 +107,8 @@ def gather_layouts(
         # One Python list of every rank's row; the (small) tensor is on the CPU, so reading it
         # is no device sync.
         flat = all_gather_stacked(mine, meta.group).view(-1).tolist()
-        rows = tuple(tuple(flat[i * width : i * width + 1 + n_axes + flat[i * width]]) for i in range(len(flat) // width))
+        starts = range(0, len(flat), width)
+        rows = tuple(tuple(flat[a : a + 1 + n_axes + flat[a]]) for a in starts)
     return _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what)
 
 
