@@ -25,8 +25,8 @@ from torch.autograd.function import once_differentiable
 from .attention_kernels import acc_dtype, block_backward, block_forward, merge
 from .comm.all_to_all import heads_to_seq, seq_to_heads
 from .comm.collectives import all_gather_uneven
-from .comm.ring import AxisRing
-from .comm.ring_pass import domain_ring, gather_ints, ring_pass
+from .comm.peers import AxisPeers, domain_peers
+from .comm.ring_pass import gather_ints, ring_pass
 from .errors import ShardingError, ShardingNotImplementedError
 from .layout import Layout
 
@@ -38,8 +38,12 @@ _LAYOUTS = ("contiguous", "zigzag")
 _RING_CHUNKS = 8
 #: ... but no piece smaller than this many elements of K (per-message overhead would dominate).
 _MIN_CHUNK_NUMEL = 1 << 16
-# Message tags: key/value blocks and gradient accumulators are in flight at the same time.
-_TAG_KV, _TAG_DKV = 0, 8
+# Message tags, a block of _RING_TAGS reserved per call (``AxisPeers.next_tags``, see
+# comm/peers.py) at offsets: forward K/V/padding hops, backward K/V/padding hops, backward dK/dV
+# hops. Key/value blocks and gradient accumulators are in flight at the same time, hence
+# distinct tags; successive hops of one stream wait for the previous hop and reuse its tags.
+_FWD_KV, _BWD_KV, _BWD_DKV = 0, 3, 6
+_RING_TAGS = 8
 
 
 # --------------------------------------------------------------------------- zigzag layout
@@ -55,7 +59,7 @@ def zigzag_shard(x: torch.Tensor, mesh: DeviceMesh, dim: int = 2) -> torch.Tenso
     The global length is cut into 2P balanced chunks (``Layout.balanced``); every rank passes
     the full tensor.
     """
-    ring = domain_ring(mesh)
+    ring = domain_peers(mesh)
     chunks = _zigzag_chunks(x.shape[dim], ring.size)
     r, p = ring.index, ring.size
     return torch.cat([x[_along(x, dim, chunks.slice(c))] for c in (r, 2 * p - 1 - r)], dim).clone()
@@ -63,7 +67,7 @@ def zigzag_shard(x: torch.Tensor, mesh: DeviceMesh, dim: int = 2) -> torch.Tenso
 
 def zigzag_unshard(x_local: torch.Tensor, mesh: DeviceMesh, dim: int = 2) -> torch.Tensor:
     """The full tensor in natural token order, on every rank, from zigzag slabs (no gradient)."""
-    ring = domain_ring(mesh)
+    ring = domain_peers(mesh)
     dim = dim % x_local.dim()
     shapes = [tuple(s) for s in gather_ints(x_local.shape, ring)]
     parts = all_gather_uneven(x_local, ring.group, shapes) if ring.size > 1 else [x_local.detach()]
@@ -126,7 +130,7 @@ def _chunks(batch: int, kv_heads: int, target: int) -> tuple[_Chunk, ...]:
 
 @dataclass(frozen=True)
 class _Plan:
-    ring: AxisRing
+    ring: AxisPeers
     scale: float
     causal: bool
     q_lens: tuple[int, ...]
@@ -167,7 +171,7 @@ def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what) -> _Plan:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ShardingError(f"{what}: {name} must be (B, H, L_local, D), got shape {tuple(t.shape)}.")
-    ring = domain_ring(mesh)
+    ring = domain_peers(mesh)
     mask_shape = tuple(mask.shape) if mask is not None else None
     # A bad mask on one rank only must still raise on every rank: its validity is a gathered fact.
     mask_ok = mask is None or (mask_shape == (q.shape[0], k.shape[2]) and mask.dtype == torch.bool)
@@ -290,7 +294,7 @@ def _unit(k, v, pad, c: _Chunk) -> list[torch.Tensor]:
     return [_kv_heads(k, c), _kv_heads(v, c)] + ([pad[c.b0 : c.b1]] if pad is not None else [])
 
 
-def _travel(plan: _Plan, c: _Chunk, k, v, pad):
+def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int):
     """Yield ``(step, src, k, v, pad)`` for chunk ``c`` of the blocks of every rank in turn.
 
     Step ``s`` holds the chunk of rank ``me - s``. Double buffering: the next chunk is already
@@ -303,7 +307,7 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad):
         hop = None
         if step < p - 1:
             shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, pad is not None)
-            hop = ring_pass(ring, unit, shapes, tag=_TAG_KV)
+            hop = ring_pass(ring, unit, shapes, tag=tag)
         yield step, src, unit[0], unit[1], (unit[2] if pad is not None else None)
         # Rebinding drops this step's chunk as soon as the next one has arrived.
         unit = hop.wait() if hop is not None else []
@@ -321,7 +325,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, pad, plan: _Plan):  # noqa: D102
+    def forward(ctx, q, k, v, pad, plan: _Plan, tag: int):  # noqa: D102
         g = plan.groups
         acc = acc_dtype(q.dtype)
         n = q.shape[2]
@@ -333,7 +337,7 @@ class _RingAttention(torch.autograd.Function):
             qc = _q_heads(q, c, g)
             oc, lc = (None, None) if out is None else (_q_heads(out, c, g), _q_heads(lse, c, g))
             fresh = True  # nothing written to this chunk's output rows yet
-            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad):
+            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV):
                 for qs, ks, diag in _pairs(plan, src):
                     o_b, l_b = block_forward(
                         _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag
@@ -356,7 +360,7 @@ class _RingAttention(torch.autograd.Function):
             if out is None:
                 out, lse = oc, lc
         out_q = out.to(q.dtype)
-        ctx.plan = plan
+        ctx.plan, ctx.tag = plan, tag
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out_q, lse)
         return out_q, lse
@@ -386,7 +390,7 @@ class _RingAttention(torch.autograd.Function):
         for c in plan.chunks:
             qc, doc, oc, lc = (_q_heads(t, c, g) for t in (q, dout, out, lse))
             dqc = None if dq is None else _q_heads(dq, c, g)
-            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad):
+            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV):
                 dkc = dvc = None
                 for qs, ks, diag in _pairs(plan, src):
                     dq_b, dk_b, dv_b = block_backward(
@@ -419,13 +423,13 @@ class _RingAttention(torch.autograd.Function):
                     # brings this rank's own final chunk straight into dk/dv.
                     into = [_kv_heads(dk, c), _kv_heads(dv, c)] if step == p - 1 else None
                     shapes = _unit_shapes(plan, nxt, c, k, v, False)
-                    dkv_hop = ring_pass(ring, [dkc, dvc], shapes, tag=_TAG_DKV, out=into)
+                    dkv_hop = ring_pass(ring, [dkc, dvc], shapes, tag=ctx.tag + _BWD_DKV, out=into)
                 del kb, vb, mb, dkc, dvc
             if dq is None:
                 dq = dqc
         if dkv_hop is not None:
             dkv_hop.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(
@@ -473,7 +477,9 @@ def ring_attention(
     """
     plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention")
     pad = key_padding_mask.to(torch.uint8).contiguous() if key_padding_mask is not None else None
-    out, lse = _RingAttention.apply(q, k, v, pad, plan)
+    # Reserved by every rank in program order, also for its backward (see comm/peers.py).
+    tag = plan.ring.next_tags(_RING_TAGS)
+    out, lse = _RingAttention.apply(q, k, v, pad, plan, tag)
     return (out, lse) if return_lse else out
 
 

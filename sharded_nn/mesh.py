@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from functools import cache
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -145,16 +146,62 @@ def domain_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 
 def group_over(mesh: DeviceMesh, axes: Sequence[str]) -> dist.ProcessGroup:
-    """One process group over several mesh axes (through this rank)."""
+    """One process group over several mesh axes (through this rank).
+
+    Several axes are flattened into one group the first time they are asked for on this mesh
+    object (a collective: every rank of the mesh must make the same calls in the same order,
+    which SPMD code does); later calls return the stored group.
+    """
     axes = tuple(axes)
     if len(axes) == 1:
         return axis_group(mesh, axes[0])
-    return _flat_mesh(mesh, axes).get_group()
+    return mesh_cached(mesh, ("group_over", axes), lambda: _flat_mesh(mesh, axes).get_group())
 
 
-@cache
-def _flat_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
-    # Flattening creates a process group, which every rank must do in the same order; the cache
-    # is keyed by the mesh and axes, which every rank shares, so all ranks hit or miss together.
+def _flat_mesh(mesh: DeviceMesh, axes: tuple[str, ...], *, backend: str | None = None) -> DeviceMesh:
+    # torch stores flattened meshes by name on the root mesh (``_flatten_mapping``), so asking
+    # twice returns the same mesh and process group. Flattening creates a process group, which
+    # every rank must do in the same order; the name is built from facts every rank shares.
     sub = mesh if axes == tuple(mesh.mesh_dim_names) else mesh[axes]
-    return sub._flatten("_".join(axes) + "_flat")
+    name = "_".join(axes) + ("_flat" if backend is None else f"_flat_{backend}")
+    if backend is None:
+        return sub._flatten(name)
+    return sub._flatten(name, backend_override=backend)
+
+
+# --------------------------------------------------------------------------- per-mesh store
+
+_T = TypeVar("_T")
+#: Objects derived from a mesh (groups, axis peers), stored per mesh *object*: ``id(mesh)`` ->
+#: (weak reference to the mesh, its dict). Not keyed by ``DeviceMesh`` equality, which ignores
+#: the process groups: a mesh built after ``destroy_process_group`` equals the old one but must
+#: not get the old (destroyed) groups. Entries die with their mesh, so nothing keeps groups alive.
+_STORE: dict[int, tuple[weakref.ref, dict[Any, Any]]] = {}
+
+
+def mesh_cached(mesh: DeviceMesh, key: Any, make: Callable[[], _T]) -> _T:
+    """``make()`` computed once per mesh object and ``key``, and dropped when the mesh dies.
+
+    Rank symmetry (DESIGN.md section 4): a hit or miss depends only on which mesh object is
+    asked and on ``key``; SPMD code builds its meshes and asks for the same keys in the same
+    order on every rank, so all ranks hit or miss together and ``make`` may run a collective.
+    Keys must therefore be facts every rank shares (axis names, module configuration), never
+    local shapes.
+    """
+    mid = id(mesh)
+    entry = _STORE.get(mid)
+    if entry is None or entry[0]() is not mesh:
+        entry = (weakref.ref(mesh, lambda ref, mid=mid: _forget(mid, ref)), {})
+        _STORE[mid] = entry
+    store = entry[1]
+    try:
+        return store[key]
+    except KeyError:
+        value = store[key] = make()
+        return value
+
+
+def _forget(mid: int, ref: weakref.ref) -> None:
+    entry = _STORE.get(mid)
+    if entry is not None and entry[0] is ref:
+        del _STORE[mid]

@@ -63,7 +63,7 @@ def _extend(x_loc, spec, ring, mode):
 
 def _halo_case(world, shape, dim, align, left, right, periodic, seed, mode):
     m = mesh(world)
-    ring = comm.axis_ring(m, "domain")
+    ring = comm.axis_peers(m, "domain")
     me = ring.index
     assert ring.size == world
     x = _rand(shape, seed)
@@ -151,7 +151,7 @@ def test_halo_exchange_backward_on_rank_without_halos(run, world, left, right, p
 def _unused_halos_case(world, use_on_rank):
     """Halos fetched but used only on rank ``use_on_rank`` (-1: on none): the backward still matches."""
     m = mesh(world)
-    ring = comm.axis_ring(m, "domain")
+    ring = comm.axis_peers(m, "domain")
     lay = Layout.balanced(4 * world, world)
     x = _rand((1, 2, lay.size), 3)
     spec = HaloSpec(2, (0,) + (1,) * (world - 1), (1,) * (world - 1) + (0,))
@@ -219,7 +219,7 @@ def test_halo_property(pools, case):
 
 def _corner_case(shape, spec0, spec1, seed, mode):
     m = mesh((2, 2))
-    rings = comm.axis_ring(m, "domain0"), comm.axis_ring(m, "domain1")
+    rings = comm.axis_peers(m, "domain0"), comm.axis_peers(m, "domain1")
     c = (rings[0].index, rings[1].index)
     assert c == (m.get_local_rank("domain0"), m.get_local_rank("domain1"))
     specs = HaloSpec(2, *spec0), HaloSpec(3, *spec1)
@@ -303,7 +303,7 @@ def test_halo_check_too_wide(run, world, size, left, right, periodic):
 
 def _spec_for_wrong_ring():
     m = mesh(2)
-    ring = comm.axis_ring(m, "domain")
+    ring = comm.axis_peers(m, "domain")
     x_loc = torch.zeros(1, 1, 3, dtype=torch.float64)
     # Widths for 3 ranks on a ring of 2 (e.g. a spec planned for another mesh axis).
     spec = HaloSpec(2, (0, 1, 1), (1, 1, 0))

@@ -6,10 +6,15 @@ from layouts; this package moves the bytes.
 
 from .collectives import all_gather_grid, all_gather_uneven, all_reduce_max, all_reduce_sum, scatter_uneven
 from .halo import HaloHandle, HaloSpec, halo_cat, halo_exchange
-from .ring import AxisRing, axis_ring, comm_device
-from .sizes import gather_layouts, layouts_from_shapes
+from .peers import AxisPeers, axis_peers, comm_device, domain_peers
+from .sizes import gather_layouts, layouts_from_shapes, metadata_group
+
+#: Deprecated aliases (kept so that existing code runs): ``AxisPeers`` serves open halo chains as
+#: well as rings, hence the new names.
+from .peers import AxisRing, axis_ring, domain_ring  # noqa: E402
 
 __all__ = [
+    "AxisPeers",
     "AxisRing",
     "HaloHandle",
     "HaloSpec",
@@ -17,18 +22,22 @@ __all__ = [
     "all_gather_uneven",
     "all_reduce_max",
     "all_reduce_sum",
+    "axis_peers",
     "axis_ring",
     "comm_device",
+    "domain_peers",
+    "domain_ring",
     "gather_layouts",
     "halo_cat",
     "halo_exchange",
     "layouts_from_shapes",
+    "metadata_group",
     "scatter_uneven",
 ]
 from .all_to_all import heads_to_seq, seq_to_heads
-from .ring_pass import RingHandle, domain_ring, gather_ints, ring_pass
+from .ring_pass import RingHandle, gather_ints, ring_pass
 
-__all__ += ["RingHandle", "domain_ring", "gather_ints", "heads_to_seq", "ring_pass", "seq_to_heads"]
+__all__ += ["RingHandle", "gather_ints", "heads_to_seq", "ring_pass", "seq_to_heads"]
 from .halo_add import halo_add
 
 __all__ += ["halo_add"]

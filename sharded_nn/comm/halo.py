@@ -21,13 +21,19 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..errors import ShardingError
-from .ring import AxisRing
+from .peers import AxisPeers
 
 # gloo matches point-to-point messages by tag; NCCL matches them by issue order. Every rank
 # issues [send right, recv from left, send left, recv from right] so that both agree even when
-# the left and right neighbour are the same rank (two periodic ranks).
-_TAG_RIGHTWARD = 0
-_TAG_LEFTWARD = 1
+# the left and right neighbour are the same rank (two periodic ranks). One exchange uses two
+# tags from a block reserved per call (``AxisPeers.next_tags``): ``tag`` for messages travelling
+# rightward, ``tag + 1`` leftward. A halo operation reserves ``HALO_TAGS`` tags when it starts:
+# the first two for its forward exchange, the next two for the exchange of its backward, so that
+# exchanges of different layers may overlap (see peers.py). ``halo_cat``, ``halo_exchange`` and
+# ``halo_add`` all reserve the same block with the same layout, and reserve it on every rank
+# (also where a rank sends nothing), so neighbours may use different forms for one exchange (a
+# layer that falls back from the overlapped form on one rank only) and the counters stay in step.
+HALO_TAGS = 4
 
 
 @dataclass(frozen=True)
@@ -79,12 +85,13 @@ class HaloSpec:
 
 
 def _exchange(
-    ring: AxisRing,
+    ring: AxisPeers,
     periodic: bool,
     send_left: torch.Tensor | None,
     send_right: torch.Tensor | None,
     recv_left: torch.Tensor | None,
     recv_right: torch.Tensor | None,
+    tag: int,
 ) -> list[dist.Work]:
     """Issue the (at most four) point-to-point operations; returns the works to wait on."""
     left, right = ring.left(periodic), ring.right(periodic)
@@ -96,14 +103,14 @@ def _exchange(
             recv_right.copy_(send_left)
         return []
     ops = []
-    for tensor, peer, op, tag in (
-        (send_right, right, dist.isend, _TAG_RIGHTWARD),
-        (recv_left, left, dist.irecv, _TAG_RIGHTWARD),
-        (send_left, left, dist.isend, _TAG_LEFTWARD),
-        (recv_right, right, dist.irecv, _TAG_LEFTWARD),
+    for tensor, peer, op, t in (
+        (send_right, right, dist.isend, tag),
+        (recv_left, left, dist.irecv, tag),
+        (send_left, left, dist.isend, tag + 1),
+        (recv_right, right, dist.irecv, tag + 1),
     ):
         if tensor is not None and tensor.numel():
-            ops.append(dist.P2POp(op, tensor, ring.ranks[peer], group=ring.group, tag=tag))
+            ops.append(dist.P2POp(op, tensor, ring.ranks[peer], group=ring.group, tag=t))
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -134,9 +141,12 @@ class HaloHandle:
     ``wait()`` returns the (left, right) halos (None where the width is zero).
     """
 
-    def __init__(self, x: torch.Tensor, spec: HaloSpec, ring: AxisRing, grad_inplace: bool = False) -> None:
+    def __init__(
+        self, x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, grad_inplace: bool = False, tag: int | None = None
+    ) -> None:
         _check_ring(spec, ring)
         self.spec, self.ring, self.grad_inplace = spec, ring, grad_inplace
+        self.tag = ring.next_tags(HALO_TAGS) if tag is None else tag
         self.grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         to_left, to_right = spec.send_widths(ring.index)
         d = spec.dim
@@ -144,7 +154,7 @@ class HaloHandle:
         self._sends = (_edge(xd, d, to_left, True), _edge(xd, d, to_right, False))
         self.recv_left = _empty(xd, d, spec.left[ring.index])
         self.recv_right = _empty(xd, d, spec.right[ring.index])
-        self._works = _exchange(ring, spec.periodic, *self._sends, self.recv_left, self.recv_right)
+        self._works = _exchange(ring, spec.periodic, *self._sends, self.recv_left, self.recv_right, self.tag)
         self.x = _HaloStart.apply(x, self)
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -181,7 +191,7 @@ class _HaloStart(torch.autograd.Function):
         # when the caller knows the incoming gradient is a fresh buffer nobody else holds (it
         # saves a slab-sized copy), else into a clone.
         grad = g.clone() if any(h.spec.send_widths(h.ring.index)) and not h.grad_inplace else g
-        _return_halo_grads(grad, g_left, g_right, h.spec, h.ring)
+        _return_halo_grads(grad, g_left, g_right, h.spec, h.ring, h.tag + 2)
         return grad, None
 
 
@@ -215,7 +225,8 @@ def _return_halo_grads(
     g_left: torch.Tensor | None,
     g_right: torch.Tensor | None,
     spec: HaloSpec,
-    ring: AxisRing,
+    ring: AxisPeers,
+    tag: int,
 ) -> None:
     """Send halo gradients back to their owners; add the ones received into ``grad_x``'s edges."""
     d = spec.dim
@@ -226,7 +237,7 @@ def _return_halo_grads(
     # A halo that no output used still has a neighbour waiting for its (zero) gradient.
     g_left = _grad_or_zeros(g_left, grad_x, d, spec.left[ring.index])
     g_right = _grad_or_zeros(g_right, grad_x, d, spec.right[ring.index])
-    for w in _exchange(ring, spec.periodic, g_left, g_right, head, tail):
+    for w in _exchange(ring, spec.periodic, g_left, g_right, head, tail, tag):
         w.wait()
     n = grad_x.shape[d]
     if head is not None:
@@ -245,7 +256,7 @@ def _grad_or_zeros(g: torch.Tensor | None, like: torch.Tensor, dim: int, width: 
     return g.contiguous()
 
 
-def _check_ring(spec: HaloSpec, ring: AxisRing) -> None:
+def _check_ring(spec: HaloSpec, ring: AxisPeers) -> None:
     # Same facts on every rank of the axis, so all of them raise together.
     if len(spec.left) != ring.size:
         raise ValueError(
@@ -254,7 +265,9 @@ def _check_ring(spec: HaloSpec, ring: AxisRing) -> None:
         )
 
 
-def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing, *, grad_inplace: bool = False) -> HaloHandle:
+def halo_exchange(
+    x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, *, grad_inplace: bool = False, tag: int | None = None
+) -> HaloHandle:
     """Start exchanging halos of ``x``; returns a handle.
 
     Compute on ``handle.x`` while the halos travel, then ``handle.wait()`` gives (left, right).
@@ -265,32 +278,40 @@ def halo_exchange(x: torch.Tensor, spec: HaloSpec, ring: AxisRing, *, grad_inpla
     Args:
         x: this rank's slab.
         spec: widths for every rank along the axis (see ``HaloSpec``).
-        ring: the axis, from ``axis_ring(mesh, axis)``.
+        ring: the axis, from ``axis_peers(mesh, axis)``.
+        tag: first of ``HALO_TAGS`` message tags reserved with ``ring.next_tags`` (forward and
+            backward exchange); ``None`` (the usual) reserves them now.
     """
-    return HaloHandle(x, spec, ring, grad_inplace)
+    return HaloHandle(x, spec, ring, grad_inplace, tag)
 
 
-def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisRing) -> torch.Tensor:
+def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, *, tag: int | None = None) -> torch.Tensor:
     """``cat([left_halo, x, right_halo], spec.dim)``, exchanged synchronously, autograd-aware.
 
     One autograd node for the whole extension, so the backward allocates a single gradient the
-    size of ``x`` (the halo gradients are added into its edges after being sent back).
+    size of ``x`` (the halo gradients are added into its edges after being sent back). ``tag``:
+    as ``halo_exchange``.
     """
-    return _HaloCat.apply(x, spec, ring)
+    _check_ring(spec, ring)
+    return _HaloCat.apply(x, spec, ring, ring.next_tags(HALO_TAGS) if tag is None else tag)
+
+
+def _cat_halos(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int) -> torch.Tensor:
+    """The forward of ``halo_cat`` (no autograd), with its exchange on tags ``tag, tag + 1``."""
+    to_left, to_right = spec.send_widths(ring.index)
+    d = spec.dim
+    left, right = _empty(x, d, spec.left[ring.index]), _empty(x, d, spec.right[ring.index])
+    for w in _exchange(ring, spec.periodic, _edge(x, d, to_left, True), _edge(x, d, to_right, False), left, right, tag):
+        w.wait()
+    parts = [p for p in (left, x, right) if p is not None]
+    return torch.cat(parts, spec.dim) if len(parts) > 1 else x.clone()
 
 
 class _HaloCat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisRing):  # noqa: D102
-        _check_ring(spec, ring)
-        to_left, to_right = spec.send_widths(ring.index)
-        d = spec.dim
-        left, right = _empty(x, d, spec.left[ring.index]), _empty(x, d, spec.right[ring.index])
-        for w in _exchange(ring, spec.periodic, _edge(x, d, to_left, True), _edge(x, d, to_right, False), left, right):
-            w.wait()
-        ctx.spec, ctx.ring = spec, ring
-        parts = [p for p in (left, x, right) if p is not None]
-        return torch.cat(parts, spec.dim) if len(parts) > 1 else x.clone()
+    def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int):  # noqa: D102
+        ctx.spec, ctx.ring, ctx.tag = spec, ring, tag
+        return _cat_halos(x, spec, ring, tag)
 
     # Its communication is not recorded for a second derivative, which would silently miss the
     # neighbours' terms: double backward raises instead.
@@ -304,5 +325,5 @@ class _HaloCat(torch.autograd.Function):
         grad_x = g.narrow(d, lw, n).clone()
         g_left = g.narrow(d, 0, lw) if lw else None
         g_right = g.narrow(d, lw + n, rw) if rw else None
-        _return_halo_grads(grad_x, g_left, g_right, spec, ring)
-        return grad_x, None, None
+        _return_halo_grads(grad_x, g_left, g_right, spec, ring, ctx.tag + 2)
+        return grad_x, None, None, None

@@ -6,45 +6,43 @@ so the caller computes on the block it holds while the next block travels (doubl
 the block in hand and the one being received). Receive buffers are sized by the caller from a
 layout every rank shares, which is what lets slabs of uneven length travel.
 
-A domain of several mesh axes is flattened row-major into one ring (``domain_ring``), the same
+A domain of several mesh axes is flattened row-major into one ring (``domain_peers``), the same
 order in which ``shard`` deals out slabs of the flat domain group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from ..mesh import domain_axes, domain_group
 from .collectives import all_gather_stacked
-from .ring import AxisRing, axis_ring
+from .peers import AxisPeers, domain_peers, domain_ring  # noqa: F401 - domain_ring: deprecated alias
 
 
-@cache
-def domain_ring(mesh: DeviceMesh) -> AxisRing:
-    """The ring over all domain ranks of ``mesh``; several domain axes are flattened row-major."""
-    axes = domain_axes(mesh)
-    if len(axes) == 1:
-        return axis_ring(mesh, axes[0])
-    group = domain_group(mesh)
-    ranks = tuple(dist.get_global_rank(group, i) for i in range(dist.get_world_size(group)))
-    return AxisRing(group, dist.get_rank(group), ranks)
-
-
-def gather_ints(values: Sequence[int], ring: AxisRing) -> list[tuple[int, ...]]:
+def gather_ints(values: Sequence[int], ring: AxisPeers) -> list[tuple[int, ...]]:
     """Every ring rank's ``values`` (same count on every rank), indexed by ring coordinate.
 
-    One tiny all-gather; layers validate shapes from its result so that all ranks agree.
+    One tiny all-gather; layers validate shapes from its result so that all ranks agree. It
+    travels on the CPU over gloo (``ring.meta_group``, or ``ring.group`` when that is gloo), so
+    that it never synchronises a GPU; only a ring without a gloo group (an NCCL ``AxisPeers``
+    built by hand) gathers on the device.
     """
-    mine = torch.tensor(list(values), dtype=torch.int64, device=ring.device)
     if ring.size == 1:
         return [tuple(values)]
-    rows = all_gather_stacked(mine, ring.group).tolist()
-    return [tuple(r) for r in rows]
+    group = ring.meta_group
+    if group is None:
+        group = ring.group
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else ring.device
+    # Each row starts with the sender's ring coordinate: the metadata group may order its ranks
+    # differently from the ring.
+    mine = torch.tensor([ring.index, *values], dtype=torch.int64, device=device)
+    rows = all_gather_stacked(mine, group).tolist()
+    out: list[tuple[int, ...]] = [()] * ring.size
+    for r in rows:
+        out[r[0]] = tuple(r[1:])
+    return out
 
 
 class RingHandle:
@@ -62,23 +60,23 @@ class RingHandle:
 
 
 def ring_pass(
-    ring: AxisRing,
+    ring: AxisPeers,
     send: Sequence[torch.Tensor],
     recv_shapes: Sequence[Sequence[int]],
     *,
-    tag: int = 0,
+    tag: int | None = None,
     out: Sequence[torch.Tensor] | None = None,
 ) -> RingHandle:
     """Start sending ``send`` to the right neighbour and receiving tensors from the left one.
 
     Args:
-        ring: the ranks (``axis_ring`` or ``domain_ring``); the ring is periodic.
+        ring: the ranks (``axis_peers`` or ``domain_peers``); the ring is periodic.
         send: tensors to send, in order; each is sent as one message.
         recv_shapes: shapes of the tensors the left neighbour sends (same dtypes and devices as
             ``send``, in the same order).
-        tag: base message tag. Two hops in flight at the same time (key/value blocks and their
-            gradient accumulators) need base tags at least ``len(send)`` apart, because gloo
-            matches messages by (peer, tag).
+        tag: first of ``len(send)`` message tags, reserved with ``ring.next_tags``; ``None``
+            reserves a fresh block now. A caller that reuses one block for successive hops must
+            wait for each hop before starting the next one with the same tags.
         out: contiguous tensors to receive into (shapes ``recv_shapes``) instead of new ones, so
             that a result can land in its final buffer without a copy.
 
@@ -88,6 +86,9 @@ def ring_pass(
     """
     if len(send) != len(recv_shapes):
         raise ValueError(f"ring_pass: {len(send)} tensors to send but {len(recv_shapes)} receive shapes.")
+    if tag is None:
+        # Reserved on every rank, also with one rank, so that the group's counters stay in step.
+        tag = ring.next_tags(len(send))
     if ring.size == 1:
         if out is not None:
             return RingHandle([], [r.copy_(t) for r, t in zip(out, send)], [])
@@ -103,7 +104,8 @@ def ring_pass(
     sent = [t.contiguous() for t in send]
     ops = []
     # Every rank issues its sends before its receives, in the same order; NCCL matches by issue
-    # order and gloo by tag, so both pair the messages correctly even when left == right.
+    # order and gloo by tag, so both pair the messages correctly even when left == right (see
+    # peers.py for what overlapping hops need on each backend).
     for i, t in enumerate(sent):
         ops.append(dist.P2POp(dist.isend, t, right, group=ring.group, tag=tag + i))
     for i, r in enumerate(received):

@@ -4,22 +4,67 @@ Layers see only their local slab. To validate a layout identically on every rank
 ranks raise the same error together) and to plan halos for uneven slabs, they gather the local
 shapes of the domain group once per call. This is the only collective that is not point-to-point
 in a convolution's forward; it moves a few integers.
+
+It never synchronises a GPU: the integers travel as CPU tensors over gloo. On a gloo mesh that
+is the domain group itself; on an NCCL mesh it is a gloo *side group* over the same ranks,
+created once per mesh object (the first ``gather_layouts`` on that mesh, which every rank
+reaches in the same order). No device tensor is made or read, so the call neither stalls the
+CUDA stream nor blocks CUDA-graph capture of the layers' device work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import ShardingError
 from ..layout import Layout
+from ..mesh import _flat_mesh, axis_size, domain_axes, domain_group, mesh_cached
 from .collectives import all_gather_stacked
-from .ring import comm_device
-from ..mesh import axis_size, domain_axes, domain_group
 
 _MAX_NDIM = 12
+
+
+@dataclass(frozen=True)
+class _LayoutMeta:
+    """Facts about a mesh that ``gather_layouts`` needs on every call, derived once per mesh."""
+
+    group: dist.ProcessGroup  # a gloo group over the domain ranks
+    axes: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    coords: tuple[int, ...]  # this rank's coordinate on each domain axis
+
+
+def metadata_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A gloo process group over the domain ranks of ``mesh``, for CPU metadata (shapes, flags).
+
+    The domain group itself when its backend is gloo; otherwise a gloo side group over the same
+    ranks, made once per mesh object by flattening the domain axes with a gloo backend (a
+    collective over the mesh: every rank must reach the first call in the same order).
+    """
+    return _layout_meta(mesh).group
+
+
+def _layout_meta(mesh: DeviceMesh) -> _LayoutMeta:
+    def make() -> _LayoutMeta:
+        axes = domain_axes(mesh)
+        group = domain_group(mesh)
+        if _needs_side_group(group):
+            group = _flat_mesh(mesh, axes, backend="gloo").get_group()
+        return _LayoutMeta(
+            group, axes, tuple(axis_size(mesh, a) for a in axes), tuple(mesh.get_local_rank(a) for a in axes)
+        )
+
+    return mesh_cached(mesh, ("layout_meta",), make)
+
+
+def _needs_side_group(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) != "gloo"
 
 
 def gather_layouts(
@@ -33,13 +78,15 @@ def gather_layouts(
 
     ``dims[k]`` is sharded by the k-th domain axis of ``mesh``. Every rank receives the same
     shapes and runs the same checks, so an inconsistent input raises the same ``ShardingError``
-    on every rank.
+    on every rank. The integers travel on a gloo group (see the module docstring): no device
+    synchronisation, also on NCCL meshes.
 
     Raises:
         ShardingError: when ranks disagree on unsharded dims or on the decomposition, when a slab
             is empty, or when there are more sharded dims than domain axes.
     """
-    axes = domain_axes(mesh)
+    meta = _layout_meta(mesh)
+    axes = meta.axes
     if len(dims) > len(axes):
         raise ShardingError(
             f"{what}: {len(dims)} sharded dims {tuple(dims)} but the mesh has only {len(axes)} "
@@ -47,18 +94,34 @@ def gather_layouts(
         )
     if len(shape) > _MAX_NDIM:
         raise ShardingError(f"{what}: tensors of more than {_MAX_NDIM} dims are not supported, got {len(shape)}.")
-    group = domain_group(mesh)
-    device = comm_device(group)
     # Each row carries the rank's domain coordinates, so no assumption is made about how the
-    # group orders its ranks.
+    # group orders its ranks. Rows have a fixed width so that ranks holding tensors of different
+    # ndims still gather (and then all raise the same error).
     n_axes = len(axes)
     width = 1 + n_axes + _MAX_NDIM
-    row = [len(shape), *(mesh.get_local_rank(a) for a in axes), *shape]
-    mine = torch.tensor(row + [-1] * (width - len(row)), dtype=torch.int64, device=device)
-    rows = all_gather_stacked(mine, group).tolist()
-    coords = [tuple(r[1 : 1 + n_axes]) for r in rows]
-    shapes = [tuple(r[1 + n_axes : 1 + n_axes + r[0]]) for r in rows]
-    return layouts_from_shapes(shapes, coords, [axis_size(mesh, a) for a in axes], dims, what=what)
+    row = (len(shape), *meta.coords, *shape)
+    if dist.get_world_size(meta.group) == 1:
+        rows: tuple[tuple[int, ...], ...] = (row,)
+    else:
+        mine = torch.tensor(row + (-1,) * (width - len(row)), dtype=torch.int64)
+        # One Python list of every rank's row; the (small) tensor is on the CPU, so reading it
+        # is no device sync.
+        flat = all_gather_stacked(mine, meta.group).view(-1).tolist()
+        starts = range(0, len(flat), width)
+        rows = tuple(tuple(flat[a : a + 1 + n_axes + flat[a]]) for a in starts)
+    return _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what)
+
+
+@lru_cache(maxsize=1024)
+def _layouts(
+    rows: tuple[tuple[int, ...], ...], n_axes: int, axis_sizes: tuple[int, ...], dims: tuple[int, ...], what: str
+) -> tuple[Layout, ...]:
+    # Keyed by the gathered rows, which are the same on every rank, so all ranks hit or miss
+    # together; a miss runs no collective anyway. Bounded: shapes change from call to call in
+    # some models. Errors are raised again on every call (lru_cache does not store them).
+    coords = [r[1 : 1 + n_axes] for r in rows]
+    shapes = [r[1 + n_axes :] for r in rows]
+    return layouts_from_shapes(shapes, coords, axis_sizes, dims, what=what)
 
 
 def layouts_from_shapes(

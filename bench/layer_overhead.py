@@ -1,0 +1,110 @@
+"""Per-call overhead of a sharded layer against the plain torch layer, at small sizes on CPU.
+
+What is measured: the fixed cost that sharded_nn adds to every call of a layer, where the
+computation itself is small enough for it to show.
+
+* ``nn.Conv2d(16, 16, 3, padding=1)`` on a ``1 x 16 x 64 x 64`` sample (forward only, under
+  ``torch.no_grad()``, and forward + backward of a sum loss), one thread per rank
+  (``OMP_NUM_THREADS=1``).
+* P=1: the plain torch layer, and the converted layer on a 1-rank mesh (sharding machinery with no
+  neighbour: what the layout agreement and the plan cost by themselves).
+* P=2: the converted layer on a 2-rank mesh holding the same global sample (each rank 32 rows),
+  against the plain layer on one rank's slab (the local compute the sharded layer must do).
+* ``gather_layouts`` alone: the layout agreement every sharded layer makes per call (one
+  all-gather of a few integers on the domain group, or on its CPU side group on NCCL meshes),
+  next to one all-reduce of a single integer on the same group (the latency floor of any
+  agreement between ranks).
+
+Each figure is the median of ``--iters`` timed calls after ``--warmup`` untimed ones, per rank,
+maximum over ranks; a barrier separates the configurations. Reported: the times in microseconds
+and the ratio sharded / plain. All configurations of one world size run in one launch, side by
+side.
+
+Run it from the repository root::
+
+    python bench/layer_overhead.py                # about half a minute
+    python bench/layer_overhead.py --iters 50     # quicker, noisier
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sharded_nn as snn  # noqa: E402
+from sharded_nn.comm import gather_layouts  # noqa: E402
+
+
+def _time(fn, iters: int, warmup: int) -> float:
+    """Median seconds of ``fn()`` over ``iters`` calls, slowest rank."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    return float(med)
+
+
+def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    plain = nn.Conv2d(channels, channels, 3, padding=1)
+    sharded = snn.ShardedConv2d(channels, channels, 3, padding=1, mesh=mesh, dims=(2,))
+    sharded.load_state_dict(plain.state_dict())
+    x = torch.randn(1, channels, size, size)
+    x_loc = snn.shard(x, mesh, dims=(2,))
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        out["plain fwd"] = _time(lambda: plain(x_loc), iters, warmup)
+        out["sharded fwd"] = _time(lambda: sharded(x_loc), iters, warmup)
+
+    def step(model, inp):
+        inp = inp.detach().requires_grad_()
+        model(inp).sum().backward()
+
+    out["plain fwd+bwd"] = _time(lambda: step(plain, x_loc), iters, warmup)
+    out["sharded fwd+bwd"] = _time(lambda: step(sharded, x_loc), iters, warmup)
+    out["gather_layouts"] = _time(lambda: gather_layouts(x_loc.shape, mesh, (2,), what="bench"), iters, warmup)
+    # The floor for any agreement: one all-reduce of a single integer on the same group.
+    one = torch.zeros(1, dtype=torch.int64)
+    group = snn.domain_group(mesh)
+    out["all_reduce"] = _time(lambda: dist.all_reduce(one, group=group), iters, warmup)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--channels", type=int, default=16)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args()
+    print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
+          f"1 thread per rank, median of {args.iters} calls (us)")
+    print(f"{'P':>2} {'':>8} {'plain':>9} {'sharded':>9} {'ratio':>6}   gather_layouts  1-int all_reduce")
+    for p in (1, 2):
+        r = snn.launch(_measure, p, args.channels, args.size, args.iters, args.warmup, device_type="cpu", threads=1)
+        for kind in ("fwd", "fwd+bwd"):
+            a, b = r[f"plain {kind}"], r[f"sharded {kind}"]
+            extra = f"   {r['gather_layouts'] * 1e6:14.0f}  {r['all_reduce'] * 1e6:16.0f}" if kind == "fwd" else ""
+            print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f}{extra}")
+
+
+if __name__ == "__main__":
+    main()

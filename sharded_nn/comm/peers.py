@@ -1,0 +1,171 @@
+"""The ranks along one mesh axis, seen from this rank, and the message tags of their exchanges.
+
+``AxisPeers`` serves every point-to-point pattern of sharded_nn: open halo chains (the first and
+last rank have one neighbour each), periodic rings (circular padding, ring attention) and the
+all-pairs exchange of Ulysses attention.
+
+Message tags. Several exchanges may be in flight on one process group at a time (an async halo
+exchange of one layer while another layer communicates; key/value blocks and their gradient
+accumulators in ring attention). Tags come from one place: ``AxisPeers.next_tags(n)`` hands out
+a fresh block of ``n`` tags from a counter kept per process group. Every rank of the group
+advances the counter identically because every rank makes the same exchanges in the same program
+order (SPMD). Each exchange reserves the tags of its backward at forward time, so the backward
+messages match on gloo even when autograd issues them in another order on another rank; tags are
+reused only after ``_TAG_SPAN`` reservations (millions of exchanges), long after those messages
+completed.
+
+Backends: gloo matches messages by (peer, tag), so distinct tags make overlapping exchanges
+safe whatever order they are issued in. NCCL ignores tags and matches the point-to-point
+operations of a pair of ranks by issue order: there, overlapping exchanges stay correct only
+while every rank issues them in the same order, which holds for forward (program order) and for
+backward when autograd runs the same graph in the same order on every rank (the same model, one
+device per rank). sharded_nn's own layers satisfy both.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..mesh import axis_global_ranks, axis_group, axis_index, domain_axes, domain_group, mesh_cached
+from .sizes import metadata_group
+
+#: Tags handed out by ``next_tags`` lie in ``[_TAG_BASE, _TAG_BASE + _TAG_SPAN)``: clear of the
+#: small tags a user's own point-to-point code may use on the same group, and within gloo's
+#: (32-bit) tag range.
+_TAG_BASE = 1 << 20
+_TAG_SPAN = 1 << 24
+
+
+class _TagCounter:
+    """Tags reserved so far on one process group (thread-safe; one per group)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> int:
+        with self._lock:
+            start = self._next
+            # A block never straddles the wrap-around, so its n tags are consecutive.
+            if start + n > _TAG_SPAN:
+                start = 0
+            self._next = start + n
+        return _TAG_BASE + start
+
+
+#: One counter per process group object (the key is weak, so a destroyed group's counter goes
+#: with it; a group built after ``destroy_process_group`` starts a new counter on every rank).
+_COUNTERS: weakref.WeakKeyDictionary[dist.ProcessGroup, _TagCounter] = weakref.WeakKeyDictionary()
+_COUNTERS_LOCK = threading.Lock()
+
+
+def _counter(group: dist.ProcessGroup) -> _TagCounter:
+    with _COUNTERS_LOCK:
+        c = _COUNTERS.get(group)
+        if c is None:
+            c = _COUNTERS[group] = _TagCounter()
+        return c
+
+
+@dataclass(frozen=True)
+class AxisPeers:
+    """This rank's place on one mesh axis: its neighbours for halo chains and rings.
+
+    Attributes:
+        group: the process group of the axis through this rank.
+        index: this rank's coordinate on the axis.
+        ranks: global ranks along the axis, indexed by coordinate.
+        meta_group: a gloo group over the same ranks for CPU metadata (``gather_ints``), or
+            None where ``group`` itself is used.
+    """
+
+    group: dist.ProcessGroup
+    index: int
+    ranks: tuple[int, ...]
+    meta_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    _tags: _TagCounter = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self._tags is None:
+            object.__setattr__(self, "_tags", _counter(self.group))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    def left(self, periodic: bool) -> int | None:
+        """Coordinate of the left neighbour, or None at the open end of a non-periodic chain."""
+        if self.index > 0:
+            return self.index - 1
+        return self.size - 1 if periodic else None
+
+    def right(self, periodic: bool) -> int | None:
+        """Coordinate of the right neighbour, or None at the open end of a non-periodic chain."""
+        if self.index < self.size - 1:
+            return self.index + 1
+        return 0 if periodic else None
+
+    @property
+    def device(self) -> torch.device:
+        return comm_device(self.group)
+
+    def next_tags(self, n: int) -> int:
+        """Reserve ``n`` consecutive message tags on this group; returns the first.
+
+        Every rank of the group must reserve the same blocks in the same order (call this from
+        code that runs identically on every rank, at the same point of the program), and do it
+        even when it has nothing to send, so that the counters stay in step.
+        """
+        return self._tags.take(n)
+
+
+def comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Device that the group's backend communicates from (NCCL needs CUDA tensors)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def axis_peers(mesh: DeviceMesh, axis: str) -> AxisPeers:
+    """The ``AxisPeers`` of ``axis``; stored on this mesh object (no collective, same on every rank)."""
+    return mesh_cached(
+        mesh, ("axis_peers", axis),
+        lambda: AxisPeers(axis_group(mesh, axis), axis_index(mesh, axis), axis_global_ranks(mesh, axis)),
+    )
+
+
+def domain_peers(mesh: DeviceMesh) -> AxisPeers:
+    """The ring over all domain ranks of ``mesh``; several domain axes are flattened row-major.
+
+    Flattening creates a process group the first time (a collective that every rank reaches in
+    the same order, see ``mesh_cached``). The result carries the gloo metadata group of the
+    domain (``metadata_group``), so that ``gather_ints`` never synchronises a GPU.
+    """
+
+    def make() -> AxisPeers:
+        group = domain_group(mesh)
+        ranks = tuple(dist.get_global_rank(group, i) for i in range(dist.get_world_size(group)))
+        return AxisPeers(group, dist.get_rank(group), ranks, metadata_group(mesh))
+
+    return mesh_cached(mesh, ("domain_peers",), make)
+
+
+#: Deprecated names (the class serves open halo chains as well as rings): use ``AxisPeers``,
+#: ``axis_peers`` and ``domain_peers``.
+AxisRing = AxisPeers
+axis_ring = axis_peers
+domain_ring = domain_peers
