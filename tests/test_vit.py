@@ -40,6 +40,10 @@ FAMILIES = {
         dict(TINY, img_size=56, dynamic_img_size=True, run_size=(70, 42)),
     ),
     "vit_dynamic": ("vit_tiny_patch16_224", dict(TINY, img_size=64, dynamic_img_size=True, run_size=(80, 48))),
+    "vit_dynamic_pad": (
+        "vit_tiny_patch16_224",
+        dict(TINY, img_size=64, dynamic_img_size=True, dynamic_img_pad=True, run_size=(75, 40)),
+    ),
     "eva02": ("eva02_tiny_patch14_224", dict(TINY, img_size=(70, 42))),
     "eva02_dynamic": ("eva02_tiny_patch14_224", dict(TINY, img_size=56, dynamic_img_size=True, run_size=(70, 42))),
     "rope_reg_gap": ("vit_medium_patch16_rope_reg1_gap_256", dict(TINY, img_size=(80, 48))),
@@ -90,7 +94,7 @@ def _check_family(domain, family: str, attention: str = "ring") -> dict[str, flo
     model = snn.convert(copy.deepcopy(ref), mesh, plan={"": {"attention": attention}})
     npt = ref.num_prefix_tokens
     patch = ref.patch_embed.patch_size[0]
-    hp, wp = h_img // patch, w_img // patch
+    hp, wp = -(-h_img // patch), -(-w_img // patch)  # dynamic_img_pad pads a partial last patch
     gen = torch.Generator().manual_seed(2)
     b = 2
     x = torch.randn(b, 3, h_img, w_img, generator=gen, dtype=torch.float64)
@@ -248,6 +252,23 @@ def test_token_dropout_prefix_shared_patches_independent(run):
     assert not torch.equal(t0, t1)  # patch rows: independent masks per rank
     for t in (t0, t1):
         assert ((t == 0) | (t == 2)).all()
+
+
+def _check_reconvert(domain):
+    from sharded_nn import zoo
+
+    mesh = make_mesh(domain)
+    model = zoo.create_model("vit_tiny_patch16_224", mesh=mesh, img_size=(80, 48), attention="ulysses", **TINY)
+    conv = model.patch_embed.proj
+    again = snn.convert(model, mesh, strict=True)  # e.g. what parallelize does
+    assert again is model and model.patch_embed.proj is conv and type(conv) is torch.nn.Conv2d
+    assert model.blocks[0].attn.attention == "ulysses"
+    snn.convert(model, mesh, plan={"": {"attention": "ring"}})
+    return model.blocks[1].attn.attention
+
+
+def test_converting_again_keeps_the_model(run):
+    assert run(2, _check_reconvert, 2) == ["ring", "ring"]
 
 
 # --------------------------------------------------------------------------- fine-tuning example
