@@ -78,7 +78,7 @@ def finetune_sharded(
     data: int,
     domain: int,
     model_kwargs: dict,
-    lr: float = 0.05,
+    lr: float = 0.01,
     dtype: torch.dtype = torch.float32,
     mesh=None,
 ) -> list[float]:
@@ -117,7 +117,7 @@ def finetune_single(
     per_replica: int,
     data: int,
     model_kwargs: dict,
-    lr: float = 0.05,
+    lr: float = 0.01,
     dtype: torch.dtype = torch.float32,
 ) -> list[float]:
     """The same steps on one device with the plain timm model and the whole global batch."""
