@@ -10,6 +10,7 @@ __all__ = ["create_model", "list_models", "register_model"]
 
 # Model families register themselves on import; each import line below is owned by its family.
 # (vit)
+from . import vit as vit  # noqa: E402 - registers the timm family (fallback of create_model)
 # (unet)
 from .unet import UNet  # noqa: E402
 
