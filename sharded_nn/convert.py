@@ -243,6 +243,18 @@ def _plan_entry(name: str, plan: Mapping[str, Any] | None) -> tuple[str | None, 
     return None, {}
 
 
+def _load_model_families() -> None:
+    """Import the zoo, whose model families register sharded classes (timm's ViT, Eva, ...).
+
+    Without them a timm ``VisionTransformer`` would not be swapped as a whole: ``convert`` would
+    descend into it and leave its position-embedding and pooling code running on slabs, a
+    silently wrong answer. ``import sharded_nn`` keeps the zoo lazy; the first ``convert`` loads it.
+    """
+    import importlib
+
+    importlib.import_module("sharded_nn.zoo")
+
+
 def convert(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -276,6 +288,7 @@ def convert(
             sharded dim and have no sharded class.
     """
     domain_axes(mesh)  # a clear error now for a mesh without a domain axis
+    _load_model_families()
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}.")
     if dims is not None:

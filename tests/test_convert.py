@@ -299,3 +299,31 @@ def _plan_warnings():
 
 def test_plan_warnings(run):
     assert all(run(2, _plan_warnings))
+
+
+def test_convert_swaps_zoo_families_without_importing_the_zoo(tmp_path):
+    """A fresh ``import sharded_nn`` (zoo not imported) still swaps a timm ViT as a whole.
+
+    Otherwise convert would descend into the ViT and leave its position-embedding code running on
+    slabs: a silently wrong answer.
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys, torch, torch.distributed as dist, timm
+        import sharded_nn as snn
+        assert "sharded_nn.zoo" not in sys.modules
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+        mesh = snn.init_mesh(domain=1, device_type="cpu")
+        vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1, embed_dim=16, num_heads=2)
+        out = snn.convert(vit, mesh)
+        print(type(out).__name__)
+        dist.destroy_process_group()
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "ShardedVisionTransformer"
