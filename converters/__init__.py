@@ -2,3 +2,5 @@
 
 Imported as ``sharded_nn.converters``. Converters arrive with the ViT issue.
 """
+
+from .transolver import thuml_transolver_kwargs, transolver_from_thuml  # noqa: E402,F401

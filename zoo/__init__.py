@@ -12,3 +12,4 @@ __all__ = ["create_model", "list_models", "register_model"]
 # (vit)
 # (unet)
 # (transolver)
+from . import transolver as _transolver  # noqa: E402,F401
