@@ -29,10 +29,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from sharded_nn.zoo.transolver import Transolver
 
 import sharded_nn as snn
 from sharded_nn.points import PointCloudPartition
-from sharded_nn.zoo.transolver import Transolver
 
 
 def car_surface(n: int, sample: int = 0, *, start: int = 0, stop: int | None = None,
@@ -47,7 +47,8 @@ def car_surface(n: int, sample: int = 0, *, start: int = 0, stop: int | None = N
     v = torch.asin(2 * (i + 0.5) / n - 1)  # latitude in (-pi/2, pi/2), area-uniform on a sphere
     u = torch.remainder(i * math.pi * (3 - math.sqrt(5)), 2 * math.pi)  # golden angle
     g = torch.Generator().manual_seed(1000 + sample)
-    cabin_h, cabin_x = 0.35 + 0.1 * torch.rand((), generator=g, dtype=torch.float64), 0.4 * torch.rand((), generator=g, dtype=torch.float64) - 0.2
+    cabin_h = 0.35 + 0.1 * torch.rand((), generator=g, dtype=torch.float64)
+    cabin_x = 0.4 * torch.rand((), generator=g, dtype=torch.float64) - 0.2
 
     def surface(u, v):
         e = 0.4  # superellipsoid exponent: boxy but smooth

@@ -119,7 +119,9 @@ def transolver_from_thuml(
         raise ValueError(f"transolver_from_thuml: keys this converter does not know: {unknown}.")
     for i, parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
-            raise ValueError(f"transolver_from_thuml: block {i} has attention weights {sorted(parts)}, expected q, k, v.")
+            raise ValueError(
+                f"transolver_from_thuml: block {i} has attention weights {sorted(parts)}, expected q, k, v."
+            )
         # PhysicsNeMo splits qkv_project's output as (t d) with t = q, k, v outermost.
         out[f"blocks.{i}.Attn.qkv_project.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
     if fold:

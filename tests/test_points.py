@@ -185,7 +185,9 @@ def _knn_case(domain: int, sizes: list[int], k: int):
     return True
 
 
-@pytest.mark.parametrize("domain, sizes, k", [(1, [40], 5), (2, [33, 8], 8), (3, [5, 17, 30], 16), (4, [9, 1, 20, 14], 6)])
+@pytest.mark.parametrize(
+    "domain, sizes, k", [(1, [40], 5), (2, [33, 8], 8), (3, [5, 17, 30], 16), (4, [9, 1, 20, 14], 6)]
+)
 def test_knn_radius_gather_exact(run, domain, sizes, k):
     assert all(run(domain, _knn_case, domain, sizes, k))
 

@@ -12,17 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from sharded_nn.converters import thuml_transolver_kwargs, transolver_from_thuml
+from sharded_nn.zoo.transolver import ShardedTransolver, Transolver
 
 import sharded_nn as snn
-from sharded_nn.converters import thuml_transolver_kwargs, transolver_from_thuml
 from sharded_nn.errors import ShardingError
-from sharded_nn.zoo.transolver import ShardedTransolver, Transolver
 
 from .harness import mesh
 from .reference import reduce_param_grads
 
 FIXTURES = Path(__file__).parent / "fixtures" / "transolver"
-PNEMO = ["pnemo_unstructured", "pnemo_time", "pnemo_structured2d", "pnemo_structured3d", "pnemo_unified_pos", "pnemo_plus"]
+PNEMO = [
+    "pnemo_unstructured", "pnemo_time", "pnemo_structured2d", "pnemo_structured3d", "pnemo_unified_pos", "pnemo_plus"
+]
 
 
 def _load(name: str) -> dict:
@@ -89,7 +91,8 @@ def test_thuml_checkpoint(name, kind, functional_input):
     blob = _load(name)
     model = Transolver(**thuml_transolver_kwargs(kind, **blob["config"])).double()
     # Converted in float64 so that the folded placeholder adds no float32 rounding.
-    sd = transolver_from_thuml({k: v.double() for k, v in blob["state_dict"].items()}, functional_input=functional_input)
+    sd64 = {k: v.double() for k, v in blob["state_dict"].items()}
+    sd = transolver_from_thuml(sd64, functional_input=functional_input)
     model.load_state_dict(sd, strict=True)
     model.eval()
     ins = blob["inputs"]

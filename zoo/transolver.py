@@ -266,7 +266,9 @@ class Transolver(nn.Module):
         if time_input:
             self.time_embed = TimeEmbedding(n_hidden)
             self.time_fc = nn.Sequential(nn.Linear(n_hidden, n_hidden), nn.SiLU(), nn.Linear(n_hidden, n_hidden))
-        attn_options = dict(temperature_clamp=temperature_clamp, slice_norm_eps=slice_norm_eps, gumbel_noise=gumbel_noise)
+        attn_options = dict(
+            temperature_clamp=temperature_clamp, slice_norm_eps=slice_norm_eps, gumbel_noise=gumbel_noise
+        )
         self.blocks = nn.ModuleList(
             TransolverBlock(n_head, n_hidden, dropout, act, mlp_ratio, i == n_layers - 1, out_dim, slice_num,
                             structured_shape, False, plus, **attn_options)  # fmt: skip

@@ -37,7 +37,9 @@ def _layout(query: torch.Tensor, pos: torch.Tensor, mesh: DeviceMesh | None, wha
     shape_ok = query.dim() == 2 and pos.dim() == 2 and query.shape[1] == pos.shape[1]
     if mesh is None:
         if not shape_ok:
-            raise ValueError(f"{what}: expected query (Q, d) and pos (N, d), got {tuple(query.shape)} and {tuple(pos.shape)}.")
+            raise ValueError(
+                f"{what}: expected query (Q, d) and pos (N, d), got {tuple(query.shape)} and {tuple(pos.shape)}."
+            )
         return None, [pos.shape[0]]
     ring = domain_ring(mesh)
     rows = gather_ints([pos.shape[0] if shape_ok else -1, pos.shape[-1] if pos.dim() else -1], ring)
@@ -136,7 +138,9 @@ def radius(
 
 
 @torch.no_grad()
-def within_radius(query_l: torch.Tensor, pos_l: torch.Tensor, r: float, *, mesh: DeviceMesh | None = None) -> torch.Tensor:
+def within_radius(
+    query_l: torch.Tensor, pos_l: torch.Tensor, r: float, *, mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """Global indices (ascending) of all candidates within ``r`` of at least one local query."""
     ring, sizes = _layout(query_l, pos_l, mesh, "within_radius")
     found = []

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import all_gather_grid, all_gather_uneven, all_reduce_max, all_reduce_sum, domain_ring
+from ..comm import all_gather_grid, all_gather_uneven, all_reduce_max, all_reduce_sum, domain_ring, gather_ints
 from ..layout import Layout
 from ..mesh import domain_group
 from .exchange import exchange, gather_rows, ring_offsets
@@ -73,7 +73,9 @@ def _morton(pos: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tens
 
 def _check_pos(pos: torch.Tensor, what: str) -> None:
     if pos.dim() != 2 or not 1 <= pos.shape[1] <= 3 or not pos.is_floating_point():
-        raise ValueError(f"{what}: expected float positions (N, 1..3) or (B, N, 1..3), got {tuple(pos.shape)} {pos.dtype}.")
+        raise ValueError(
+            f"{what}: expected float positions (N, 1..3) or (B, N, 1..3), got {tuple(pos.shape)} {pos.dtype}."
+        )
     if not torch.isfinite(pos).all():
         raise ValueError(f"{what}: positions must be finite (found NaN or inf).")
 
@@ -390,7 +392,10 @@ class PointCloudPartition(nn.Module):
         """
         coords = pos_chunk[0] if pos_chunk.dim() == 3 else pos_chunk
         if coords.dim() != 2:
-            raise ValueError(f"PointCloudPartition.repartition: expected (n, d) or (B, n, d) positions, got {tuple(pos_chunk.shape)}.")
+            raise ValueError(
+                "PointCloudPartition.repartition: expected (n, d) or (B, n, d) positions, "
+                f"got {tuple(pos_chunk.shape)}."
+            )
         chunk_sizes = ring_offsets(coords.shape[0], self.ring)
         n, p = sum(chunk_sizes), self.ring.size
         # Validation on gathered facts, identical on every rank.
@@ -405,7 +410,7 @@ class PointCloudPartition(nn.Module):
         dest = _assign_distributed(coords, gid, sizes, self.method, self.mesh)
         order = torch.argsort(dest, stable=True)
         mine = torch.bincount(dest, minlength=p).tolist()
-        counts = [list(r) for r in _gather_rows_of_ints(mine, self.ring)]
+        counts = [list(r) for r in gather_ints(mine, self.ring)]
         plan = _Plan(index=torch.empty(0, dtype=torch.int64), sizes=sizes, n=n, chunk_sizes=chunk_sizes,
                      chunk_counts=counts, chunk_order=order)  # fmt: skip
         plan.index = exchange(gid[order].unsqueeze(1), counts, self.ring).squeeze(1)
@@ -427,7 +432,9 @@ class PointCloudPartition(nn.Module):
         """Send this rank's per-point result back to the chunk layout given to ``repartition``."""
         plan = self._require_plan("to_chunks")
         if plan.chunk_counts is None:
-            raise RuntimeError("PointCloudPartition.to_chunks: the last partition came from part(...), not repartition.")
+            raise RuntimeError(
+                "PointCloudPartition.to_chunks: the last partition came from part(...), not repartition."
+            )
         dim = y_l.dim() - 2
         p = self.ring.size
         back = [[plan.chunk_counts[d][s] for d in range(p)] for s in range(p)]
@@ -533,7 +540,3 @@ def _is_pyg(obj) -> bool:
     return isinstance(obj, (BaseData, Data))
 
 
-def _gather_rows_of_ints(values: list[int], ring) -> list[tuple[int, ...]]:
-    from ..comm import gather_ints
-
-    return gather_ints(values, ring)
