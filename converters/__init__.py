@@ -6,6 +6,7 @@ with timm's own helpers (``converters.vit``).
 """
 
 from .io import CheckpointMismatchError, check_state_dict, load_checkpoint
+from .transolver import thuml_transolver_kwargs, transolver_from_thuml
 from .vit import adapt_state_dict, load_pretrained, resample_vit_state_dict, timm_filter_fn
 
 __all__ = [
@@ -15,5 +16,7 @@ __all__ = [
     "load_checkpoint",
     "load_pretrained",
     "resample_vit_state_dict",
+    "thuml_transolver_kwargs",
     "timm_filter_fn",
+    "transolver_from_thuml",
 ]

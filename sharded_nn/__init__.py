@@ -4,7 +4,7 @@ Split one huge sample across processes; explicit sharded layers exchange halos, 
 statistics and pass attention blocks so that the result equals the single-device model.
 """
 
-from . import comm, functional, losses, reductions
+from . import comm, functional, losses, points, reductions
 from . import layers as _layers
 from .alignment import alignment
 from .convert import convert
@@ -15,6 +15,7 @@ from .layers.upsample import interpolate
 from .layout import Layout
 from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh
 from .parallel import parallelize
+from .points import PointCloudPartition
 from .registry import register
 from .sharding import default_dims, gather, local_slices, shard
 
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Layout",
+    "PointCloudPartition",
     "alignment",
     "ShardingError",
     "ShardingNotImplementedError",
@@ -41,6 +43,7 @@ __all__ = [
     "local_slices",
     "losses",
     "parallelize",
+    "points",
     "reductions",
     "register",
     "shard",
@@ -49,8 +52,8 @@ __all__ = [
 
 
 # Submodules whose import pulls in model code (timm, torch_geometric) load on first use, so that
-# ``import sharded_nn`` stays cheap: ``snn.zoo``, ``snn.converters``, ``snn.points``.
-_LAZY = {"zoo": "sharded_nn.zoo", "converters": "sharded_nn.converters", "points": "sharded_nn.points"}
+# ``import sharded_nn`` stays cheap: ``snn.zoo``, ``snn.converters``.
+_LAZY = {"zoo": "sharded_nn.zoo", "converters": "sharded_nn.converters"}
 
 
 def __getattr__(name: str):

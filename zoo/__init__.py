@@ -16,3 +16,6 @@ from .unet import UNet  # noqa: E402
 
 __all__ += ["UNet"]
 # (transolver)
+from .transolver import Transolver  # noqa: E402
+
+__all__ += ["Transolver"]

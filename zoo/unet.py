@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharded_nn.comm import axis_ring, gather_layouts
+from sharded_nn.comm import axis_peers, gather_layouts
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.layers.base import ShardedMixin
@@ -170,7 +170,7 @@ class ShardedPerDimPadConv(ShardedMixin, PerDimPadConv):
                 for lay, d in zip(layouts, self.dims)
             )
         for plan, d, axis in zip(self._plans[layouts], self.dims, self.mesh_axes):
-            x = extend(x, plan, axis_ring(self.mesh, axis), self.modes[d - 2])
+            x = extend(x, plan, axis_peers(self.mesh, axis), self.modes[d - 2])
         return conv(self._padded(x, self.dims))
 
     def extra_repr(self) -> str:  # noqa: D102

@@ -74,7 +74,7 @@ from timm.models.vision_transformer import Attention, Block, ResPostBlock, Visio
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharded_nn.comm import all_gather_grid, all_reduce_sum, domain_ring, gather_ints, gather_layouts
+from sharded_nn.comm import all_gather_grid, all_reduce_sum, domain_peers, gather_ints, gather_layouts
 from sharded_nn.errors import ShardingError, ShardingNotImplementedError
 from sharded_nn.functional import ring_attention, ulysses_attention
 from sharded_nn.mesh import axis_index, data_axis, domain_axes, domain_group
@@ -231,7 +231,7 @@ class SharedDropout(nn.Dropout):
 
 def _agree_seed(mesh: DeviceMesh, seed: int | None) -> tuple[int, int]:
     """(seed, domain rank): domain rank 0's seed, offset by the data-parallel index."""
-    ring = domain_ring(mesh)
+    ring = domain_peers(mesh)
     if seed is None:
         # initial_seed does not advance the user's RNG; one tiny all-gather makes it common.
         seed = gather_ints([torch.initial_seed() % (1 << 62)], ring)[0][0]
