@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import all_gather_grid, comm_device, gather_layouts, scatter_uneven
+from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import axis_size, domain_axes, domain_group, group_over
@@ -131,7 +131,9 @@ def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
         meta = [(tuple(x.shape), x.dtype)]
     # Every rank must learn the global shape before it can compute its slab; a src rank without
     # a tensor still broadcasts, so that all ranks raise together instead of waiting.
-    dist.broadcast_object_list(meta, src=dist.get_global_rank(group, src), group=group)
+    # Over the CPU metadata group: on NCCL a pickled-object broadcast on the domain group itself
+    # would stage through the GPU and synchronise the stream.
+    dist.broadcast_object_list(meta, src=dist.get_global_rank(group, src), group=metadata_group(mesh))
     if meta[0] is None:
         raise ValueError(f"shard: domain rank src={src} passed x=None; the src rank must pass the full tensor.")
     shape, dtype = meta[0]
