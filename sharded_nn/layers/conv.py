@@ -25,10 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import axis_ring, gather_layouts
-from ..registry import register
+from ..comm import axis_ring
+from ..errors import ShardingError
 from ..layout import Layout
-from .base import ShardedMixin
+from ..registry import register
+from .base import ShardedMixin, batched
 from .window import (
     Window,
     WindowPlan,
@@ -173,16 +174,16 @@ class _ShardedConvNd(ShardedMixin):
             )
         return self._plans[layouts]
 
+    @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         n = self._spatial_dims
-        if x.dim() == n + 1:
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        if x.dim() != n + 2:
-            raise ValueError(
-                f"{type(self).__name__}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, "
-                f"got shape {tuple(x.shape)}."
+        agreed = self._agree(x)
+        layouts = agreed.layouts
+        if x.shape[1] != self.in_channels:  # dim 1 is unsharded: the same on every rank
+            raise ShardingError(
+                f"{type(self).__name__}: expected {self.in_channels} input channels (dim 1), got global input "
+                f"shape {agreed.global_shape(self.dims)}."
             )
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=type(self).__name__)
         plans = self._plan(layouts)
         mode = self.padding_mode
         rings = [axis_ring(self.mesh, axis) for axis in self.mesh_axes]

@@ -19,8 +19,8 @@ Sharding contract:
         average), so they are identical on every rank. Eval mode with running statistics is
         local: no communication.
 
-Every layer starts with ``gather_layouts`` (a few integers), so a malformed input raises the
-same ``ShardingError`` on every rank before any statistic is exchanged.
+Every layer starts with ``agree`` (a few integers: shapes, dtype), so a malformed input raises
+the same error on every rank before any statistic is exchanged.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import all_reduce_sum, gather_layouts
+from ..comm import all_reduce_sum
 from ..errors import ShardingError
 from ..mesh import data_axis, domain_axes, group_over
 from ..registry import register
-from .base import ShardedMixin
+from .base import MAX_NDIM, Agreement, ShardedMixin, batched
 
 
 def global_moments(
@@ -93,20 +93,19 @@ class _ShardedNorm(ShardedMixin):
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         super()._init_sharding(mesh, dims)
 
-    def _layouts(self, x: torch.Tensor):
-        # Every rank validates the same gathered shapes, so a bad input raises everywhere.
-        return gather_layouts(x.shape, self.mesh, self.dims, what=type(self).__name__)
+    def _check_channels(self, x: torch.Tensor, expected: int, agreed: Agreement, dims: Sequence[int]) -> None:
+        # Dim 1 is unsharded, so after the agreement it is the same on every rank.
+        if x.shape[1] != expected:
+            raise ShardingError(
+                f"{type(self).__name__}: expected {expected} channels (dim 1), got global input shape "
+                f"{agreed.global_shape(dims)}."
+            )
 
     def _domain_group(self) -> dist.ProcessGroup:
         return group_over(self.mesh, self.mesh_axes)
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"
-
-
-def _require_ndim(what: str, x: torch.Tensor, allowed: Sequence[int], hint: str) -> None:
-    if x.dim() not in allowed:
-        raise ShardingError(f"{what}: expected a {hint} input, got shape {tuple(x.shape)}.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,14 +119,8 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     _spatial_dims = 8  # GroupNorm takes any number of spatial dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        name = type(self).__name__
-        if x.dim() < 2:
-            raise ShardingError(f"{name}: expected an (N, C, ...) input, got shape {tuple(x.shape)}.")
-        self._layouts(x)
-        if x.shape[1] != self.num_channels:
-            raise ShardingError(
-                f"{name}: expected {self.num_channels} channels (dim 1), got input shape {tuple(x.shape)}."
-            )
+        agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
+        self._check_channels(x, self.num_channels, agreed, self.dims)
         n, c = x.shape[:2]
         xg = x.reshape(n, self.num_groups, -1)
         mean, var, _ = global_moments(xg, (2,), self._domain_group())
@@ -140,17 +133,11 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
 
 
 class _ShardedInstanceNorm(_ShardedNorm):
+    @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        n = self._spatial_dims
-        if x.dim() == n + 1:
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        name = type(self).__name__
-        _require_ndim(name, x, (n + 2,), f"{n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
-        self._layouts(x)
-        if x.shape[1] != self.num_features and self.affine:
-            raise ShardingError(
-                f"{name}: expected {self.num_features} channels (dim 1) for affine=True, got shape {tuple(x.shape)}."
-            )
+        agreed = self._agree(x)
+        if self.affine or self.track_running_stats:  # per-channel parameters or statistics
+            self._check_channels(x, self.num_features, agreed, self.dims)
         use_input_stats = self.training or not self.track_running_stats
         w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not use_input_stats:
@@ -205,12 +192,12 @@ class _ShardedBatchNorm(_ShardedNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         name = type(self).__name__
-        _require_ndim(name, x, self._allowed_ndims, " or ".join(f"{d}-d" for d in self._allowed_ndims))
         # (N, C) input to BatchNorm1d has no spatial dim: nothing is sharded, shapes still agree.
+        # (Computed from the local number of dims: ``agree`` checks first that all ranks share it.)
         dims = tuple(d for d in self.dims if d < x.dim())
-        gather_layouts(x.shape, self.mesh, dims, what=name)
-        if x.shape[1] != self.num_features:
-            raise ShardingError(f"{name}: expected {self.num_features} channels (dim 1), got shape {tuple(x.shape)}.")
+        expected = " or ".join(f"{d}-d" for d in self._allowed_ndims)
+        agreed = self._agree(x, dims=dims, ndims=self._allowed_ndims, expected=f"a {expected}")
+        self._check_channels(x, self.num_features, agreed, dims)
 
         # Mirrors torch's _BatchNorm.forward.
         factor = 0.0 if self.momentum is None else self.momentum
@@ -302,21 +289,26 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
         self.mesh, self.dims, self.mesh_axes = mesh, dims, axes[: len(dims)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        k = len(self.normalized_shape)
-        first = x.dim() - k
-        covered = [(i, d) for i, d in enumerate(self.dims) if first <= d < x.dim()]
-        if not covered:
+        if not self.dims:  # nothing sharded (the default for a channel LayerNorm): plain torch
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         name = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
-        global_shape = list(x.shape)
-        for lay, d in zip(layouts, self.dims):
-            global_shape[d] = lay.size
+        k = len(self.normalized_shape)
+        # Agreed even when no sharded dim is normalized, so that whether this layer communicates
+        # is decided on a shared fact (the number of dims), never on one rank's input alone.
+        agreed = self._agree(x, ndims=range(max(k, max(self.dims) + 1), MAX_NDIM + 1), expected=(
+            f"at least a {max(k, max(self.dims) + 1)}-d"
+        ))
+        layouts = agreed.layouts
+        first = x.dim() - k
+        global_shape = agreed.global_shape(self.dims)
         if tuple(global_shape[first:]) != tuple(self.normalized_shape):
             raise ShardingError(
                 f"{name}: normalized_shape {tuple(self.normalized_shape)} must match the trailing dims "
-                f"of the global input shape {tuple(global_shape)} (local {tuple(x.shape)})."
+                f"of the global input shape {tuple(global_shape)}."
             )
+        covered = [(i, d) for i, d in enumerate(self.dims) if first <= d < x.dim()]
+        if not covered:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         axes = [self.mesh_axes[i] for i, _ in covered]
         mean, var, _ = global_moments(x, tuple(range(first, x.dim())), group_over(self.mesh, axes))
         y = (x - mean) * torch.rsqrt(var + self.eps)
