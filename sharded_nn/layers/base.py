@@ -41,6 +41,44 @@ def dtype_name(code: int) -> str:
     return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
 
 
+class BoundedCache:
+    """A small least-recently-used map (plain dicts: no ``functools`` wrapper for Dynamo to warn on).
+
+    A cache whose miss runs a collective must be keyed by facts every rank shares (gathered
+    layouts, module configuration), never by a local shape: one rank would hit while another
+    missed, and the ranks would diverge (DESIGN.md section 4).
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: dict = {}
+
+    def get(self, key, make: Callable[..., object], *args):
+        """The value for ``key``, made by ``make(*args)`` on a miss; the oldest entry goes when full.
+
+        Under ``torch.compile`` the value is made afresh and baked into the traced graph (as
+        Dynamo does with ``functools`` caches), so that no traced graph depends on the cache's
+        state. (``make`` takes arguments rather than being a closure: Dynamo mishandled a closure
+        over a loop variable across a graph break, and the halo corrections came out wrong.)
+        """
+        if torch.compiler.is_compiling():
+            return make(*args)
+        if key in self._data:
+            value = self._data.pop(key)  # re-inserted below: the most recently used is last
+        else:
+            value = make(*args)
+            if len(self._data) >= self.maxsize:
+                del self._data[next(iter(self._data))]
+        self._data[key] = value
+        return value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
 def check_mesh(mesh: object, what: str) -> None:
     """The type check every layer makes on its ``mesh`` argument."""
     if not isinstance(mesh, DeviceMesh):

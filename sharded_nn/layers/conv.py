@@ -29,7 +29,7 @@ from ..comm import axis_ring
 from ..errors import ShardingError
 from ..layout import Layout
 from ..registry import register
-from .base import ShardedMixin, batched
+from .base import BoundedCache, ShardedMixin, batched
 from .window import (
     Window,
     WindowPlan,
@@ -42,6 +42,8 @@ from .window import (
 )
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+#: Halo plans kept per module (one per recent input layout).
+_PLAN_CACHE_SIZE = 8
 
 
 def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
@@ -146,7 +148,8 @@ class _ShardedConvNd(ShardedMixin):
         """See the module docstring; ``overlap`` computes the interior while halos travel."""
         super()._init_sharding(mesh, dims)
         self.overlap = overlap
-        self._plans: dict[tuple[Layout, ...], tuple[WindowPlan, ...]] = {}
+        # Keyed by the gathered layouts: a few recent input geometries (e.g. train and eval sizes).
+        self._plans = BoundedCache(_PLAN_CACHE_SIZE)
 
     def _pads(self) -> list[tuple[int, int]]:
         """Global (left, right) padding of each spatial dim."""
@@ -167,12 +170,13 @@ class _ShardedConvNd(ShardedMixin):
     def _plan(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
         # Keyed by the gathered (global) layouts, which every rank shares: a hit or miss here is
         # the same on every rank.
-        if layouts not in self._plans:
-            self._plans[layouts] = tuple(
-                plan_window(lay, self._window(d - 2), d, mode=self.padding_mode, what=type(self).__name__)
-                for lay, d in zip(layouts, self.dims)
-            )
-        return self._plans[layouts]
+        return self._plans.get(layouts, self._make_plans, layouts)
+
+    def _make_plans(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
+        return tuple(
+            plan_window(lay, self._window(d - 2), d, mode=self.padding_mode, what=type(self).__name__)
+            for lay, d in zip(layouts, self.dims)
+        )
 
     @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
