@@ -41,29 +41,47 @@ from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics accumulate in: float32 for fp16/bf16 (as torch's norms), else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def global_moments(
     x: torch.Tensor, reduce_dims: Sequence[int], group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean and biased variance of ``x`` over ``reduce_dims`` of every rank of ``group``.
 
     Two passes (sum and count, then squared deviations from the global mean), both through the
-    autograd-aware ``all_reduce_sum``. ``group=None`` computes the local statistics.
+    autograd-aware ``all_reduce_sum``. ``group=None`` computes the local statistics. Sums,
+    deviations and variances accumulate in ``acc_dtype(x.dtype)`` (float32 for fp16/bf16: a
+    half-precision sum overflows or rounds, as torch's own norms avoid too); the sums travel
+    with the count in float64, so the count stays exact however many elements it covers.
 
     Returns:
-        ``(mean, var, count)``: mean and var keep the reduced dims (size 1); count is a 0-d
-        tensor, the global number of elements per statistic.
+        ``(mean, var, count)``: mean and var (in ``acc_dtype``) keep the reduced dims (size 1);
+        count is a 0-d float64 tensor, the global number of elements per statistic.
     """
     reduce_dims = tuple(reduce_dims)
+    acc = acc_dtype(x.dtype)
     n_local = math.prod(x.shape[d] for d in reduce_dims)
-    s = x.sum(reduce_dims, keepdim=True)
+    s = x.sum(reduce_dims, keepdim=True, dtype=acc)
     # The count travels with the sums: uneven slabs (and uneven data batches) need no assumption.
     reduce = (lambda t: t) if group is None else (lambda t: all_reduce_sum(t, group))
-    packed = reduce(torch.cat([s.reshape(-1), s.new_full((1,), float(n_local))]))
+    packed = reduce(torch.cat([s.reshape(-1).double(), s.new_full((1,), float(n_local), dtype=torch.float64)]))
     count = packed[-1].detach()
-    mean = packed[:-1].reshape(s.shape) / count
-    dev = x - mean
-    var = reduce(dev.square().sum(reduce_dims, keepdim=True)) / count
+    mean = (packed[:-1] / count).to(acc).reshape(s.shape)
+    dev = x.to(acc) - mean
+    var = reduce(dev.square().sum(reduce_dims, keepdim=True)) / count.to(acc)
     return mean, var, count
+
+
+def _out_dtype(x: torch.Tensor, op: str) -> torch.dtype:
+    """The dtype torch's own norm returns for ``x``: its dtype, but float32 under CUDA autocast
+    for ``group_norm`` and ``layer_norm`` (CUDA autocast runs them in float32; CPU autocast leaves
+    norms alone)."""
+    if op in ("group_norm", "layer_norm") and x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return x.dtype
 
 
 def _channel_view(p: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
@@ -121,11 +139,12 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
         self._check_channels(x, self.num_channels, agreed, self.dims)
-        n, c = x.shape[:2]
-        xg = x.reshape(n, self.num_groups, -1)
+        xg = x.reshape(x.shape[0], self.num_groups, -1)
         mean, var, _ = global_moments(xg, (2,), self._domain_group())
+        # Normalized and scaled in the accumulation dtype, rounded once to the output dtype.
         y = ((xg - mean) * torch.rsqrt(var + self.eps)).reshape(x.shape)
-        return _affine(y, _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim()))
+        y = _affine(y, _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim()))
+        return y.to(_out_dtype(x, "group_norm"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +162,7 @@ class _ShardedInstanceNorm(_ShardedNorm):
         if not use_input_stats:
             # Running statistics are replicated: eval mode is local.
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b)
+            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
         mean, var, count = global_moments(x, tuple(range(2, x.dim())), self._domain_group())
         if self.training and self.running_mean is not None and self.momentum is not None:
             # torch's instance_norm averages the per-instance statistics over the batch.
@@ -151,7 +170,7 @@ class _ShardedInstanceNorm(_ShardedNorm):
                 m = self.momentum
                 self.running_mean.mul_(1 - m).add_(mean.reshape(x.shape[0], -1).mean(0), alpha=m)
                 self.running_var.mul_(1 - m).add_(_unbiased(var, count).reshape(x.shape[0], -1).mean(0), alpha=m)
-        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b)
+        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.InstanceNorm1d)
@@ -208,7 +227,7 @@ class _ShardedBatchNorm(_ShardedNorm):
         w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not batch_stats:
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b)
+            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
 
         reduce_dims = (0, *range(2, x.dim()))
         mean, var, count = global_moments(x, reduce_dims, self._stats_group(dims))
@@ -216,13 +235,13 @@ class _ShardedBatchNorm(_ShardedNorm):
             # count is all-reduced, so every rank raises together (torch raises ValueError too).
             raise ShardingError(
                 f"{name}: expected more than 1 value per channel when training over the whole "
-                f"(global) batch, got {int(count.item())} (local input shape {tuple(x.shape)})."
+                f"(global) batch, got {int(count.item())} (global input shape {agreed.global_shape(dims)})."
             )
         if self.training and self.running_mean is not None:
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(_unbiased(var, count).reshape(-1), alpha=factor)
-        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b)
+        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.BatchNorm1d)
@@ -311,7 +330,7 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         axes = [self.mesh_axes[i] for i, _ in covered]
         mean, var, _ = global_moments(x, tuple(range(first, x.dim())), group_over(self.mesh, axes))
-        y = (x - mean) * torch.rsqrt(var + self.eps)
+        y = (x - mean) * torch.rsqrt(var + self.eps)  # in the accumulation dtype
         w, b = self.weight, self.bias
         for i, d in covered:
             # This rank's slice of the elementwise affine parameters along the sharded dim.
@@ -319,7 +338,7 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
             start = lay.starts[self.mesh.get_local_rank(self.mesh_axes[i])]
             w = None if w is None else w.narrow(d - first, start, x.shape[d])
             b = None if b is None else b.narrow(d - first, start, x.shape[d])
-        return _affine(y, w, b)
+        return _affine(y, w, b).to(_out_dtype(x, "layer_norm"))
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"
