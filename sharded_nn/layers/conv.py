@@ -63,6 +63,16 @@ def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.T
         and torch.is_grad_enabled()
         and weight.requires_grad
     ):
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # As autocast does for F.conv3d: the convolution runs in the autocast dtype, input,
+            # weight and bias cast to it, so that the saved tensors and the gradient agree in
+            # backward (which runs outside autocast).
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(device, enabled=False):
+                return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
         return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
     return _CONV_FN[n](x, weight, bias, stride, padding, dilation, groups)
 
@@ -105,6 +115,13 @@ class _DepthPadConv3d(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum((0, 2, 3, 4))
         return gx, gw, gb, None, None, None, None
+
+
+def _low_precision(x: torch.Tensor) -> bool:
+    """Whether a convolution of ``x`` runs in fp16/bf16 (its own dtype, or autocast's)."""
+    half = (torch.float16, torch.bfloat16)
+    device = x.device.type
+    return x.dtype in half or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in half)
 
 
 def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation, groups) -> torch.Tensor:
@@ -222,9 +239,13 @@ class _ShardedConvNd(ShardedMixin):
             x = extend(x, plans[k], rings[k], mode)
         if self.overlap:
             window = self._window(last_dim - 2)
-            out = apply_linear(x, plans[last], rings[last], mode, window, conv, band)
-            if out is not None:
-                return out
+            # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16
+            # that is up to three roundings where one device rounds once, so low-precision convs
+            # compute every output row in one convolution (apply_overlapped) instead.
+            if not _low_precision(x):
+                out = apply_linear(x, plans[last], rings[last], mode, window, conv, band)
+                if out is not None:
+                    return out
             return apply_overlapped(x, plans[last], rings[last], mode, window, conv)
         return conv(extend(x, plans[last], rings[last], mode))
 

@@ -137,7 +137,8 @@ class _ShardedConvTransposeNd(ShardedMixin):
             if ring.size > 1:
                 y = halo_add(y, spec, ring)
         if self.bias is not None:
-            y = y + self.bias.view(-1, *([1] * n))
+            # In y's dtype: under autocast y is in the autocast dtype, as torch's own output.
+            y = y + self.bias.to(y.dtype).view(-1, *([1] * n))
         return y
 
     def extra_repr(self) -> str:  # noqa: D102

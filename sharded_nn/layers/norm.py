@@ -75,6 +75,13 @@ def global_moments(
     return mean, var, count
 
 
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``acc_dtype``: one cast, so that every use of the input (statistics and the
+    normalization) sums its gradient in float32 and the gradient is rounded to x's dtype once.
+    Separate casts would round each large, mutually cancelling gradient term on its own."""
+    return x.to(acc_dtype(x.dtype))
+
+
 def _out_dtype(x: torch.Tensor, op: str) -> torch.dtype:
     """The dtype torch's own norm returns for ``x``: its dtype, but float32 under CUDA autocast
     for ``group_norm`` and ``layer_norm`` (CUDA autocast runs them in float32; CPU autocast leaves
@@ -139,7 +146,7 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
         self._check_channels(x, self.num_channels, agreed, self.dims)
-        xg = x.reshape(x.shape[0], self.num_groups, -1)
+        xg = _opmath(x).reshape(x.shape[0], self.num_groups, -1)
         mean, var, _ = global_moments(xg, (2,), self._domain_group())
         # Normalized and scaled in the accumulation dtype, rounded once to the output dtype.
         y = ((xg - mean) * torch.rsqrt(var + self.eps)).reshape(x.shape)
@@ -162,15 +169,16 @@ class _ShardedInstanceNorm(_ShardedNorm):
         if not use_input_stats:
             # Running statistics are replicated: eval mode is local.
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
-        mean, var, count = global_moments(x, tuple(range(2, x.dim())), self._domain_group())
+            return _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
+        xf = _opmath(x)
+        mean, var, count = global_moments(xf, tuple(range(2, x.dim())), self._domain_group())
         if self.training and self.running_mean is not None and self.momentum is not None:
             # torch's instance_norm averages the per-instance statistics over the batch.
             with torch.no_grad():
                 m = self.momentum
                 self.running_mean.mul_(1 - m).add_(mean.reshape(x.shape[0], -1).mean(0), alpha=m)
                 self.running_var.mul_(1 - m).add_(_unbiased(var, count).reshape(x.shape[0], -1).mean(0), alpha=m)
-        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
+        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.InstanceNorm1d)
@@ -227,10 +235,11 @@ class _ShardedBatchNorm(_ShardedNorm):
         w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not batch_stats:
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
+            return _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
 
         reduce_dims = (0, *range(2, x.dim()))
-        mean, var, count = global_moments(x, reduce_dims, self._stats_group(dims))
+        xf = _opmath(x)
+        mean, var, count = global_moments(xf, reduce_dims, self._stats_group(dims))
         if count.item() <= 1:
             # count is all-reduced, so every rank raises together (torch raises ValueError too).
             raise ShardingError(
@@ -241,7 +250,7 @@ class _ShardedBatchNorm(_ShardedNorm):
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(_unbiased(var, count).reshape(-1), alpha=factor)
-        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
+        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.BatchNorm1d)
@@ -329,8 +338,9 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
         if not covered:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         axes = [self.mesh_axes[i] for i, _ in covered]
-        mean, var, _ = global_moments(x, tuple(range(first, x.dim())), group_over(self.mesh, axes))
-        y = (x - mean) * torch.rsqrt(var + self.eps)  # in the accumulation dtype
+        xf = _opmath(x)
+        mean, var, _ = global_moments(xf, tuple(range(first, x.dim())), group_over(self.mesh, axes))
+        y = (xf - mean) * torch.rsqrt(var + self.eps)
         w, b = self.weight, self.bias
         for i, d in covered:
             # This rank's slice of the elementwise affine parameters along the sharded dim.

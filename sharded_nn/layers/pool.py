@@ -187,6 +187,11 @@ ShardedAvgPool3d = _mk(_ShardedAvgPoolNd, nn.AvgPool3d, 3, _POOL_DOC.format("Avg
 # --- adaptive pooling ---------------------------------------------------------------------------
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16 (sums of half values round), else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _bins(length: int, out: int) -> list[tuple[int, int]]:
     """torch's adaptive bins: ``[floor(i*L/O), ceil((i+1)*L/O))``."""
     return [(i * length // out, -(-(i + 1) * length // out)) for i in range(out)]
@@ -212,6 +217,9 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
         layouts = self._agree(x).layouts
+        # Averages of fp16/bf16 inputs are summed in float32 (as torch's adaptive average
+        # accumulates) and rounded to the input dtype once, after every dim is pooled.
+        in_dtype = x.dtype
         out_sizes = list(_ntuple(n)(self.output_size))
         for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
             o = out_sizes[d - 2] if out_sizes[d - 2] is not None else lay.size
@@ -219,14 +227,14 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
             x = self._global(x, d, ring, lay.size) if o == 1 else self._binned(x, d, ring, lay, o)
             out_sizes[d - 2] = x.shape[d]  # already pooled: identity bins for the local pool below
         out_sizes = [x.shape[2 + i] if o is None else o for i, o in enumerate(out_sizes)]
-        if tuple(out_sizes) == tuple(x.shape[2:]):
-            return x
-        return (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+        if tuple(out_sizes) != tuple(x.shape[2:]):
+            x = (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+        return x.to(in_dtype)
 
     def _global(self, x: torch.Tensor, d: int, ring, length: int) -> torch.Tensor:
         """Output size 1 along sharded ``d``: an all-reduce over the mesh axis (replicated result)."""
         if not self._is_max:
-            return all_reduce_sum(x.sum(d, keepdim=True), ring.group) / length
+            return all_reduce_sum(x.sum(d, keepdim=True, dtype=_acc_dtype(x.dtype)), ring.group) / length
         local = x.max(d, keepdim=True).values  # gradient to one position, as torch's max
         best = all_reduce_max(local, ring.group)
         # Ties: the first rank holding the maximum owns it (torch takes the first in scan order).
@@ -255,7 +263,10 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
         parts = []
         for lo, hi in owned[ring.index]:
             piece = x.narrow(d, lo - a, hi - lo)
-            parts.append(piece.max(d, keepdim=True).values if self._is_max else piece.mean(d, keepdim=True))
+            if self._is_max:
+                parts.append(piece.max(d, keepdim=True).values)
+            else:
+                parts.append(piece.mean(d, keepdim=True, dtype=_acc_dtype(piece.dtype)))
         return torch.cat(parts, d)
 
     def extra_repr(self) -> str:  # noqa: D102

@@ -168,6 +168,11 @@ def interpolate(
         # torch's "area" is adaptive average pooling to the output size.
         return _AREA[n](tuple(outs), mesh=mesh, dims=dims)(x)
     opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out_dtype = x.dtype
+    if mode not in ("nearest", "nearest-exact") and x.dtype in (torch.float16, torch.bfloat16):
+        # Weighted taps of fp16/bf16 inputs are summed in float32 and rounded once at the end,
+        # as torch's upsampling kernels do (rounding after every tap and dim would not match).
+        x = x.to(opmath)
     corners = bool(align_corners)
     for i in range(n):
         d = 2 + i
@@ -200,7 +205,7 @@ def interpolate(
             x, d, [t[lo:hi] for t in taps], None if weights is None else [w[lo:hi] for w in weights],
             lay.starts[r] - left[r],
         )
-    return x
+    return x.to(out_dtype)
 
 
 @register(nn.Upsample)
