@@ -292,3 +292,47 @@ def _double_backward(nd):
 @pytest.mark.parametrize("nd", [2, 3])
 def test_double_backward(run, world, nd):
     assert all(run(world, _double_backward, nd))
+
+
+# --- bounded caches, keyed by facts every rank shares ---------------------------------------
+
+
+def _many_geometries():
+    """Ten input lengths: the plan cache stays bounded and every result stays exact.
+
+    Balanced slabs of consecutive lengths often change only one rank's slab: the plans are
+    keyed by the gathered layout, so every rank misses (and plans) together.
+    """
+    from sharded_nn.layers import conv as conv_module
+
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = nn.Conv1d(2, 3, 5, padding=2).double()
+    conv = snn.convert(copy.deepcopy(ref), m)
+    for length in range(8, 18):
+        x = torch.randn(1, 2, length, dtype=torch.float64)
+        y = snn.gather(conv(snn.shard(x, m, dims=(2,))), m, dims=(2,))
+        torch.testing.assert_close(y, ref(x), atol=1e-12, rtol=1e-12)
+    return len(conv._plans), conv_module._PLAN_CACHE_SIZE
+
+
+def test_plan_cache_is_bounded(run):
+    for n_plans, bound in run(2, _many_geometries):
+        assert n_plans == bound < 10
+
+
+def test_halo_tap_cache_is_bounded():
+    from sharded_nn.layers import window
+    from sharded_nn.layers.base import BoundedCache
+
+    cache = BoundedCache(3)
+    for k in range(5):
+        assert cache.get(k, pow, k, 2) == k * k
+    assert len(cache) == 3 and cache.get(2, int, -1) == 4 and cache.get(0, int, -1) == -1
+    assert isinstance(window._HALO_TAPS, BoundedCache) and window._HALO_TAPS.maxsize <= 1024
+    # No functools cache in the layers: unbounded, and Dynamo warns on lru_cache wrappers.
+    import pathlib
+
+    for path in pathlib.Path(window.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "functools.cache" not in text and "lru_cache" not in text and "@cache" not in text, path

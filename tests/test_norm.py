@@ -278,3 +278,75 @@ def _state_dict():
     assert list(sharded.state_dict()) == keys
     assert "mesh_axes=('domain',)" in repr(sharded[0])
     return True
+
+
+# --- half precision: statistics accumulate in float32 ---------------------------------------
+
+HALF_CASES = [
+    (partial(nn.GroupNorm, 2, 4), (1, 4, 128, 160)),  # fp16 sums of 41k values overflow: NaN before
+    # Counts such as 2747 are not bf16 numbers (they round to 2752): odd sizes catch that.
+    (partial(nn.InstanceNorm2d, 4, affine=True, track_running_stats=True), (1, 4, 67, 41)),
+    (partial(nn.BatchNorm2d, 4), (2, 4, 67, 41)),
+    (partial(nn.LayerNorm, [4, 67, 41]), (1, 4, 67, 41)),
+]
+
+
+def _half_precision(dtype_name: str):
+    """Sharded norms on fp16/bf16 slabs against torch's norm on the same half input.
+
+    Both are compared with the float32 result (the float32 module on the same half values); the
+    sharded error may not exceed twice torch's own (plus one unit in the last place), for the
+    output, the input gradient and the running statistics.
+    """
+    dtype = getattr(torch, dtype_name)
+    m = mesh(2)
+    out = []
+    for factory, shape in HALF_CASES:
+        torch.manual_seed(0)
+        ref32 = factory().float()
+        with torch.no_grad():
+            for p in ref32.parameters():
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+        half = copy.deepcopy(ref32).to(dtype)
+        sharded = snn.convert(copy.deepcopy(ref32).to(dtype), m)
+        # An offset that a half-precision sum cannot hold (fp16 overflows) or resolve (bf16 rounds
+        # the sum and the count, shifting the mean by far more than the output's rounding).
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2 + 30).to(dtype)
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+        def run(module, inp, grad):
+            inp = inp.detach().clone().requires_grad_()
+            y = module(inp)
+            (y * grad).sum().backward()
+            return y.detach(), inp.grad
+
+        y32, gx32 = run(ref32, x.float(), g.float())
+        y_half, gx_half = run(half, x, g)
+        x_loc = snn.shard(x, m, dims=(2,)).requires_grad_()
+        y_loc = sharded(x_loc)
+        (y_loc * snn.shard(g, m, dims=(2,))).sum().backward()
+        assert y_loc.dtype == dtype, (type(sharded).__name__, y_loc.dtype)
+        y_sh = snn.gather(y_loc.detach(), m, dims=(2,))
+        gx_sh = snn.gather(x_loc.grad, m, dims=(2,))
+        assert torch.isfinite(y_sh).all() and torch.isfinite(gx_sh).all(), type(sharded).__name__
+        ulp = torch.finfo(dtype).eps
+        for what, ref, single, mine in (("out", y32, y_half, y_sh), ("grad_in", gx32, gx_half, gx_sh)):
+            e_single = (single.float() - ref).abs().max().item()
+            e_sharded = (mine.float() - ref).abs().max().item()
+            floor = ulp * ref.abs().max().item()
+            assert e_sharded <= 2 * e_single + floor, (type(sharded).__name__, what, e_sharded, e_single, floor)
+            out.append((type(sharded).__name__, what, e_sharded, e_single))
+        for (name, b32), (_, b_half), (_, b_sh) in zip(
+            ref32.named_buffers(), half.named_buffers(), sharded.named_buffers()
+        ):
+            if b32.is_floating_point():
+                e_single = (b_half.float() - b32).abs().max().item()
+                e_sharded = (b_sh.float() - b32).abs().max().item()
+                floor = torch.finfo(dtype).eps * b32.abs().max().item()
+                assert e_sharded <= 2 * e_single + floor, (type(sharded).__name__, name, e_sharded, e_single)
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_half_precision_statistics(run, dtype_name):
+    run(2, _half_precision, dtype_name)

@@ -128,6 +128,29 @@ def test_max_unpool_round_trip(run):
         run(domain, _check_many, cases, domain)
 
 
+# A dilated pool picks positions further than its kernel from the window start (torch's
+# MaxUnpool accepts its indices): the halos are sized by how far the indices reach, not by the
+# unpool's kernel, which used to make scatter_ raise on one rank while its neighbour waited.
+DILATED_UNPOOL = [
+    (PoolUnpool(nn.MaxPool1d(3, 3, 1, dilation=2, return_indices=True), nn.MaxUnpool1d(3, 3, 1), (12,)),
+     (2, 3, 12), 3),
+    (PoolUnpool(nn.MaxPool2d((3, 2), (3, 2), (1, 0), dilation=(2, 1), return_indices=True),
+                nn.MaxUnpool2d((3, 2), (3, 2), (1, 0)), (12, 6)), (2, 3, 12, 6), 3),
+]
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_max_unpool_of_a_dilated_pool(run, domain):
+    run(domain, _check_many, DILATED_UNPOOL, domain)
+
+
+def test_max_unpool_2x2_mesh(run):
+    cases = [(PoolUnpool(nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)), (1, 2, 8, 8), 2),
+             (PoolUnpool(nn.MaxPool2d(3, 3, 1, dilation=2, return_indices=True), nn.MaxUnpool2d(3, 3, 1), (12, 12)),
+              (1, 2, 12, 12), 3)]
+    run(4, _check_many, cases, (2, 2), (2, 3))
+
+
 # --- adaptive pooling -----------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from ..errors import ShardingError, ShardingNotImplementedError
 from ..functional import ring_attention, ulysses_attention
 from ..mesh import domain_axes
 from ..registry import register
-from .base import ShardedMixin
+from .base import ShardedMixin, dtype_code, gather_facts
 
 _ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
@@ -81,6 +81,21 @@ class UlyssesAttention(RingAttention):
     """
 
     _fn = staticmethod(ulysses_attention)
+
+
+def _shape_fact(t: torch.Tensor | None, width: int) -> tuple[int, ...]:
+    """``(ndim, first width sizes)`` padded with -1 to a fixed width; all -1 for None."""
+    if t is None:
+        return (-1,) * (width + 1)
+    sizes = tuple(t.shape[:width])
+    return (t.dim(), *sizes, *(-1,) * (width - len(sizes)))
+
+
+def _requires_grad(module: nn.Module, *tensors: torch.Tensor) -> int:
+    """Whether the attention core runs backward here (it does if any input or weight needs it)."""
+    if not torch.is_grad_enabled():
+        return 0
+    return int(any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters()))
 
 
 class _AttentionMixin(ShardedMixin):
@@ -138,6 +153,64 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
     def _seq_dim(self) -> int:  # type: ignore[override]
         return 1 if self.batch_first else 0
 
+    def _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> None:
+        """Validate the call from facts gathered from every domain rank (one small all-gather).
+
+        Every argument that can make a rank raise travels, so a bad input on one rank raises the
+        same error on every rank instead of leaving the others waiting in the ring.
+        """
+        name = type(self).__name__
+        mask = key_padding_mask
+        same = {
+            "dtype": (dtype_code(query.dtype),),
+            "requires_grad": (_requires_grad(self, query, key, value),),
+            "need_weights": (int(need_weights),),
+            "attn_mask given": (int(attn_mask is not None),),
+            "is_causal": (int(is_causal),),
+            "key_padding_mask given": (int(mask is not None),),
+        }
+        mask_bool = int(mask is None or mask.dtype == torch.bool)
+        local = (*_shape_fact(query, 3), *_shape_fact(key, 3), *_shape_fact(value, 3), *_shape_fact(mask, 2), mask_bool)
+        rows = gather_facts(self.mesh, name, same=same, local=local)
+        if need_weights:
+            raise ShardingNotImplementedError(
+                f"{name}: need_weights=True would build the L x L attention weights; call it with "
+                "need_weights=False (the output is the same)."
+            )
+        if attn_mask is not None and not is_causal:
+            raise ShardingNotImplementedError(
+                f"{name}: an explicit attn_mask is not supported on a sharded sequence; use "
+                "is_causal=True or key_padding_mask."
+            )
+        q, k, v = ([r[i : i + 4] for r in rows] for i in (0, 4, 8))
+        shapes = [(a[1:], b[1:], c[1:]) for a, b, c in zip(q, k, v)]
+        layout = "(B, L_local, E)" if self.batch_first else "(L_local, B, E)"
+        if any(t[0] != 3 for t in (*q, *k, *v)):
+            raise ShardingError(
+                f"{name}: query, key and value must be 3-d {layout} (or 2-d unbatched) on every rank; local "
+                f"(query, key, value) shapes by rank: {shapes}."
+            )
+        bd = 1 if self.batch_first else 2  # position of B in the facts (after the ndim)
+        batch = {t[bd] for t in (*q, *k, *v)}
+        dims = ({t[3] for t in q}, {t[3] for t in k}, {t[3] for t in v})
+        if len(batch) != 1 or dims != ({self.embed_dim}, {self.kdim}, {self.vdim}):
+            raise ShardingError(
+                f"{name}: expected one batch size on every rank and feature sizes (query {self.embed_dim}, key "
+                f"{self.kdim}, value {self.vdim}); local {layout} shapes by rank: {shapes}."
+            )
+        sd = 2 if self.batch_first else 1  # position of L_local in the facts
+        if any(a[sd] != b[sd] for a, b in zip(k, v)):
+            raise ShardingError(f"{name}: key and value must hold the same tokens; local shapes by rank: {shapes}.")
+        if mask is not None:
+            want = [(2, t[bd], t[sd]) for t in k]
+            bad = [r for r, row in enumerate(rows) if tuple(row[12:15]) != want[r] or not row[15]]
+            if bad:
+                raise ShardingError(
+                    f"{name}: key_padding_mask must be a bool (B, L_local) tensor of the keys' padding flags on every "
+                    f"rank; domain ranks {bad} pass another dtype or shape (expected shapes by rank: "
+                    f"{[w[1:] for w in want]})."
+                )
+
     def forward(  # noqa: D102
         self,
         query: torch.Tensor,
@@ -150,21 +223,19 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
         name = type(self).__name__
-        if need_weights:
-            raise ShardingNotImplementedError(
-                f"{name}: need_weights=True would build the L x L attention weights; call it with "
-                "need_weights=False (the output is the same)."
-            )
-        if attn_mask is not None and not is_causal:
-            raise ShardingNotImplementedError(
-                f"{name}: an explicit attn_mask is not supported on a sharded sequence; use "
-                "is_causal=True or key_padding_mask."
-            )
         if self.bias_k is not None or self.add_zero_attn:
             raise ShardingNotImplementedError(f"{name}: add_bias_kv and add_zero_attn are not supported.")
         self._check_dropout(self.dropout)
-        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
-            raise ShardingError(f"{name}: key_padding_mask must be bool (True = ignore), got {key_padding_mask.dtype}.")
+        if query.dim() == 2:
+            # Unbatched (L, E) input, as torch accepts: add the batch dim and remove it after.
+            b = 0 if self.batch_first else 1
+            out, _ = self.forward(
+                query.unsqueeze(b), key.unsqueeze(b), value.unsqueeze(b),
+                None if key_padding_mask is None else key_padding_mask.unsqueeze(0),
+                need_weights, attn_mask, average_attn_weights, is_causal,
+            )
+            return out.squeeze(b), None
+        self._check_inputs(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if self._qkv_same_embed_dim:
@@ -214,12 +285,25 @@ if _TimmAttention is not None:
         def forward(  # noqa: D102
             self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
         ) -> torch.Tensor:
+            name = type(self).__name__
+            self._check_dropout(self.attn_drop.p)
+            same = {
+                "dtype": (dtype_code(x.dtype),),
+                "requires_grad": (_requires_grad(self, x),),
+                "attn_mask given": (int(attn_mask is not None),),
+                "is_causal": (int(is_causal),),
+            }
+            rows = gather_facts(self.mesh, name, same=same, local=_shape_fact(x, 3))
             if attn_mask is not None:
                 raise ShardingNotImplementedError(
-                    f"{type(self).__name__}: an explicit attn_mask is not supported on a sharded sequence; "
-                    "use is_causal."
+                    f"{name}: an explicit attn_mask is not supported on a sharded sequence; use is_causal."
                 )
-            self._check_dropout(self.attn_drop.p)
+            dim = self.qkv.in_features
+            if any(r[0] != 3 or r[3] != dim or r[1] != rows[0][1] for r in rows):
+                raise ShardingError(
+                    f"{name}: expected (B, L_local, {dim}) tokens with one batch size on every rank; local shapes "
+                    f"by rank: {[r[1:] for r in rows]}."
+                )
             b, n, _ = x.shape
             gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
             qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)

@@ -1,14 +1,248 @@
-"""What every sharded layer shares: mesh options, ``from_module``, ``extra_repr``."""
+"""What every sharded layer shares: mesh options, ``from_module``, ``extra_repr``, input agreement.
+
+``agree`` is how a layer learns the layout of its input. It gathers, in one small all-gather,
+every domain rank's local shape together with the facts a shape does not show (dtype, whether
+the input takes part in backward, call arguments such as ``output_size``), and validates them
+in the same order on every rank. Every later check of a layer is then decided on facts that
+all ranks share, so a bad input on one rank raises the same error on every rank instead of
+leaving its peers waiting in a collective (DESIGN.md section 4).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm import domain_ring, gather_ints, layouts_from_shapes
 from ..errors import ShardingError
-from ..mesh import domain_axes
+from ..layout import Layout
+from ..mesh import axis_size, domain_axes
+
+#: Tensors with more dims than this are refused (the gathered rows have a fixed width).
+MAX_NDIM = 12
+#: dtypes by code; the code of a dtype travels in the agreement (``len(_DTYPES)``: another one).
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming ``dtype``, the same on every rank."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
+
+
+class BoundedCache:
+    """A small least-recently-used map (plain dicts: no ``functools`` wrapper for Dynamo to warn on).
+
+    A cache whose miss runs a collective must be keyed by facts every rank shares (gathered
+    layouts, module configuration), never by a local shape: one rank would hit while another
+    missed, and the ranks would diverge (DESIGN.md section 4).
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: dict = {}
+
+    def get(self, key, make: Callable[..., object], *args):
+        """The value for ``key``, made by ``make(*args)`` on a miss; the oldest entry goes when full.
+
+        Under ``torch.compile`` the value is made afresh and baked into the traced graph (as
+        Dynamo does with ``functools`` caches), so that no traced graph depends on the cache's
+        state. (``make`` takes arguments rather than being a closure: Dynamo mishandled a closure
+        over a loop variable across a graph break, and the halo corrections came out wrong.)
+        """
+        if torch.compiler.is_compiling():
+            return make(*args)
+        if key in self._data:
+            value = self._data.pop(key)  # re-inserted below: the most recently used is last
+        else:
+            value = make(*args)
+            if len(self._data) >= self.maxsize:
+                del self._data[next(iter(self._data))]
+        self._data[key] = value
+        return value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+def check_mesh(mesh: object, what: str) -> None:
+    """The type check every layer makes on its ``mesh`` argument."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+
+
+def size_fact(size: Sequence[int] | None, n: int) -> tuple[int, ...]:
+    """A fixed-width encoding of an optional size argument: ``(len, last n entries, -1 padded)``."""
+    if size is None:
+        return (-1,) * (n + 1)
+    size = tuple(int(s) for s in size)
+    tail = size[-n:]
+    return (len(size), *tail, *(-1,) * (n - len(tail)))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What ``agree`` returns: facts every domain rank holds identically.
+
+    Attributes:
+        layouts: the layout of each sharded dim.
+        shapes: every domain rank's local shape (in gathered order).
+        local: every domain rank's ``local`` facts (in gathered order).
+    """
+
+    layouts: tuple[Layout, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    local: tuple[tuple[int, ...], ...]
+
+    def global_shape(self, dims: Sequence[int]) -> tuple[int, ...]:
+        """The global shape: a local shape with every sharded dim at its global size."""
+        shape = list(self.shapes[0])
+        for lay, d in zip(self.layouts, dims):
+            shape[d] = lay.size
+        return tuple(shape)
+
+    def ranks_where(self, pred: Callable[[tuple[int, ...]], bool]) -> list[int]:
+        """Domain ranks (gathered order) whose ``local`` facts satisfy ``pred``."""
+        return [r for r, facts in enumerate(self.local) if pred(facts)]
+
+
+def gather_facts(
+    mesh: DeviceMesh,
+    what: str,
+    *,
+    same: Mapping[str, Sequence[int]] | None = None,
+    local: Sequence[int] = (),
+) -> tuple[tuple[int, ...], ...]:
+    """Gather per-rank facts over the domain ranks; every ``same`` fact must agree everywhere.
+
+    Args:
+        mesh: the mesh whose domain ranks take part.
+        what: the caller's name, for messages.
+        same: named facts (fixed-width int tuples) that every rank must pass identically: call
+            arguments and flags of a single-program call. A mismatch raises on every rank.
+        local: facts that may differ by rank (shapes, validity flags); returned for the caller
+            to validate from the same rows on every rank. Must have the same length everywhere.
+
+    Returns:
+        Every domain rank's ``local`` facts, in gathered order.
+    """
+    same = dict(same or {})
+    flat = [v for vals in same.values() for v in vals]
+    rows = gather_ints([*flat, *local], domain_ring(mesh))
+    _check_same(rows, 0, same, what)
+    return tuple(tuple(r[len(flat) :]) for r in rows)
+
+
+def agree(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: Sequence[int],
+    *,
+    what: str,
+    ndims: Collection[int] | None = None,
+    expected: str = "",
+    same: Mapping[str, Sequence[int]] | None = None,
+    local: Sequence[int] = (),
+    requires_grad: bool | None = None,
+) -> Agreement:
+    """Agree with the other domain ranks on the input: layouts, dtype, arguments; one all-gather.
+
+    ``dims[k]`` is sharded by the k-th domain axis of ``mesh``. Validated in this order, from
+    gathered facts only, so every rank raises the same error: the number of dims, the ``same``
+    facts (``dtype`` of ``x`` and ``requires_grad``, whether ``x`` takes part in backward,
+    included), ``ndims``, then the layouts (unsharded dims must agree, no empty slab).
+
+    Args:
+        x: this rank's slab.
+        mesh: the mesh; ``dims`` are sharded by its domain axes in order.
+        dims: sharded tensor dims.
+        what: the caller's name, for messages.
+        ndims: accepted numbers of dims (None: any); ``expected`` describes them in the message.
+        same: further named facts every rank must pass identically (see ``gather_facts``).
+        local: per-rank facts returned in ``Agreement.local``.
+        requires_grad: whether this rank runs the layer's backward communication; default
+            ``x.requires_grad`` while grad mode is on.
+
+    Raises:
+        ShardingError: ranks disagree on the number of dims, a ``same`` fact or an unsharded
+            size; the number of dims is not one of ``ndims``; a slab is empty; more than
+            ``MAX_NDIM`` dims.
+    """
+    axes = domain_axes(mesh)
+    shape = tuple(x.shape)
+    if requires_grad is None:
+        requires_grad = x.requires_grad
+    grad = int(bool(requires_grad) and torch.is_grad_enabled())
+    facts = {"dtype": (dtype_code(x.dtype),), "requires_grad": (grad,), **(same or {})}
+    # Each row carries the rank's domain coordinates, so no assumption is made about how the
+    # group orders its ranks; shapes are padded to a fixed width.
+    coords = [mesh.get_local_rank(a) for a in axes]
+    padded = [*shape[:MAX_NDIM], *(-1,) * (MAX_NDIM - min(len(shape), MAX_NDIM))]
+    flat = [v for vals in facts.values() for v in vals]
+    rows = gather_facts(mesh, what, local=[len(shape), *coords, *padded, *flat, *local])
+    ndim_all = [r[0] for r in rows]
+    shapes = tuple(tuple(r[1 + len(axes) : 1 + len(axes) + min(n, MAX_NDIM)]) for r, n in zip(rows, ndim_all))
+    if len(set(ndim_all)) != 1:
+        raise ShardingError(
+            f"{what}: the domain ranks hold inputs with different numbers of dims: local shapes {list(shapes)}."
+        )
+    if ndim_all[0] > MAX_NDIM:
+        raise ShardingError(f"{what}: inputs of more than {MAX_NDIM} dims are not supported, got {ndim_all[0]}.")
+    # The `same` facts travel in the rows too, checked after the number of dims (one gather).
+    _check_same(rows, 1 + len(axes) + MAX_NDIM, facts, what)
+    if ndims is not None and ndim_all[0] not in ndims:
+        raise ShardingError(f"{what}: expected {expected} input, got local shapes {list(shapes)}.")
+    coord_rows = [tuple(r[1 : 1 + len(axes)]) for r in rows]
+    layouts = layouts_from_shapes(shapes, coord_rows, [axis_size(mesh, a) for a in axes], dims, what=what)
+    start = 1 + len(axes) + MAX_NDIM + len(flat)
+    return Agreement(layouts, shapes, tuple(tuple(r[start:]) for r in rows))
+
+
+def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str) -> None:
+    i = offset
+    for name, vals in facts.items():
+        got = [tuple(r[i : i + len(vals)]) for r in rows]
+        if len(set(got)) != 1:
+            shown = [dtype_name(g[0]) for g in got] if name == "dtype" else [g if len(g) > 1 else g[0] for g in got]
+            hint = (
+                " Every rank must run the same backward: set requires_grad alike on every rank."
+                if name == "requires_grad" else " Every rank must call the layer alike."
+            )
+            raise ShardingError(f"{what}: the domain ranks disagree on {name}: {shown} (by rank).{hint}")
+        i += len(vals)
+
+
+def batched(forward: Callable) -> Callable:
+    """Run a layer's ``forward`` on an unbatched ``(C, S...)`` input by adding and removing N.
+
+    Tensor arguments (e.g. unpooling indices) get the batch dim too. Inputs of any other number
+    of dims pass through unchanged: ``agree`` rejects them on every rank alike.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(self, x: torch.Tensor, *args, **kwargs):
+        if x.dim() != self._spatial_dims + 1:
+            return forward(self, x, *args, **kwargs)
+        args = tuple(a.unsqueeze(0) if torch.is_tensor(a) else a for a in args)
+        kwargs = {k: v.unsqueeze(0) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        out = forward(self, x.unsqueeze(0), *args, **kwargs)
+        return tuple(o.squeeze(0) for o in out) if isinstance(out, tuple) else out.squeeze(0)
+
+    return wrapper
 
 
 class ShardedMixin:
@@ -23,8 +257,7 @@ class ShardedMixin:
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None) -> None:
         name = type(self).__name__
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{name}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+        check_mesh(mesh, name)
         axes = domain_axes(mesh)
         if dims is None:
             dims = tuple(range(2, 2 + len(axes)))
@@ -43,6 +276,13 @@ class ShardedMixin:
         self.mesh = mesh
         self.dims = dims
         self.mesh_axes = axes[: len(dims)]
+
+    def _agree(self, x: torch.Tensor, **kwargs) -> Agreement:
+        """``agree`` on this layer's mesh and dims; by default a batched ``(N, C, S...)`` input."""
+        n = self._spatial_dims
+        kwargs.setdefault("ndims", (n + 2,))
+        kwargs.setdefault("expected", f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
+        return agree(x, self.mesh, kwargs.pop("dims", self.dims), what=type(self).__name__, **kwargs)
 
     @classmethod
     def from_module(cls, module: nn.Module, mesh: DeviceMesh, **options):

@@ -25,10 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import axis_ring, gather_layouts
-from ..registry import register
+from ..comm import axis_ring
+from ..errors import ShardingError
 from ..layout import Layout
-from .base import ShardedMixin
+from ..registry import register
+from .base import BoundedCache, ShardedMixin, batched
 from .window import (
     Window,
     WindowPlan,
@@ -41,6 +42,8 @@ from .window import (
 )
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+#: Halo plans kept per module (one per recent input layout).
+_PLAN_CACHE_SIZE = 8
 
 
 def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
@@ -60,6 +63,16 @@ def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.T
         and torch.is_grad_enabled()
         and weight.requires_grad
     ):
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # As autocast does for F.conv3d: the convolution runs in the autocast dtype, input,
+            # weight and bias cast to it, so that the saved tensors and the gradient agree in
+            # backward (which runs outside autocast).
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(device, enabled=False):
+                return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
         return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
     return _CONV_FN[n](x, weight, bias, stride, padding, dilation, groups)
 
@@ -104,6 +117,13 @@ class _DepthPadConv3d(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
+def _low_precision(x: torch.Tensor) -> bool:
+    """Whether a convolution of ``x`` runs in fp16/bf16 (its own dtype, or autocast's)."""
+    half = (torch.float16, torch.bfloat16)
+    device = x.device.type
+    return x.dtype in half or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in half)
+
+
 def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation, groups) -> torch.Tensor:
     """One output row along ``dim`` from the input ``planes`` under kernel ``taps`` only.
 
@@ -145,7 +165,8 @@ class _ShardedConvNd(ShardedMixin):
         """See the module docstring; ``overlap`` computes the interior while halos travel."""
         super()._init_sharding(mesh, dims)
         self.overlap = overlap
-        self._plans: dict[tuple[Layout, ...], tuple[WindowPlan, ...]] = {}
+        # Keyed by the gathered layouts: a few recent input geometries (e.g. train and eval sizes).
+        self._plans = BoundedCache(_PLAN_CACHE_SIZE)
 
     def _pads(self) -> list[tuple[int, int]]:
         """Global (left, right) padding of each spatial dim."""
@@ -166,23 +187,24 @@ class _ShardedConvNd(ShardedMixin):
     def _plan(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
         # Keyed by the gathered (global) layouts, which every rank shares: a hit or miss here is
         # the same on every rank.
-        if layouts not in self._plans:
-            self._plans[layouts] = tuple(
-                plan_window(lay, self._window(d - 2), d, mode=self.padding_mode, what=type(self).__name__)
-                for lay, d in zip(layouts, self.dims)
-            )
-        return self._plans[layouts]
+        return self._plans.get(layouts, self._make_plans, layouts)
 
+    def _make_plans(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
+        return tuple(
+            plan_window(lay, self._window(d - 2), d, mode=self.padding_mode, what=type(self).__name__)
+            for lay, d in zip(layouts, self.dims)
+        )
+
+    @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         n = self._spatial_dims
-        if x.dim() == n + 1:
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        if x.dim() != n + 2:
-            raise ValueError(
-                f"{type(self).__name__}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, "
-                f"got shape {tuple(x.shape)}."
+        agreed = self._agree(x)
+        layouts = agreed.layouts
+        if x.shape[1] != self.in_channels:  # dim 1 is unsharded: the same on every rank
+            raise ShardingError(
+                f"{type(self).__name__}: expected {self.in_channels} input channels (dim 1), got global input "
+                f"shape {agreed.global_shape(self.dims)}."
             )
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=type(self).__name__)
         plans = self._plan(layouts)
         mode = self.padding_mode
         rings = [axis_ring(self.mesh, axis) for axis in self.mesh_axes]
@@ -217,9 +239,13 @@ class _ShardedConvNd(ShardedMixin):
             x = extend(x, plans[k], rings[k], mode)
         if self.overlap:
             window = self._window(last_dim - 2)
-            out = apply_linear(x, plans[last], rings[last], mode, window, conv, band)
-            if out is not None:
-                return out
+            # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16
+            # that is up to three roundings where one device rounds once, so low-precision convs
+            # compute every output row in one convolution (apply_overlapped) instead.
+            if not _low_precision(x):
+                out = apply_linear(x, plans[last], rings[last], mode, window, conv, band)
+                if out is not None:
+                    return out
             return apply_overlapped(x, plans[last], rings[last], mode, window, conv)
         return conv(extend(x, plans[last], rings[last], mode))
 

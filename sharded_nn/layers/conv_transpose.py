@@ -31,11 +31,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloSpec, axis_ring, gather_layouts, halo_add
+from ..comm import HaloSpec, axis_ring, halo_add
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
-from .base import ShardedMixin
+from .base import ShardedMixin, batched, size_fact
 
 _CONVT_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -93,19 +93,24 @@ class _ShardedConvTransposeNd(ShardedMixin):
         spec.check(tuple(core), name)
         return spec, Layout(tuple(core), layout.align * s), total
 
+    @batched
     def forward(self, x: torch.Tensor, output_size: Sequence[int] | None = None) -> torch.Tensor:  # noqa: D102
         n = self._spatial_dims
         name = type(self).__name__
-        if x.dim() == n + 1:
-            return self.forward(x.unsqueeze(0), output_size).squeeze(0)
-        if x.dim() != n + 2:
-            raise ValueError(
-                f"{name}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, got shape {tuple(x.shape)}."
+        # output_size is a call argument every rank must pass alike (the *global* size); the halo
+        # reduction runs in backward when x or the weight takes part in it.
+        agreed = self._agree(
+            x,
+            same={"output_size": size_fact(output_size, n)},
+            requires_grad=x.requires_grad or self.weight.requires_grad,
+        )
+        layouts = agreed.layouts
+        global_shape = list(agreed.global_shape(self.dims))
+        if x.shape[1] != self.in_channels:  # dim 1 is unsharded: the same on every rank
+            raise ShardingError(
+                f"{name}: expected {self.in_channels} input channels (dim 1), got global input shape "
+                f"{tuple(global_shape)}."
             )
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
-        global_shape = list(x.shape)
-        for lay, d in zip(layouts, self.dims):
-            global_shape[d] = lay.size
         # output_size names the *global* output size, as on one device; torch turns it into an
         # output_padding from the global input shape (a meta tensor: no data, same on every rank).
         out_pad = self._output_padding(
@@ -115,10 +120,11 @@ class _ShardedConvTransposeNd(ShardedMixin):
         padding, output_padding = list(self.padding), list(out_pad)
         for d in self.dims:
             padding[d - 2] = output_padding[d - 2] = 0
+        # Every plan (and its validation) before any communication.
+        plans = [self._plan(lay, d, out_pad[d - 2]) for lay, d in zip(layouts, self.dims)]
         y = _CONVT_FN[n](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
-        for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
+        for (spec, out_layout, _), d, axis in zip(plans, self.dims, self.mesh_axes):
             i = d - 2
-            spec, out_layout, _ = self._plan(lay, d, out_pad[i])
             ring = axis_ring(self.mesh, axis)
             r = ring.index
             p = self.padding[i]
@@ -131,7 +137,8 @@ class _ShardedConvTransposeNd(ShardedMixin):
             if ring.size > 1:
                 y = halo_add(y, spec, ring)
         if self.bias is not None:
-            y = y + self.bias.view(-1, *([1] * n))
+            # In y's dtype: under autocast y is in the autocast dtype, as torch's own output.
+            y = y + self.bias.to(y.dtype).view(-1, *([1] * n))
         return y
 
     def extra_repr(self) -> str:  # noqa: D102

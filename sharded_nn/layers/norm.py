@@ -19,8 +19,8 @@ Sharding contract:
         average), so they are identical on every rank. Eval mode with running statistics is
         local: no communication.
 
-Every layer starts with ``gather_layouts`` (a few integers), so a malformed input raises the
-same ``ShardingError`` on every rank before any statistic is exchanged.
+Every layer starts with ``agree`` (a few integers: shapes, dtype), so a malformed input raises
+the same error on every rank before any statistic is exchanged.
 """
 
 from __future__ import annotations
@@ -34,11 +34,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import all_reduce_sum, gather_layouts
+from ..comm import all_reduce_sum
 from ..errors import ShardingError
 from ..mesh import data_axis, domain_axes, group_over
 from ..registry import register
-from .base import ShardedMixin
+from .base import MAX_NDIM, Agreement, ShardedMixin, batched
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics accumulate in: float32 for fp16/bf16 (as torch's norms), else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def global_moments(
@@ -47,23 +52,43 @@ def global_moments(
     """Mean and biased variance of ``x`` over ``reduce_dims`` of every rank of ``group``.
 
     Two passes (sum and count, then squared deviations from the global mean), both through the
-    autograd-aware ``all_reduce_sum``. ``group=None`` computes the local statistics.
+    autograd-aware ``all_reduce_sum``. ``group=None`` computes the local statistics. Sums,
+    deviations and variances accumulate in ``acc_dtype(x.dtype)`` (float32 for fp16/bf16: a
+    half-precision sum overflows or rounds, as torch's own norms avoid too); the sums travel
+    with the count in float64, so the count stays exact however many elements it covers.
 
     Returns:
-        ``(mean, var, count)``: mean and var keep the reduced dims (size 1); count is a 0-d
-        tensor, the global number of elements per statistic.
+        ``(mean, var, count)``: mean and var (in ``acc_dtype``) keep the reduced dims (size 1);
+        count is a 0-d float64 tensor, the global number of elements per statistic.
     """
     reduce_dims = tuple(reduce_dims)
+    acc = acc_dtype(x.dtype)
     n_local = math.prod(x.shape[d] for d in reduce_dims)
-    s = x.sum(reduce_dims, keepdim=True)
+    s = x.sum(reduce_dims, keepdim=True, dtype=acc)
     # The count travels with the sums: uneven slabs (and uneven data batches) need no assumption.
     reduce = (lambda t: t) if group is None else (lambda t: all_reduce_sum(t, group))
-    packed = reduce(torch.cat([s.reshape(-1), s.new_full((1,), float(n_local))]))
+    packed = reduce(torch.cat([s.reshape(-1).double(), s.new_full((1,), float(n_local), dtype=torch.float64)]))
     count = packed[-1].detach()
-    mean = packed[:-1].reshape(s.shape) / count
-    dev = x - mean
-    var = reduce(dev.square().sum(reduce_dims, keepdim=True)) / count
+    mean = (packed[:-1] / count).to(acc).reshape(s.shape)
+    dev = x.to(acc) - mean
+    var = reduce(dev.square().sum(reduce_dims, keepdim=True)) / count.to(acc)
     return mean, var, count
+
+
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``acc_dtype``: one cast, so that every use of the input (statistics and the
+    normalization) sums its gradient in float32 and the gradient is rounded to x's dtype once.
+    Separate casts would round each large, mutually cancelling gradient term on its own."""
+    return x.to(acc_dtype(x.dtype))
+
+
+def _out_dtype(x: torch.Tensor, op: str) -> torch.dtype:
+    """The dtype torch's own norm returns for ``x``: its dtype, but float32 under CUDA autocast
+    for ``group_norm`` and ``layer_norm`` (CUDA autocast runs them in float32; CPU autocast leaves
+    norms alone)."""
+    if op in ("group_norm", "layer_norm") and x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return x.dtype
 
 
 def _channel_view(p: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
@@ -93,20 +118,19 @@ class _ShardedNorm(ShardedMixin):
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         super()._init_sharding(mesh, dims)
 
-    def _layouts(self, x: torch.Tensor):
-        # Every rank validates the same gathered shapes, so a bad input raises everywhere.
-        return gather_layouts(x.shape, self.mesh, self.dims, what=type(self).__name__)
+    def _check_channels(self, x: torch.Tensor, expected: int, agreed: Agreement, dims: Sequence[int]) -> None:
+        # Dim 1 is unsharded, so after the agreement it is the same on every rank.
+        if x.shape[1] != expected:
+            raise ShardingError(
+                f"{type(self).__name__}: expected {expected} channels (dim 1), got global input shape "
+                f"{agreed.global_shape(dims)}."
+            )
 
     def _domain_group(self) -> dist.ProcessGroup:
         return group_over(self.mesh, self.mesh_axes)
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"
-
-
-def _require_ndim(what: str, x: torch.Tensor, allowed: Sequence[int], hint: str) -> None:
-    if x.dim() not in allowed:
-        raise ShardingError(f"{what}: expected a {hint} input, got shape {tuple(x.shape)}.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,19 +144,14 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     _spatial_dims = 8  # GroupNorm takes any number of spatial dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        name = type(self).__name__
-        if x.dim() < 2:
-            raise ShardingError(f"{name}: expected an (N, C, ...) input, got shape {tuple(x.shape)}.")
-        self._layouts(x)
-        if x.shape[1] != self.num_channels:
-            raise ShardingError(
-                f"{name}: expected {self.num_channels} channels (dim 1), got input shape {tuple(x.shape)}."
-            )
-        n, c = x.shape[:2]
-        xg = x.reshape(n, self.num_groups, -1)
+        agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
+        self._check_channels(x, self.num_channels, agreed, self.dims)
+        xg = _opmath(x).reshape(x.shape[0], self.num_groups, -1)
         mean, var, _ = global_moments(xg, (2,), self._domain_group())
+        # Normalized and scaled in the accumulation dtype, rounded once to the output dtype.
         y = ((xg - mean) * torch.rsqrt(var + self.eps)).reshape(x.shape)
-        return _affine(y, _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim()))
+        y = _affine(y, _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim()))
+        return y.to(_out_dtype(x, "group_norm"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,31 +159,26 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
 
 
 class _ShardedInstanceNorm(_ShardedNorm):
+    @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        n = self._spatial_dims
-        if x.dim() == n + 1:
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        name = type(self).__name__
-        _require_ndim(name, x, (n + 2,), f"{n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
-        self._layouts(x)
-        if x.shape[1] != self.num_features and self.affine:
-            raise ShardingError(
-                f"{name}: expected {self.num_features} channels (dim 1) for affine=True, got shape {tuple(x.shape)}."
-            )
+        agreed = self._agree(x)
+        if self.affine or self.track_running_stats:  # per-channel parameters or statistics
+            self._check_channels(x, self.num_features, agreed, self.dims)
         use_input_stats = self.training or not self.track_running_stats
         w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not use_input_stats:
             # Running statistics are replicated: eval mode is local.
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b)
-        mean, var, count = global_moments(x, tuple(range(2, x.dim())), self._domain_group())
+            return _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
+        xf = _opmath(x)
+        mean, var, count = global_moments(xf, tuple(range(2, x.dim())), self._domain_group())
         if self.training and self.running_mean is not None and self.momentum is not None:
             # torch's instance_norm averages the per-instance statistics over the batch.
             with torch.no_grad():
                 m = self.momentum
                 self.running_mean.mul_(1 - m).add_(mean.reshape(x.shape[0], -1).mean(0), alpha=m)
                 self.running_var.mul_(1 - m).add_(_unbiased(var, count).reshape(x.shape[0], -1).mean(0), alpha=m)
-        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b)
+        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.InstanceNorm1d)
@@ -205,12 +219,12 @@ class _ShardedBatchNorm(_ShardedNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         name = type(self).__name__
-        _require_ndim(name, x, self._allowed_ndims, " or ".join(f"{d}-d" for d in self._allowed_ndims))
         # (N, C) input to BatchNorm1d has no spatial dim: nothing is sharded, shapes still agree.
+        # (Computed from the local number of dims: ``agree`` checks first that all ranks share it.)
         dims = tuple(d for d in self.dims if d < x.dim())
-        gather_layouts(x.shape, self.mesh, dims, what=name)
-        if x.shape[1] != self.num_features:
-            raise ShardingError(f"{name}: expected {self.num_features} channels (dim 1), got shape {tuple(x.shape)}.")
+        expected = " or ".join(f"{d}-d" for d in self._allowed_ndims)
+        agreed = self._agree(x, dims=dims, ndims=self._allowed_ndims, expected=f"a {expected}")
+        self._check_channels(x, self.num_features, agreed, dims)
 
         # Mirrors torch's _BatchNorm.forward.
         factor = 0.0 if self.momentum is None else self.momentum
@@ -221,21 +235,22 @@ class _ShardedBatchNorm(_ShardedNorm):
         w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not batch_stats:
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            return _affine((x - rm) * torch.rsqrt(rv + self.eps), w, b)
+            return _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
 
         reduce_dims = (0, *range(2, x.dim()))
-        mean, var, count = global_moments(x, reduce_dims, self._stats_group(dims))
+        xf = _opmath(x)
+        mean, var, count = global_moments(xf, reduce_dims, self._stats_group(dims))
         if count.item() <= 1:
             # count is all-reduced, so every rank raises together (torch raises ValueError too).
             raise ShardingError(
                 f"{name}: expected more than 1 value per channel when training over the whole "
-                f"(global) batch, got {int(count.item())} (local input shape {tuple(x.shape)})."
+                f"(global) batch, got {int(count.item())} (global input shape {agreed.global_shape(dims)})."
             )
         if self.training and self.running_mean is not None:
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(_unbiased(var, count).reshape(-1), alpha=factor)
-        return _affine((x - mean) * torch.rsqrt(var + self.eps), w, b)
+        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.BatchNorm1d)
@@ -302,24 +317,30 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
         self.mesh, self.dims, self.mesh_axes = mesh, dims, axes[: len(dims)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        k = len(self.normalized_shape)
-        first = x.dim() - k
-        covered = [(i, d) for i, d in enumerate(self.dims) if first <= d < x.dim()]
-        if not covered:
+        if not self.dims:  # nothing sharded (the default for a channel LayerNorm): plain torch
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         name = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
-        global_shape = list(x.shape)
-        for lay, d in zip(layouts, self.dims):
-            global_shape[d] = lay.size
+        k = len(self.normalized_shape)
+        # Agreed even when no sharded dim is normalized, so that whether this layer communicates
+        # is decided on a shared fact (the number of dims), never on one rank's input alone.
+        agreed = self._agree(x, ndims=range(max(k, max(self.dims) + 1), MAX_NDIM + 1), expected=(
+            f"at least a {max(k, max(self.dims) + 1)}-d"
+        ))
+        layouts = agreed.layouts
+        first = x.dim() - k
+        global_shape = agreed.global_shape(self.dims)
         if tuple(global_shape[first:]) != tuple(self.normalized_shape):
             raise ShardingError(
                 f"{name}: normalized_shape {tuple(self.normalized_shape)} must match the trailing dims "
-                f"of the global input shape {tuple(global_shape)} (local {tuple(x.shape)})."
+                f"of the global input shape {tuple(global_shape)}."
             )
+        covered = [(i, d) for i, d in enumerate(self.dims) if first <= d < x.dim()]
+        if not covered:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         axes = [self.mesh_axes[i] for i, _ in covered]
-        mean, var, _ = global_moments(x, tuple(range(first, x.dim())), group_over(self.mesh, axes))
-        y = (x - mean) * torch.rsqrt(var + self.eps)
+        xf = _opmath(x)
+        mean, var, _ = global_moments(xf, tuple(range(first, x.dim())), group_over(self.mesh, axes))
+        y = (xf - mean) * torch.rsqrt(var + self.eps)
         w, b = self.weight, self.bias
         for i, d in covered:
             # This rank's slice of the elementwise affine parameters along the sharded dim.
@@ -327,7 +348,7 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
             start = lay.starts[self.mesh.get_local_rank(self.mesh_axes[i])]
             w = None if w is None else w.narrow(d - first, start, x.shape[d])
             b = None if b is None else b.narrow(d - first, start, x.shape[d])
-        return _affine(y, w, b)
+        return _affine(y, w, b).to(_out_dtype(x, "layer_norm"))
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"

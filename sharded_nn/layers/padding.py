@@ -26,11 +26,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloSpec, axis_ring, gather_layouts, halo_cat
+from ..comm import HaloSpec, axis_ring, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
-from .base import ShardedMixin
+from .base import ShardedMixin, agree, batched
 from .window import edge_pad
 
 MODES = ("constant", "reflect", "replicate", "circular")
@@ -60,12 +60,26 @@ def pad(
             neighbour slab thinner than a circular halo (same error on every rank).
         ShardingNotImplementedError: negative padding of a sharded dim.
     """
-    what = "pad"
+    return _pad(x, pad, mesh, mode, value, dims=dims, what="pad")
+
+
+def _pad(
+    x: torch.Tensor,
+    pad: Sequence[int],
+    mesh: DeviceMesh,
+    mode: str,
+    value: float | None,
+    *,
+    dims: int | Sequence[int] | None,
+    what: str,
+    ndims: Sequence[int] | None = None,
+    expected: str = "",
+) -> torch.Tensor:
     axes = domain_axes(mesh)
     if dims is None:
         dims = tuple(range(2, 2 + len(axes)))
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    layouts = gather_layouts(x.shape, mesh, dims, what=what)
+    layouts = agree(x, mesh, dims, what=what, ndims=ndims, expected=expected).layouts
     pad = tuple(int(p) for p in pad)
     if mode not in MODES:
         raise ShardingError(f"{what}: unknown mode {mode!r}; expected one of {MODES}.")
@@ -131,16 +145,13 @@ class _ShardedPadNd(ShardedMixin):
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         super()._init_sharding(mesh, dims)
 
+    @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         n = self._spatial_dims
-        if x.dim() == n + 1:
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        if x.dim() != n + 2:
-            raise ShardingError(
-                f"{type(self).__name__}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, "
-                f"got shape {tuple(x.shape)}."
-            )
-        return pad(x, self.padding, self.mesh, self._mode, getattr(self, "value", None), dims=self.dims)
+        return _pad(
+            x, self.padding, self.mesh, self._mode, getattr(self, "value", None), dims=self.dims,
+            what=type(self).__name__, ndims=(n + 2,), expected=f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched",
+        )
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"

@@ -36,15 +36,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _ntuple
-from torch.autograd.function import once_differentiable
 
-from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_ring, gather_layouts, halo_add, halo_cat
+from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_ring, halo_add, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
-from .base import ShardedMixin
+from .base import ShardedMixin, batched, gather_facts, size_fact
 from .window import Window, extend, pad_unsharded, plan_window
 
 _MAX_FN = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -60,25 +60,6 @@ def _pool_out_size(length: int, k: int, s: int, p: int, d: int, ceil_mode: bool)
     if ceil_mode and (out - 1) * s >= length + p:
         out -= 1
     return out
-
-
-def _batched(forward):
-    """Run ``forward`` on an unbatched ``(C, S...)`` input by adding and removing N."""
-
-    def wrapper(self, x: torch.Tensor, *args, **kwargs):
-        n = self._spatial_dims
-        if x.dim() == n + 1:
-            out = wrapper(self, x.unsqueeze(0), *(a.unsqueeze(0) if torch.is_tensor(a) else a for a in args), **kwargs)
-            return tuple(o.squeeze(0) for o in out) if isinstance(out, tuple) else out.squeeze(0)
-        if x.dim() != n + 2:
-            raise ValueError(
-                f"{type(self).__name__}: expected a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched input, "
-                f"got shape {tuple(x.shape)}."
-            )
-        return forward(self, x, *args, **kwargs)
-
-    wrapper.__doc__ = forward.__doc__
-    return wrapper
 
 
 class _ShardedPoolNd(ShardedMixin):
@@ -115,16 +96,16 @@ class _ShardedPoolNd(ShardedMixin):
     def _extend(self, x: torch.Tensor, value: float):
         """The halo-extended, edge-padded slab; also global sizes, windows and output starts."""
         name = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
-        sizes = list(x.shape[2:])
-        for lay, d in zip(layouts, self.dims):
-            sizes[d - 2] = lay.size
+        agreed = self._agree(x)
+        layouts = agreed.layouts
+        sizes = list(agreed.global_shape(self.dims)[2:])
         windows = self._windows(sizes)
+        # Every plan (and its validation) before any communication.
+        plans = [plan_window(lay, windows[d - 2], d, mode="zeros", what=name) for lay, d in zip(layouts, self.dims)]
         starts = [0] * self._spatial_dims  # global position of the first local output
         offsets = [-w.pad_left for w in windows]  # global position of the extended slab's first element
-        for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
+        for lay, plan, d, axis in zip(layouts, plans, self.dims, self.mesh_axes):
             w = windows[d - 2]
-            plan = plan_window(lay, w, d, mode="zeros", what=name)
             ring = axis_ring(self.mesh, axis)
             start = lay.starts[ring.index]
             starts[d - 2] = start // w.stride
@@ -139,7 +120,7 @@ class _ShardedPoolNd(ShardedMixin):
 
 
 class _ShardedMaxPoolNd(_ShardedPoolNd):
-    @_batched
+    @batched
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
         ext, sizes, _, _, offsets = self._extend(x, float("-inf"))
@@ -163,7 +144,7 @@ class _ShardedMaxPoolNd(_ShardedPoolNd):
 
 
 class _ShardedAvgPoolNd(_ShardedPoolNd):
-    @_batched
+    @batched
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
         ext, sizes, _, starts, _ = self._extend(x, 0.0)
@@ -206,6 +187,11 @@ ShardedAvgPool3d = _mk(_ShardedAvgPoolNd, nn.AvgPool3d, 3, _POOL_DOC.format("Avg
 # --- adaptive pooling ---------------------------------------------------------------------------
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16 (sums of half values round), else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _bins(length: int, out: int) -> list[tuple[int, int]]:
     """torch's adaptive bins: ``[floor(i*L/O), ceil((i+1)*L/O))``."""
     return [(i * length // out, -(-(i + 1) * length // out)) for i in range(out)]
@@ -227,11 +213,13 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
                 "pooling; use return_indices=False (or ShardedMaxPool with return_indices)."
             )
 
-    @_batched
+    @batched
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
-        name = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
+        layouts = self._agree(x).layouts
+        # Averages of fp16/bf16 inputs are summed in float32 (as torch's adaptive average
+        # accumulates) and rounded to the input dtype once, after every dim is pooled.
+        in_dtype = x.dtype
         out_sizes = list(_ntuple(n)(self.output_size))
         for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
             o = out_sizes[d - 2] if out_sizes[d - 2] is not None else lay.size
@@ -239,14 +227,14 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
             x = self._global(x, d, ring, lay.size) if o == 1 else self._binned(x, d, ring, lay, o)
             out_sizes[d - 2] = x.shape[d]  # already pooled: identity bins for the local pool below
         out_sizes = [x.shape[2 + i] if o is None else o for i, o in enumerate(out_sizes)]
-        if tuple(out_sizes) == tuple(x.shape[2:]):
-            return x
-        return (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+        if tuple(out_sizes) != tuple(x.shape[2:]):
+            x = (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+        return x.to(in_dtype)
 
     def _global(self, x: torch.Tensor, d: int, ring, length: int) -> torch.Tensor:
         """Output size 1 along sharded ``d``: an all-reduce over the mesh axis (replicated result)."""
         if not self._is_max:
-            return all_reduce_sum(x.sum(d, keepdim=True), ring.group) / length
+            return all_reduce_sum(x.sum(d, keepdim=True, dtype=_acc_dtype(x.dtype)), ring.group) / length
         local = x.max(d, keepdim=True).values  # gradient to one position, as torch's max
         best = all_reduce_max(local, ring.group)
         # Ties: the first rank holding the maximum owns it (torch takes the first in scan order).
@@ -275,7 +263,10 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
         parts = []
         for lo, hi in owned[ring.index]:
             piece = x.narrow(d, lo - a, hi - lo)
-            parts.append(piece.max(d, keepdim=True).values if self._is_max else piece.mean(d, keepdim=True))
+            if self._is_max:
+                parts.append(piece.max(d, keepdim=True).values)
+            else:
+                parts.append(piece.mean(d, keepdim=True, dtype=_acc_dtype(piece.dtype)))
         return torch.cat(parts, d)
 
     def extra_repr(self) -> str:  # noqa: D102
@@ -298,30 +289,23 @@ ShardedAdaptiveMaxPool3d = _mk(_ShardedAdaptiveMaxPoolNd, nn.AdaptiveMaxPool3d, 
 # --- max unpooling ------------------------------------------------------------------------------
 
 
-class _UnpoolPlan:
-    """Along one sharded dim: the local buffer ``[lo, hi)`` (global) and the halo-add spec."""
-
-    def __init__(self, layout: Layout, dim: int, k: int, s: int, p: int, total: int, index: int, what: str):
-        core = [n * s for n in layout.sizes[:-1]]
-        core.append(total - layout.starts[-1] * s)
-        if min(core) < 1:
-            raise ShardingError(f"{what}: input slabs {layout.sizes} along dim {dim} leave the last rank no output.")
-        parts = layout.parts
-        right = max(k - s - p, 0)
-        self.spec = HaloSpec(
-            dim, tuple(p if r else 0 for r in range(parts)), tuple(right if r < parts - 1 else 0 for r in range(parts))
+def _unpool_cores(layout: Layout, dim: int, s: int, total: int, what: str) -> tuple[int, ...]:
+    """Output positions each rank owns along ``dim``: ``[a*s, b*s)``, the last up to ``total``."""
+    core = [n * s for n in layout.sizes[:-1]]
+    core.append(total - layout.starts[-1] * s)
+    if min(core) < 1:
+        raise ShardingError(
+            f"{what}: input slabs {layout.sizes} along dim {dim} leave the last rank no output of the "
+            f"{total} positions. Use fewer ranks or a larger input."
         )
-        self.spec.check(tuple(core), what)
-        start = layout.starts[index] * s
-        self.lo = start - self.spec.left[index]
-        self.hi = start + core[index] + self.spec.right[index]
+    return tuple(core)
 
 
 class _Unpool(torch.autograd.Function):
     """Scatter values to global positions (set, as torch), reducing neighbours' strips."""
 
     @staticmethod
-    def forward(ctx, vals, flat_idx, buf_shape, plans, rings):  # noqa: D102
+    def forward(ctx, vals, flat_idx, buf_shape, specs, rings):  # noqa: D102
         n, c = vals.shape[:2]
         buf = vals.new_zeros(n, c, math.prod(buf_shape))
         hits = vals.new_zeros(n, c, math.prod(buf_shape))
@@ -329,13 +313,13 @@ class _Unpool(torch.autograd.Function):
         hits.scatter_(2, flat_idx.view(n, c, -1), 1.0)
         buf, hits = buf.view(n, c, *buf_shape), hits.view(n, c, *buf_shape)
         with torch.no_grad():
-            for plan, ring in zip(plans, rings):
+            for spec, ring in zip(specs, rings):
                 if ring.size > 1:
-                    buf, hits = halo_add(buf, plan.spec, ring), halo_add(hits, plan.spec, ring)
+                    buf, hits = halo_add(buf, spec, ring), halo_add(hits, spec, ring)
         # A position written by several ranks (overlapping windows) got the same max value from each.
         out = torch.where(hits > 1, buf / hits.clamp(min=1), buf)
         ctx.save_for_backward(flat_idx)
-        ctx.plans, ctx.rings, ctx.shape = plans, rings, vals.shape
+        ctx.specs, ctx.rings, ctx.shape = specs, rings, vals.shape
         return out
 
     # Its communication is not recorded for a second derivative, which would silently miss the
@@ -345,9 +329,9 @@ class _Unpool(torch.autograd.Function):
     def backward(ctx, g):  # noqa: D102
         (flat_idx,) = ctx.saved_tensors
         with torch.no_grad():
-            for plan, ring in reversed(list(zip(ctx.plans, ctx.rings))):
+            for spec, ring in reversed(list(zip(ctx.specs, ctx.rings))):
                 if ring.size > 1:
-                    g = halo_cat(g.contiguous(), plan.spec, ring)
+                    g = halo_cat(g.contiguous(), spec, ring)
         n, c = ctx.shape[:2]
         return g.reshape(n, c, -1).gather(2, flat_idx.view(n, c, -1)).view(ctx.shape), None, None, None, None
 
@@ -361,43 +345,77 @@ class _ShardedMaxUnpoolNd(ShardedMixin):
         """See the module docstring."""
         super()._init_sharding(mesh, dims)
 
-    @_batched
+    @batched
     def forward(self, x: torch.Tensor, indices: torch.Tensor, output_size: Sequence[int] | None = None):  # noqa: D102
         n = self._spatial_dims
         name = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=name)
+        ok = indices.shape == x.shape and indices.dtype == torch.int64
+        agreed = self._agree(x, same={"output_size": size_fact(output_size, n)}, local=(int(ok),))
+        bad = agreed.ranks_where(lambda f: not f[0])
+        if bad:
+            raise ValueError(
+                f"{name}: indices must be an int64 tensor of the input's shape (as ShardedMaxPool*(return_indices="
+                f"True) returns), but domain ranks {bad} pass another dtype or shape."
+            )
+        layouts = agreed.layouts
         nt = _ntuple(n)
         k, s, p = nt(self.kernel_size), nt(self.stride), nt(self.padding)
-        in_sizes = list(x.shape[2:])
-        for lay, d in zip(layouts, self.dims):
-            in_sizes[d - 2] = lay.size
+        in_sizes = agreed.global_shape(self.dims)[2:]
         default = [(L - 1) * s_ - 2 * p_ + k_ for L, k_, s_, p_ in zip(in_sizes, k, s, p)]
         if output_size is None:
             total = default
         else:
-            total = list(output_size)[-n:]
+            if len(output_size) not in (n, n + 2):
+                raise ValueError(f"{name}: output_size must have {n} or {n + 2} entries, got {tuple(output_size)}.")
+            total = [int(t) for t in list(output_size)[-n:]]
             if any(not dflt - s_ < t < dflt + s_ for t, dflt, s_ in zip(total, default, s)):
                 raise ValueError(f"{name}: output_size {tuple(total)} must be within a stride of {tuple(default)}.")
-        lo, hi = [0] * n, list(total)
-        plans, rings = [], []
-        for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
-            i = d - 2
-            ring = axis_ring(self.mesh, axis)
-            plan = _UnpoolPlan(lay, d, k[i], s[i], p[i], total[i], ring.index, name)
-            plans.append(plan)
-            rings.append(ring)
-            lo[i], hi[i] = plan.lo, plan.hi
-        # Global flat index -> coordinates -> flat index into this rank's buffer.
+        cores = [_unpool_cores(lay, d, s[d - 2], total[d - 2], name) for lay, d in zip(layouts, self.dims)]
+        rings = [axis_ring(self.mesh, axis) for axis in self.mesh_axes]
+        starts = [lay.starts[ring.index] * s[d - 2] for lay, ring, d in zip(layouts, rings, self.dims)]
+        # Global flat index -> coordinates.
         rest, coords = indices, []
         for size in reversed(total):
             coords.append(rest % size)
             rest = rest // size
         coords.reverse()
+        # How far this rank's indices reach beyond its own output slab along each sharded dim:
+        # that, not the kernel, sizes the halos (a dilated pool reaches further than its kernel),
+        # and it is gathered, so that every rank plans the same halos and validates the indices
+        # alike (an index outside the output raises everywhere, not in one rank's scatter).
+        valid = indices.numel() == 0 or bool(((indices >= 0) & (indices < math.prod(total))).all())
+        reach_left, reach_right = [], []
+        for a, core, d in zip(starts, [c[ring.index] for c, ring in zip(cores, rings)], self.dims):
+            c = coords[d - 2]
+            lo, hi = (int(c.min()), int(c.max())) if valid and c.numel() else (a, a)
+            reach_left.append(max(a - lo, 0))
+            reach_right.append(max(hi + 1 - (a + core), 0))
+        my_coords = [ring.index for ring in rings]
+        rows = gather_facts(self.mesh, name, local=(int(valid), *my_coords, *reach_left, *reach_right))
+        bad = [r for r, row in enumerate(rows) if not row[0]]
+        if bad:
+            raise ValueError(
+                f"{name}: indices must lie in [0, {math.prod(total)}) (the flattened output {tuple(total)}); "
+                f"domain ranks {bad} pass indices outside it."
+            )
+        m = len(self.dims)
+        lo, hi = [0] * n, list(total)
+        specs = []
+        for j, (layout, core, d, ring) in enumerate(zip(layouts, cores, self.dims, rings)):
+            parts = layout.parts
+            # Rank c's strip widths: the widest reach of the ranks at coordinate c of this axis.
+            left = [max((r[1 + m + j] for r in rows if r[1 + j] == c), default=0) for c in range(parts)]
+            right = [max((r[1 + 2 * m + j] for r in rows if r[1 + j] == c), default=0) for c in range(parts)]
+            spec = HaloSpec(d, tuple(left), tuple(right))
+            spec.check(core, name)
+            specs.append(spec)
+            lo[d - 2] = starts[j] - left[ring.index]
+            hi[d - 2] = starts[j] + core[ring.index] + right[ring.index]
         buf_shape = [b - a for a, b in zip(lo, hi)]
         local = torch.zeros_like(indices)
         for cd, a, size in zip(coords, lo, buf_shape):
             local = local * size + (cd - a)
-        return _Unpool.apply(x, local, tuple(buf_shape), tuple(plans), tuple(rings))
+        return _Unpool.apply(x, local, tuple(buf_shape), tuple(specs), tuple(rings))
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"

@@ -28,11 +28,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloSpec, axis_ring, gather_layouts, halo_cat
+from ..comm import HaloSpec, axis_ring, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
-from .base import ShardedMixin
+from .base import ShardedMixin, agree
 from .pool import ShardedAdaptiveAvgPool1d, ShardedAdaptiveAvgPool2d, ShardedAdaptiveAvgPool3d
 
 _AREA = {1: ShardedAdaptiveAvgPool1d, 2: ShardedAdaptiveAvgPool2d, 3: ShardedAdaptiveAvgPool3d}
@@ -132,13 +132,10 @@ def interpolate(
     Returns:
         This rank's slab of the interpolated tensor.
     """
-    n = x.dim() - 2
     if mode not in _MODES:
         raise ShardingNotImplementedError(f"{what}: mode={mode!r} is not sharded; supported modes: {_MODES}.")
     if antialias:
         raise ShardingNotImplementedError(f"{what}: antialias=True is not sharded; use antialias=False.")
-    if mode in _LINEAR and _LINEAR[mode] != x.dim():
-        raise ValueError(f"{what}: mode {mode!r} needs a {_LINEAR[mode]}-d input, got shape {tuple(x.shape)}.")
     if mode.startswith("nearest") and align_corners is not None:
         raise ValueError(f"{what}: align_corners only applies to linear and cubic modes, got mode={mode!r}.")
     if (size is None) == (scale_factor is None):
@@ -146,15 +143,18 @@ def interpolate(
             f"{what}: give exactly one of size and scale_factor, got size={size}, scale_factor={scale_factor}."
         )
     axes = domain_axes(mesh)
+    # Defaults from the local number of dims: ``agree`` first checks that every rank shares it.
+    n = x.dim() - 2
     if dims is None:
-        dims = tuple(range(2, 2 + min(len(axes), n)))
+        dims = tuple(range(2, 2 + min(len(axes), max(n, 0))))
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    ndims = (_LINEAR[mode],) if mode in _LINEAR else (3, 4, 5)
+    expected = f"a {ndims[0]}-d" if mode in _LINEAR else "a 3-d, 4-d or 5-d"
+    agreed = agree(x, mesh, dims, what=what, ndims=ndims, expected=f"(mode {mode!r}) {expected} (N, C, ...)")
     if any(not 2 <= d < x.dim() for d in dims):
         raise ShardingError(f"{what}: dims={dims} must name spatial dims of a {x.dim()}-d input.")
-    layouts = gather_layouts(x.shape, mesh, dims, what=what)
-    lengths = list(x.shape[2:])
-    for lay, d in zip(layouts, dims):
-        lengths[d - 2] = lay.size
+    layouts = agreed.layouts
+    lengths = list(agreed.global_shape(dims)[2:])
     if size is not None:
         outs = [size] * n if isinstance(size, int) else list(size)
         scales: list[float | None] = [None] * n
@@ -168,6 +168,11 @@ def interpolate(
         # torch's "area" is adaptive average pooling to the output size.
         return _AREA[n](tuple(outs), mesh=mesh, dims=dims)(x)
     opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out_dtype = x.dtype
+    if mode not in ("nearest", "nearest-exact") and x.dtype in (torch.float16, torch.bfloat16):
+        # Weighted taps of fp16/bf16 inputs are summed in float32 and rounded once at the end,
+        # as torch's upsampling kernels do (rounding after every tap and dim would not match).
+        x = x.to(opmath)
     corners = bool(align_corners)
     for i in range(n):
         d = 2 + i
@@ -200,7 +205,7 @@ def interpolate(
             x, d, [t[lo:hi] for t in taps], None if weights is None else [w[lo:hi] for w in weights],
             lay.starts[r] - left[r],
         )
-    return x
+    return x.to(out_dtype)
 
 
 @register(nn.Upsample)

@@ -17,7 +17,6 @@ same facts and raises the same error.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from ..comm import AxisRing, HaloSpec, halo_cat, halo_exchange
 from ..errors import ShardingError
 from ..layout import Layout
+from .base import BoundedCache
 
 PAD_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -266,12 +266,19 @@ def apply_linear(
         if halo is None or halo.shape[d] == 0:
             continue
         width = halo.shape[d]
-        for row, taps, idx in _halo_taps(w, n, n_out, width, left):
+        key = (w, n, n_out, width, left)
+        for row, taps, idx in _HALO_TAPS.get(key, _halo_taps, *key):
             out = _AddBand.apply(out, conv_taps(select_along(halo, d, idx), taps), d, row)
     return out
 
 
-@functools.cache
+#: Tap corrections per geometry. The key is the window and this rank's slab, output and halo
+#: sizes, all derived from the gathered layout; a miss is pure arithmetic (no collective), so a
+#: hit on one rank and a miss on another cannot make the ranks diverge. Bounded: a long run over
+#: many input sizes does not grow it without end.
+_HALO_TAPS = BoundedCache(256)
+
+
 def _halo_taps(w: Window, n: int, n_out: int, width: int, left: bool) -> tuple[tuple[int, tuple, tuple], ...]:
     """``(row, taps, halo_index)`` for each output row that reads the left (or right) halo.
 
@@ -279,7 +286,7 @@ def _halo_taps(w: Window, n: int, n_out: int, width: int, left: bool) -> tuple[t
     positions before 0 lie in the left halo (``width`` planes ending at 0), the ones from ``n``
     on in the right halo (``width`` planes starting at ``n``). Positions beyond a halo are
     zero padding of the main call and contribute nothing. Depends on the plan only, so it is
-    worked out once per geometry.
+    worked out once per geometry (``_HALO_TAPS``).
     """
     if left:
         rows = range(0, min(-(-w.pad_left // w.stride), n_out))
