@@ -237,3 +237,18 @@ def _errors():
 
 def test_bad_input_raises_on_every_rank(run):
     assert all(run(2, _errors))
+
+
+def test_pool_files_and_classes():
+    """Window pools, adaptive pools and unpooling live in their own files, as real classes."""
+    from sharded_nn.layers import adaptive_pool, pool, unpool
+
+    assert pool.ShardedAdaptiveAvgPool2d is adaptive_pool.ShardedAdaptiveAvgPool2d  # old import path
+    assert pool.ShardedMaxUnpool2d is unpool.ShardedMaxUnpool2d
+    for module, names in ((pool, ("MaxPool", "AvgPool")), (adaptive_pool, ("AdaptiveAvgPool", "AdaptiveMaxPool")),
+                          (unpool, ("MaxUnpool",))):
+        for name in names:
+            for n in (1, 2, 3):
+                cls = getattr(module, f"Sharded{name}{n}d")
+                assert cls.__module__ == module.__name__ and cls.__doc__ and cls._spatial_dims == n
+                assert issubclass(cls, getattr(nn, f"{name}{n}d"))

@@ -27,7 +27,7 @@ from ..errors import ShardingError, ShardingNotImplementedError
 from ..functional import ring_attention, ulysses_attention
 from ..mesh import domain_axes
 from ..registry import register
-from .base import ShardedMixin, dtype_code, gather_facts
+from .base import ShardedMixin, check_mesh, dtype_code, gather_facts
 
 _ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
@@ -57,8 +57,7 @@ class RingAttention(nn.Module):
         self, mesh: DeviceMesh, is_causal: bool = False, *, scale: float | None = None, layout: str = "contiguous"
     ) -> None:
         super().__init__()
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{type(self).__name__}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+        check_mesh(mesh, type(self).__name__)
         domain_axes(mesh)
         self.mesh, self.is_causal, self.scale, self.layout = mesh, is_causal, scale, layout
 
@@ -102,11 +101,11 @@ class _AttentionMixin(ShardedMixin):
     """Mesh options shared by the drop-in modules: the algorithm and the token layout."""
 
     _seq_dim = 1
+    _sharding_options = ("attention", "layout")
 
     def _init_sharding(self, mesh: DeviceMesh, *, attention: str = "ring", layout: str = "contiguous") -> None:
         name = type(self).__name__
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{name}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
+        check_mesh(mesh, name)
         _algorithm(attention, name)
         if layout not in ("contiguous", "zigzag"):
             raise ValueError(f"{name}: layout must be 'contiguous' or 'zigzag', got {layout!r}.")
@@ -144,10 +143,6 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
     Keyword-only options: ``mesh``; ``attention`` (``"ring"`` or ``"ulysses"``); ``layout``
     (``"contiguous"`` or ``"zigzag"``).
     """
-
-    def __init__(self, *args, mesh: DeviceMesh, attention: str = "ring", layout: str = "contiguous", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, attention=attention, layout=layout)
 
     @property
     def _seq_dim(self) -> int:  # type: ignore[override]

@@ -1,4 +1,4 @@
-"""What every sharded layer shares: mesh options, ``from_module``, ``extra_repr``, input agreement.
+"""What every sharded layer shares: constructor, mesh options, ``from_module``, ``extra_repr``, agreement.
 
 ``agree`` is how a layer learns the layout of its input. It gathers, in one small all-gather,
 every domain rank's local shape together with the facts a shape does not show (dtype, whether
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_ring, gather_ints, layouts_from_shapes
@@ -245,37 +246,72 @@ def batched(forward: Callable) -> Callable:
     return wrapper
 
 
-class ShardedMixin:
-    """Mixin for ``Sharded<TorchName>(TorchName)`` classes.
+def backward_communicates(backward: Callable) -> Callable:
+    """Mark a custom ``backward`` whose communication autograd does not record.
 
-    Subclasses set ``_spatial_dims`` (spatial dims the torch layer has, e.g. 3 for Conv3d) and
-    call ``_init_sharding`` from ``__init__``. The default sharded tensor dims are the first
-    spatial dims, one per domain axis of the mesh: ``(2,)`` for a 1-D domain, ``(2, 3)`` for 2-D.
+    A second derivative through it would silently miss the neighbours' terms, so double
+    backward raises instead (``torch.autograd.function.once_differentiable``). Apply it under
+    ``@staticmethod``.
+    """
+    return once_differentiable(backward)
+
+
+class ShardedMixin:
+    """Mixin for ``Sharded<TorchName>(TorchName)`` classes: what every sharded layer shares.
+
+    A subclass lists the mixin first (``class ShardedConv3d(_ShardedConvNd, nn.Conv3d)``) and
+    sets ``_spatial_dims`` (spatial dims of the torch layer, e.g. 3 for Conv3d). It gets:
+
+    - the constructor: the torch constructor's arguments plus keyword-only ``mesh`` and the
+      sharding options named in ``_sharding_options`` (default ``dims``), which go to
+      ``_init_sharding`` (also called by ``from_module``);
+    - ``dims`` validation with a default of one tensor dim per domain axis, the first spatial
+      dims: ``(2,)`` for a 1-D domain, ``(2, 3)`` for 2-D (``_default_dims``, ``_check_dims``);
+    - ``extra_repr``: torch's, followed by ``sharding_repr()``;
+    - ``_agree``: the input agreement of ``agree`` on this layer's mesh and dims.
     """
 
     _spatial_dims: int = 1
+    #: Keyword-only constructor options that configure the sharding (``_init_sharding``'s).
+    _sharding_options: tuple[str, ...] = ("dims",)
 
-    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None) -> None:
+    def __init__(self, *args, mesh: DeviceMesh, **kwargs) -> None:
+        options = {k: kwargs.pop(k) for k in self._sharding_options if k in kwargs}
+        super().__init__(*args, **kwargs)
+        self._init_sharding(mesh, **options)
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         name = type(self).__name__
         check_mesh(mesh, name)
         axes = domain_axes(mesh)
         if dims is None:
-            dims = tuple(range(2, 2 + len(axes)))
+            dims = self._default_dims(axes)
         dims = (dims,) if isinstance(dims, int) else tuple(dims)
         if len(dims) > len(axes):
             raise ShardingError(
                 f"{name}: dims={dims} shards {len(dims)} dims but the mesh has {len(axes)} domain axes {axes}."
             )
-        bad = [d for d in dims if not 2 <= d < 2 + self._spatial_dims]
-        if bad:
-            raise ShardingError(
-                f"{name}: dims={dims} includes {bad}, which are not spatial dims of a "
-                f"{self._spatial_dims}-d layer on (N, C, ...) input (valid: 2..{1 + self._spatial_dims}). "
-                f"Pass dims=... naming spatial dims, or use a mesh with fewer domain axes."
-            )
+        self._check_dims(dims, axes)
         self.mesh = mesh
         self.dims = dims
         self.mesh_axes = axes[: len(dims)]
+
+    def _default_dims(self, axes: tuple[str, ...]) -> tuple[int, ...]:
+        """One tensor dim per domain axis: the first spatial dims."""
+        return tuple(range(2, 2 + len(axes)))
+
+    def _check_dims(self, dims: tuple[int, ...], axes: tuple[str, ...]) -> None:
+        bad = [d for d in dims if not 2 <= d < 2 + self._spatial_dims]
+        if bad:
+            raise ShardingError(
+                f"{type(self).__name__}: dims={dims} includes {bad}, which are not spatial dims of a "
+                f"{self._spatial_dims}-d layer on (N, C, ...) input (valid: 2..{1 + self._spatial_dims}). "
+                f"Pass dims=... naming spatial dims, or use a mesh with fewer domain axes."
+            )
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        return f"{base}, {self.sharding_repr()}" if base else self.sharding_repr()
 
     def _agree(self, x: torch.Tensor, **kwargs) -> Agreement:
         """``agree`` on this layer's mesh and dims; by default a batched ``(N, C, S...)`` input."""

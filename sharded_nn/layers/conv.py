@@ -155,11 +155,7 @@ def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation,
 class _ShardedConvNd(ShardedMixin):
     """Shared forward of the sharded convolutions (mixed into the torch classes)."""
 
-    def __init__(
-        self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True, **kwargs
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims, overlap)
+    _sharding_options = ("dims", "overlap")
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True) -> None:
         """See the module docstring; ``overlap`` computes the interior while halos travel."""
@@ -249,8 +245,8 @@ class _ShardedConvNd(ShardedMixin):
             return apply_overlapped(x, plans[last], rings[last], mode, window, conv)
         return conv(extend(x, plans[last], rings[last], mode))
 
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}, overlap={self.overlap}"
+    def sharding_repr(self) -> str:  # noqa: D102
+        return f"{super().sharding_repr()}, overlap={self.overlap}"
 
 
 @register(nn.Conv1d)

@@ -53,10 +53,6 @@ def _narrow_or_pad(x: torch.Tensor, dim: int, start: int, length: int) -> torch.
 class _ShardedConvTransposeNd(ShardedMixin):
     """Shared forward of the sharded transposed convolutions (mixed into the torch classes)."""
 
-    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims)
-
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         """See the module docstring."""
         super()._init_sharding(mesh, dims)
@@ -140,9 +136,6 @@ class _ShardedConvTransposeNd(ShardedMixin):
             # In y's dtype: under autocast y is in the autocast dtype, as torch's own output.
             y = y + self.bias.to(y.dtype).view(-1, *([1] * n))
         return y
-
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}"
 
 
 @register(nn.ConvTranspose1d)

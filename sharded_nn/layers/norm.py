@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import all_reduce_sum
 from ..errors import ShardingError
-from ..mesh import data_axis, domain_axes, group_over
+from ..mesh import data_axis, group_over
 from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
 
@@ -111,13 +110,6 @@ def _unbiased(var: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 class _ShardedNorm(ShardedMixin):
     """Shared pieces: keyword-only mesh options, the sharded-dims check, the reduction group."""
 
-    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims)
-
-    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
-        super()._init_sharding(mesh, dims)
-
     def _check_channels(self, x: torch.Tensor, expected: int, agreed: Agreement, dims: Sequence[int]) -> None:
         # Dim 1 is unsharded, so after the agreement it is the same on every rank.
         if x.shape[1] != expected:
@@ -128,9 +120,6 @@ class _ShardedNorm(ShardedMixin):
 
     def _domain_group(self) -> dist.ProcessGroup:
         return group_over(self.mesh, self.mesh_axes)
-
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,24 +286,15 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
     ``dims`` explicitly for token tensors (e.g. ``dims=(1,)`` for ``LayerNorm([L, C])``).
     """
 
-    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims)
+    def _default_dims(self, axes: tuple[str, ...]) -> tuple[int, ...]:
+        return () if len(self.normalized_shape) == 1 else super()._default_dims(axes)
 
-    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
-        name = type(self).__name__
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{name}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
-        axes = domain_axes(mesh)
-        if dims is None:
-            dims = () if len(self.normalized_shape) == 1 else tuple(range(2, 2 + len(axes)))
-        dims = (dims,) if isinstance(dims, int) else tuple(dims)
-        if len(dims) > len(axes) or any(d < 1 for d in dims):
+    def _check_dims(self, dims: tuple[int, ...], axes: tuple[str, ...]) -> None:
+        if any(d < 1 for d in dims):
             raise ShardingError(
-                f"{name}: dims={dims} must name at most {len(axes)} non-batch tensor dims (>= 1), one "
-                f"per domain axis {axes}."
+                f"{type(self).__name__}: dims={dims} must name at most {len(axes)} non-batch tensor dims (>= 1), "
+                f"one per domain axis {axes}."
             )
-        self.mesh, self.dims, self.mesh_axes = mesh, dims, axes[: len(dims)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if not self.dims:  # nothing sharded (the default for a channel LayerNorm): plain torch
@@ -349,6 +329,3 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
             w = None if w is None else w.narrow(d - first, start, x.shape[d])
             b = None if b is None else b.narrow(d - first, start, x.shape[d])
         return _affine(y, w, b).to(_out_dtype(x, "layer_norm"))
-
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}"

@@ -136,14 +136,9 @@ def _pad(
 
 
 class _ShardedPadNd(ShardedMixin):
+    """Shared forward of the sharded padding layers (mixed into the torch classes)."""
+
     _mode = "constant"
-
-    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims)
-
-    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
-        super()._init_sharding(mesh, dims)
 
     @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -153,41 +148,126 @@ class _ShardedPadNd(ShardedMixin):
             what=type(self).__name__, ndims=(n + 2,), expected=f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched",
         )
 
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}"
+
+@register(nn.ZeroPad1d)
+class ShardedZeroPad1d(_ShardedPadNd, nn.ZeroPad1d):
+    """``nn.ZeroPad1d`` on slabs: constant padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 1
+    _mode = "constant"
 
 
-def _make(torch_cls: type[nn.Module], mode: str, nd: int) -> type:
-    name = f"Sharded{torch_cls.__name__}"
-    cls = type(
-        name,
-        (_ShardedPadNd, torch_cls),
-        {
-            "_mode": mode,
-            "_spatial_dims": nd,
-            "__doc__": f"``nn.{torch_cls.__name__}`` on slabs: padding only at the domain edges (module docstring).",
-            "__module__": __name__,
-            "__qualname__": name,
-        },
-    )
-    return register(torch_cls)(cls)
+@register(nn.ZeroPad2d)
+class ShardedZeroPad2d(_ShardedPadNd, nn.ZeroPad2d):
+    """``nn.ZeroPad2d`` on slabs: constant padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 2
+    _mode = "constant"
 
 
-ShardedZeroPad1d = _make(nn.ZeroPad1d, "constant", 1)
-ShardedZeroPad2d = _make(nn.ZeroPad2d, "constant", 2)
-ShardedZeroPad3d = _make(nn.ZeroPad3d, "constant", 3)
-ShardedConstantPad1d = _make(nn.ConstantPad1d, "constant", 1)
-ShardedConstantPad2d = _make(nn.ConstantPad2d, "constant", 2)
-ShardedConstantPad3d = _make(nn.ConstantPad3d, "constant", 3)
-ShardedReflectionPad1d = _make(nn.ReflectionPad1d, "reflect", 1)
-ShardedReflectionPad2d = _make(nn.ReflectionPad2d, "reflect", 2)
-ShardedReflectionPad3d = _make(nn.ReflectionPad3d, "reflect", 3)
-ShardedReplicationPad1d = _make(nn.ReplicationPad1d, "replicate", 1)
-ShardedReplicationPad2d = _make(nn.ReplicationPad2d, "replicate", 2)
-ShardedReplicationPad3d = _make(nn.ReplicationPad3d, "replicate", 3)
-ShardedCircularPad1d = _make(nn.CircularPad1d, "circular", 1)
-ShardedCircularPad2d = _make(nn.CircularPad2d, "circular", 2)
-ShardedCircularPad3d = _make(nn.CircularPad3d, "circular", 3)
+@register(nn.ZeroPad3d)
+class ShardedZeroPad3d(_ShardedPadNd, nn.ZeroPad3d):
+    """``nn.ZeroPad3d`` on slabs: constant padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 3
+    _mode = "constant"
+
+
+@register(nn.ConstantPad1d)
+class ShardedConstantPad1d(_ShardedPadNd, nn.ConstantPad1d):
+    """``nn.ConstantPad1d`` on slabs: constant padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 1
+    _mode = "constant"
+
+
+@register(nn.ConstantPad2d)
+class ShardedConstantPad2d(_ShardedPadNd, nn.ConstantPad2d):
+    """``nn.ConstantPad2d`` on slabs: constant padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 2
+    _mode = "constant"
+
+
+@register(nn.ConstantPad3d)
+class ShardedConstantPad3d(_ShardedPadNd, nn.ConstantPad3d):
+    """``nn.ConstantPad3d`` on slabs: constant padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 3
+    _mode = "constant"
+
+
+@register(nn.ReflectionPad1d)
+class ShardedReflectionPad1d(_ShardedPadNd, nn.ReflectionPad1d):
+    """``nn.ReflectionPad1d`` on slabs: reflect padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 1
+    _mode = "reflect"
+
+
+@register(nn.ReflectionPad2d)
+class ShardedReflectionPad2d(_ShardedPadNd, nn.ReflectionPad2d):
+    """``nn.ReflectionPad2d`` on slabs: reflect padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 2
+    _mode = "reflect"
+
+
+@register(nn.ReflectionPad3d)
+class ShardedReflectionPad3d(_ShardedPadNd, nn.ReflectionPad3d):
+    """``nn.ReflectionPad3d`` on slabs: reflect padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 3
+    _mode = "reflect"
+
+
+@register(nn.ReplicationPad1d)
+class ShardedReplicationPad1d(_ShardedPadNd, nn.ReplicationPad1d):
+    """``nn.ReplicationPad1d`` on slabs: replicate padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 1
+    _mode = "replicate"
+
+
+@register(nn.ReplicationPad2d)
+class ShardedReplicationPad2d(_ShardedPadNd, nn.ReplicationPad2d):
+    """``nn.ReplicationPad2d`` on slabs: replicate padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 2
+    _mode = "replicate"
+
+
+@register(nn.ReplicationPad3d)
+class ShardedReplicationPad3d(_ShardedPadNd, nn.ReplicationPad3d):
+    """``nn.ReplicationPad3d`` on slabs: replicate padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 3
+    _mode = "replicate"
+
+
+@register(nn.CircularPad1d)
+class ShardedCircularPad1d(_ShardedPadNd, nn.CircularPad1d):
+    """``nn.CircularPad1d`` on slabs: circular padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 1
+    _mode = "circular"
+
+
+@register(nn.CircularPad2d)
+class ShardedCircularPad2d(_ShardedPadNd, nn.CircularPad2d):
+    """``nn.CircularPad2d`` on slabs: circular padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 2
+    _mode = "circular"
+
+
+@register(nn.CircularPad3d)
+class ShardedCircularPad3d(_ShardedPadNd, nn.CircularPad3d):
+    """``nn.CircularPad3d`` on slabs: circular padding at the domain's edges only (see the module docstring)."""
+
+    _spatial_dims = 3
+    _mode = "circular"
+
 
 __all__ = [
     "ShardedCircularPad1d",

@@ -4,8 +4,10 @@ Every output position ``j`` along a dim reads a few source positions computed by
 index arithmetic (``aten/src/ATen/native/UpSample.h``), reproduced here in the same precision:
 nearest (``floorf(j * scale)``, float32), nearest-exact (``floorf((j + 0.5) * scale)``), linear
 (2 taps, ``area_pixel_compute_source_index`` and ``guard_index_and_lambda``) and cubic (4 taps,
-``A = -0.75``, clamped at the edges). ``area`` is adaptive average pooling (``ShardedAdaptiveAvgPool``). The interpolation is separable, so dims are resampled one
-after another with ``index_select`` and per-position weights.
+``A = -0.75``, clamped at the edges). ``area`` is adaptive average pooling
+(``ShardedAdaptiveAvgPool``). The interpolation is separable, so dims are resampled one after
+another with ``index_select`` and per-position weights. Weighted taps of fp16/bf16 inputs are
+summed in float32 and rounded once, as torch's kernels do.
 
 Sharding contract:
     input: ``(N, C, S0, ...)`` sharded along ``dims`` by the domain axes, any contiguous slabs.
@@ -32,8 +34,8 @@ from ..comm import HaloSpec, axis_ring, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
+from .adaptive_pool import ShardedAdaptiveAvgPool1d, ShardedAdaptiveAvgPool2d, ShardedAdaptiveAvgPool3d
 from .base import ShardedMixin, agree
-from .pool import ShardedAdaptiveAvgPool1d, ShardedAdaptiveAvgPool2d, ShardedAdaptiveAvgPool3d
 
 _AREA = {1: ShardedAdaptiveAvgPool1d, 2: ShardedAdaptiveAvgPool2d, 3: ShardedAdaptiveAvgPool3d}
 
@@ -214,10 +216,6 @@ class ShardedUpsample(ShardedMixin, nn.Upsample):
 
     _spatial_dims = 3  # Upsample takes 1-d to 3-d inputs; dims are checked against the input too
 
-    def __init__(self, *args, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sharding(mesh, dims)
-
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         """See the module docstring."""
         super()._init_sharding(mesh, dims)
@@ -229,9 +227,6 @@ class ShardedUpsample(ShardedMixin, nn.Upsample):
             x, self.mesh, self.size, self.scale_factor, self.mode, self.align_corners,
             self.recompute_scale_factor, dims=self.dims, what=type(self).__name__,
         )
-
-    def extra_repr(self) -> str:  # noqa: D102
-        return f"{super().extra_repr()}, {self.sharding_repr()}"
 
 
 @register(nn.UpsamplingNearest2d)

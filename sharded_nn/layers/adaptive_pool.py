@@ -1,0 +1,167 @@
+"""Sharded adaptive pooling: ``ShardedAdaptiveAvgPool1d/2d/3d``, ``ShardedAdaptiveMaxPool1d/2d/3d``.
+
+``ShardedAdaptiveAvgPool*`` / ``ShardedAdaptiveMaxPool*``: an output size of 1 along a sharded
+dim is a global reduction over that mesh axis (an all-reduce of local sums, or of local maxima
+with the gradient routed to the rank that holds the maximum; the output is then replicated along
+that axis). Other output sizes are exact: bin ``i`` (``[floor(i*L/O), ceil((i+1)*L/O))``)
+belongs to the rank whose slab holds its start, and the few positions a bin reads from the right
+neighbour arrive by a halo exchange. Unsharded dims are pooled locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.modules.utils import _ntuple
+
+from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_ring, halo_cat
+from ..errors import ShardingError, ShardingNotImplementedError
+from ..layout import Layout
+from ..registry import register
+from .base import ShardedMixin, batched
+
+_AMAX_FN = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
+_AAVG_FN = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16 (sums of half values round), else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _bins(length: int, out: int) -> list[tuple[int, int]]:
+    """torch's adaptive bins: ``[floor(i*L/O), ceil((i+1)*L/O))``."""
+    return [(i * length // out, -(-(i + 1) * length // out)) for i in range(out)]
+
+
+class _ShardedAdaptivePoolNd(ShardedMixin):
+    """Shared forward of the sharded adaptive pools (mixed into the torch classes)."""
+
+    _is_max = False
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        """See the module docstring."""
+        super()._init_sharding(mesh, dims)
+        if getattr(self, "return_indices", False):
+            raise ShardingNotImplementedError(
+                f"{type(self).__name__}: return_indices=True is not supported for sharded adaptive max "
+                "pooling; use return_indices=False (or ShardedMaxPool with return_indices)."
+            )
+
+    @batched
+    def forward(self, x: torch.Tensor):  # noqa: D102
+        n = self._spatial_dims
+        layouts = self._agree(x).layouts
+        # Averages of fp16/bf16 inputs are summed in float32 (as torch's adaptive average
+        # accumulates) and rounded to the input dtype once, after every dim is pooled.
+        in_dtype = x.dtype
+        out_sizes = list(_ntuple(n)(self.output_size))
+        for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
+            o = out_sizes[d - 2] if out_sizes[d - 2] is not None else lay.size
+            ring = axis_ring(self.mesh, axis)
+            x = self._global(x, d, ring, lay.size) if o == 1 else self._binned(x, d, ring, lay, o)
+            out_sizes[d - 2] = x.shape[d]  # already pooled: identity bins for the local pool below
+        out_sizes = [x.shape[2 + i] if o is None else o for i, o in enumerate(out_sizes)]
+        if tuple(out_sizes) != tuple(x.shape[2:]):
+            x = (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+        return x.to(in_dtype)
+
+    def _global(self, x: torch.Tensor, d: int, ring, length: int) -> torch.Tensor:
+        """Output size 1 along sharded ``d``: an all-reduce over the mesh axis (replicated result)."""
+        if not self._is_max:
+            return all_reduce_sum(x.sum(d, keepdim=True, dtype=_acc_dtype(x.dtype)), ring.group) / length
+        local = x.max(d, keepdim=True).values  # gradient to one position, as torch's max
+        best = all_reduce_max(local, ring.group)
+        # Ties: the first rank holding the maximum owns it (torch takes the first in scan order).
+        rank = torch.full_like(local, -float(ring.index))
+        first = all_reduce_max(torch.where(local == best, rank, torch.full_like(local, -float(ring.size))), ring.group)
+        return all_reduce_sum(torch.where(first == rank, local, torch.zeros_like(local)), ring.group)
+
+    def _binned(self, x: torch.Tensor, d: int, ring, layout: Layout, out: int) -> torch.Tensor:
+        """Bins along sharded ``d``: each rank pools the bins that start in its slab."""
+        name = type(self).__name__
+        bins = _bins(layout.size, out)
+        owned = [[b for b in bins if a <= b[0] < a + n] for a, n in zip(layout.starts, layout.sizes)]
+        if any(not o for o in owned):
+            raise ShardingError(
+                f"{name}: output size {out} along dim {d} leaves rank(s) "
+                f"{[r for r, o in enumerate(owned) if not o]} without a bin (input slabs {layout.sizes}). Use "
+                "fewer ranks, or output size 1 (a global reduction)."
+            )
+        ends = [a + n for a, n in zip(layout.starts, layout.sizes)]
+        right = tuple(max(o[-1][1] - e, 0) for o, e in zip(owned, ends))
+        spec = HaloSpec(d, (0,) * layout.parts, right)
+        spec.check(layout.sizes, name)
+        if ring.size > 1:
+            x = halo_cat(x, spec, ring)
+        a = layout.starts[ring.index]
+        parts = []
+        for lo, hi in owned[ring.index]:
+            piece = x.narrow(d, lo - a, hi - lo)
+            if self._is_max:
+                parts.append(piece.max(d, keepdim=True).values)
+            else:
+                parts.append(piece.mean(d, keepdim=True, dtype=_acc_dtype(piece.dtype)))
+        return torch.cat(parts, d)
+
+
+class _ShardedAdaptiveMaxPoolNd(_ShardedAdaptivePoolNd):
+    """Adaptive max pooling: the maximum's gradient goes to one position, as torch's."""
+
+    _is_max = True
+
+
+@register(nn.AdaptiveAvgPool1d)
+class ShardedAdaptiveAvgPool1d(_ShardedAdaptivePoolNd, nn.AdaptiveAvgPool1d):
+    """``nn.AdaptiveAvgPool1d`` with its input sharded along ``dims``; output size 1 along a sharded dim all-reduces."""
+
+    _spatial_dims = 1
+
+
+@register(nn.AdaptiveAvgPool2d)
+class ShardedAdaptiveAvgPool2d(_ShardedAdaptivePoolNd, nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` with its input sharded along ``dims``; output size 1 along a sharded dim all-reduces."""
+
+    _spatial_dims = 2
+
+
+@register(nn.AdaptiveAvgPool3d)
+class ShardedAdaptiveAvgPool3d(_ShardedAdaptivePoolNd, nn.AdaptiveAvgPool3d):
+    """``nn.AdaptiveAvgPool3d`` with its input sharded along ``dims``; output size 1 along a sharded dim all-reduces."""
+
+    _spatial_dims = 3
+
+
+@register(nn.AdaptiveMaxPool1d)
+class ShardedAdaptiveMaxPool1d(_ShardedAdaptiveMaxPoolNd, nn.AdaptiveMaxPool1d):
+    """``nn.AdaptiveMaxPool1d`` with its input sharded along ``dims``; output size 1 along a sharded dim all-reduces."""
+
+    _spatial_dims = 1
+
+
+@register(nn.AdaptiveMaxPool2d)
+class ShardedAdaptiveMaxPool2d(_ShardedAdaptiveMaxPoolNd, nn.AdaptiveMaxPool2d):
+    """``nn.AdaptiveMaxPool2d`` with its input sharded along ``dims``; output size 1 along a sharded dim all-reduces."""
+
+    _spatial_dims = 2
+
+
+@register(nn.AdaptiveMaxPool3d)
+class ShardedAdaptiveMaxPool3d(_ShardedAdaptiveMaxPoolNd, nn.AdaptiveMaxPool3d):
+    """``nn.AdaptiveMaxPool3d`` with its input sharded along ``dims``; output size 1 along a sharded dim all-reduces."""
+
+    _spatial_dims = 3
+
+
+__all__ = [
+    "ShardedAdaptiveAvgPool1d",
+    "ShardedAdaptiveAvgPool2d",
+    "ShardedAdaptiveAvgPool3d",
+    "ShardedAdaptiveMaxPool1d",
+    "ShardedAdaptiveMaxPool2d",
+    "ShardedAdaptiveMaxPool3d",
+]
