@@ -75,7 +75,7 @@ def _tokens(start: int, stop: int, salt: int) -> torch.Tensor:
 
 
 def _local(seq: int, mesh, causal: bool, salt: int) -> torch.Tensor:
-    ring = snn.comm.domain_ring(mesh)
+    ring = snn.comm.domain_peers(mesh)
     if causal:
         chunks = snn.Layout.balanced(seq, 2 * ring.size)
         r = ring.index

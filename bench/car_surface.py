@@ -105,7 +105,7 @@ def train(mesh, *, points: int, samples: int, steps: int, hidden: int = 32, laye
     if samples != data_size:
         raise ValueError(f"train: one car per data replica: samples={samples} but the mesh has {data_size} replicas.")
     sample = mesh.get_local_rank(data) if data else 0
-    ring = snn.comm.domain_ring(mesh)
+    ring = snn.comm.domain_peers(mesh)
     # This rank's chunk of its car, as a data loader reading one slice of a file would give it.
     chunk = snn.Layout.balanced(points, ring.size).slice(ring.index)
     pos_c, nrm_c, cp_c = car_surface(points, sample, start=chunk.start, stop=chunk.stop, dtype=dtype)

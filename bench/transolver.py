@@ -68,7 +68,7 @@ def _points(start: int, stop: int, salt: int, channels: int) -> torch.Tensor:
 def _worker(points: int, iters: int, mlp_ratio: int) -> dict:
     mesh = snn.init_mesh(device_type="cpu")
     group = snn.domain_group(mesh)
-    ring = snn.comm.domain_ring(mesh)
+    ring = snn.comm.domain_peers(mesh)
     torch.manual_seed(0)
     model = Transolver(functional_dim=3, out_dim=1, embedding_dim=3, n_layers=4, n_hidden=128, n_head=8,
                        slice_num=32, mlp_ratio=mlp_ratio)  # fmt: skip

@@ -168,15 +168,25 @@ def _segments(lens: tuple[int, ...], layout: str, what: str) -> tuple[tuple[_Seg
 def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what) -> _Plan:
     if layout not in _LAYOUTS:
         raise ValueError(f"{what}: layout must be one of {_LAYOUTS}, got {layout!r}.")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ShardingError(f"{what}: {name} must be (B, H, L_local, D), got shape {tuple(t.shape)}.")
     ring = domain_peers(mesh)
+    # The number of dims is a gathered fact too: a 3-d tensor on one rank alone must raise on
+    # every rank, not on that rank while the others wait in the gather.
+    ndims = tuple(t.dim() for t in (q, k, v))
+    four = [(*tuple(t.shape)[:4], *(-1,) * max(0, 4 - t.dim())) for t in (q, k, v)]
     mask_shape = tuple(mask.shape) if mask is not None else None
     # A bad mask on one rank only must still raise on every rank: its validity is a gathered fact.
-    mask_ok = mask is None or (mask_shape == (q.shape[0], k.shape[2]) and mask.dtype == torch.bool)
-    facts = (*q.shape, *k.shape, *v.shape, mask is not None, mask_ok)
-    rows = gather_ints(facts, ring)
+    mask_ok = mask is None or (
+        ndims == (4, 4, 4) and mask_shape == (q.shape[0], k.shape[2]) and mask.dtype == torch.bool
+    )
+    facts = (*four[0], *four[1], *four[2], mask is not None, mask_ok)
+    rows = gather_ints((*facts, *ndims), ring)
+    bad = [(r, tuple(row[-3:])) for r, row in enumerate(rows) if tuple(row[-3:]) != (4, 4, 4)]
+    if bad:
+        raise ShardingError(
+            f"{what}: q, k and v must be 4-d (B, H, L_local, D) on every rank; (rank, (q, k, v) ndims) "
+            f"of the ranks that differ: {bad}."
+        )
+    rows = [tuple(row[:-3]) for row in rows]
     # Unsharded facts must agree on every rank; all ranks see the same rows and raise together.
     keep = [i for i in range(len(facts) - 1) if i not in (2, 6, 10)]
     if len({tuple(r[i] for i in keep) for r in rows}) != 1:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import sharded_nn as snn
 from sharded_nn import functional as snf
-from sharded_nn.comm.ring_pass import domain_ring, gather_ints
+from sharded_nn.comm.ring_pass import domain_peers, gather_ints
 
 from .harness import mesh
 from .reference import check_against_reference
@@ -73,7 +73,7 @@ def _local(cfg: Cfg, m, x, dim):
     """
     if cfg.layout == "zigzag":
         return snf.zigzag_shard(x, m, dim)
-    ring = domain_ring(m)
+    ring = domain_peers(m)
     sizes = cfg.sizes or snn.Layout.balanced(x.shape[dim], ring.size).sizes
     return x.narrow(dim, sum(sizes[: ring.index]), sizes[ring.index]).clone()
 
@@ -81,7 +81,7 @@ def _local(cfg: Cfg, m, x, dim):
 def _unshard(cfg: Cfg, m, x_local, dim):
     if cfg.layout == "zigzag":
         return snf.zigzag_unshard(x_local, m, dim)
-    ring = domain_ring(m)
+    ring = domain_peers(m)
     if ring.size == 1:
         return x_local
     shapes = [tuple(s) for s in gather_ints(x_local.shape, ring)]

@@ -151,7 +151,7 @@ def test_unsupported_padding_mode(run):
 
 def _halo_add_is_adjoint(periodic):
     # <halo_add(x), g> == <x, halo_cat(g)> for random x and g: the backward of one is the other.
-    ring = snn.comm.axis_ring(mesh(3), "domain")
+    ring = snn.comm.axis_peers(mesh(3), "domain")
     core = (4, 3, 5)
     spec = snn.comm.HaloSpec(2, (2 if periodic else 0, 1, 3), (2, 1, 1 if periodic else 0), periodic)
     r = ring.index

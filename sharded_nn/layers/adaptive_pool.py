@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _ntuple
 
-from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_ring, halo_cat
+from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_peers, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
@@ -62,7 +62,7 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
         out_sizes = list(_ntuple(n)(self.output_size))
         for lay, d, axis in zip(layouts, self.dims, self.mesh_axes):
             o = out_sizes[d - 2] if out_sizes[d - 2] is not None else lay.size
-            ring = axis_ring(self.mesh, axis)
+            ring = axis_peers(self.mesh, axis)
             x = self._global(x, d, ring, lay.size) if o == 1 else self._binned(x, d, ring, lay, o)
             out_sizes[d - 2] = x.shape[d]  # already pooled: identity bins for the local pool below
         out_sizes = [x.shape[2 + i] if o is None else o for i, o in enumerate(out_sizes)]

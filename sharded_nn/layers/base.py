@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import domain_ring, gather_ints, layouts_from_shapes
+from ..comm import domain_peers, gather_ints, layouts_from_shapes
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import axis_size, domain_axes
@@ -143,7 +143,7 @@ def gather_facts(
     """
     same = dict(same or {})
     flat = [v for vals in same.values() for v in vals]
-    rows = gather_ints([*flat, *local], domain_ring(mesh))
+    rows = gather_ints([*flat, *local], domain_peers(mesh))
     _check_same(rows, 0, same, what)
     return tuple(tuple(r[len(flat) :]) for r in rows)
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import axis_ring
+from ..comm import axis_peers
 from ..errors import ShardingError
 from ..layout import Layout
 from ..registry import register
@@ -203,7 +203,7 @@ class _ShardedConvNd(ShardedMixin):
             )
         plans = self._plan(layouts)
         mode = self.padding_mode
-        rings = [axis_ring(self.mesh, axis) for axis in self.mesh_axes]
+        rings = [axis_peers(self.mesh, axis) for axis in self.mesh_axes]
         pads = {2 + i: p for i, p in enumerate(self._pads()) if 2 + i not in self.dims}
         conv_padding = [0] * n
         if mode == "zeros":

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloSpec, axis_ring, halo_add
+from ..comm import HaloSpec, axis_peers, halo_add
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
@@ -121,7 +121,7 @@ class _ShardedConvTransposeNd(ShardedMixin):
         y = _CONVT_FN[n](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
         for (spec, out_layout, _), d, axis in zip(plans, self.dims, self.mesh_axes):
             i = d - 2
-            ring = axis_ring(self.mesh, axis)
+            ring = axis_peers(self.mesh, axis)
             r = ring.index
             p = self.padding[i]
             # Local buffer in output coordinates starts at a*s - p. Keep [a*s - left, a*s + core +

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloSpec, axis_ring, halo_cat
+from ..comm import HaloSpec, axis_peers, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
@@ -121,7 +121,7 @@ def _pad(
         if not (pl or pr):
             continue
         axis, layout = sharded[d]
-        ring = axis_ring(mesh, axis)
+        ring = axis_peers(mesh, axis)
         if mode == "circular":
             p = layout.parts
             spec = HaloSpec(d, (pl,) + (0,) * (p - 1), (0,) * (p - 1) + (pr,), periodic=True)

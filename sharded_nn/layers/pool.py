@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 
-from ..comm import axis_ring
+from ..comm import axis_peers
 from ..registry import register
 from .base import ShardedMixin, batched
 from .window import Window, extend, pad_unsharded, plan_window
@@ -84,7 +84,7 @@ class _ShardedPoolNd(ShardedMixin):
         offsets = [-w.pad_left for w in windows]  # global position of the extended slab's first element
         for lay, plan, d, axis in zip(layouts, plans, self.dims, self.mesh_axes):
             w = windows[d - 2]
-            ring = axis_ring(self.mesh, axis)
+            ring = axis_peers(self.mesh, axis)
             start = lay.starts[ring.index]
             starts[d - 2] = start // w.stride
             offsets[d - 2] = start - plan.halo.left[ring.index] - (plan.pad_left if ring.is_first else 0)

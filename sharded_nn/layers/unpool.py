@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 
-from ..comm import HaloSpec, axis_ring, halo_add, halo_cat
+from ..comm import HaloSpec, axis_peers, halo_add, halo_cat
 from ..errors import ShardingError
 from ..layout import Layout
 from ..registry import register
@@ -98,7 +98,7 @@ class _ShardedMaxUnpoolNd(ShardedMixin):
             if any(not dflt - s_ < t < dflt + s_ for t, dflt, s_ in zip(total, default, s)):
                 raise ValueError(f"{name}: output_size {tuple(total)} must be within a stride of {tuple(default)}.")
         cores = [_unpool_cores(lay, d, s[d - 2], total[d - 2], name) for lay, d in zip(layouts, self.dims)]
-        rings = [axis_ring(self.mesh, axis) for axis in self.mesh_axes]
+        rings = [axis_peers(self.mesh, axis) for axis in self.mesh_axes]
         starts = [lay.starts[ring.index] * s[d - 2] for lay, ring, d in zip(layouts, rings, self.dims)]
         # Global flat index -> coordinates.
         rest, coords = indices, []

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloSpec, axis_ring, halo_cat
+from ..comm import HaloSpec, axis_peers, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
@@ -183,7 +183,7 @@ def interpolate(
             x = _resample(x, d, taps, weights, 0)
             continue
         k = dims.index(d)
-        lay, ring = layouts[k], axis_ring(mesh, axes[k])
+        lay, ring = layouts[k], axis_peers(mesh, axes[k])
         bounds = [_out_range(a, lay.size, outs[i]) for a in lay.starts] + [outs[i]]
         if any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
             raise ShardingError(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..comm import AxisRing, HaloSpec, halo_cat, halo_exchange
+from ..comm import AxisPeers, HaloSpec, halo_cat, halo_exchange
 from ..errors import ShardingError
 from ..layout import Layout
 from .base import BoundedCache
@@ -141,7 +141,7 @@ def edge_slab(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, valu
 def extend(
     x: torch.Tensor,
     plan: WindowPlan,
-    ring: AxisRing,
+    ring: AxisPeers,
     mode: str,
     value: float = 0.0,
 ) -> torch.Tensor:
@@ -175,7 +175,7 @@ def pad_unsharded(x: torch.Tensor, pads: dict[int, tuple[int, int]], mode: str, 
 def apply_overlapped(
     x: torch.Tensor,
     plan: WindowPlan,
-    ring: AxisRing,
+    ring: AxisPeers,
     mode: str,
     w: Window,
     fn,
@@ -227,7 +227,7 @@ def apply_overlapped(
 def apply_linear(
     x: torch.Tensor,
     plan: WindowPlan,
-    ring: AxisRing,
+    ring: AxisPeers,
     mode: str,
     w: Window,
     conv_zero_padded,
