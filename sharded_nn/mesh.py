@@ -205,3 +205,14 @@ def _forget(mid: int, ref: weakref.ref) -> None:
     entry = _STORE.get(mid)
     if entry is not None and entry[0] is ref:
         del _STORE[mid]
+
+
+def default_dims(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The tensor dims the domain axes shard by default: the first spatial dims of ``(N, C, S0, ...)``.
+
+    One dim per domain axis, in order: ``(2,)`` for a 1-D domain, ``(2, 3)`` for a 2-D domain.
+    ``shard``, ``local_slices``, ``gather``, the reductions, ``convert`` and every grid layer use
+    this rule when ``dims`` is not given. Token tensors ``(B, L, C)`` and point tensors
+    ``(B, N, C)`` shard dim 1: pass ``dims=(1,)`` for them.
+    """
+    return tuple(range(2, 2 + len(domain_axes(mesh))))

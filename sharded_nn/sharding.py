@@ -18,18 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import axis_size, domain_axes, domain_group, group_over
-
-
-def default_dims(mesh: DeviceMesh) -> tuple[int, ...]:
-    """The tensor dims the domain axes shard by default: the first spatial dims of ``(N, C, S0, ...)``.
-
-    One dim per domain axis, in order: ``(2,)`` for a 1-D domain, ``(2, 3)`` for a 2-D domain.
-    ``shard``, ``local_slices``, ``gather``, the reductions, ``convert`` and every grid layer use
-    this rule when ``dims`` is not given. Token tensors ``(B, L, C)`` and point tensors
-    ``(B, N, C)`` shard dim 1: pass ``dims=(1,)`` for them.
-    """
-    return tuple(range(2, 2 + len(domain_axes(mesh))))
+from .mesh import axis_size, default_dims, domain_axes, domain_group, group_over
 
 
 def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:

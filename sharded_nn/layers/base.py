@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
 from ..errors import ShardingError
 from ..layout import Layout
-from ..mesh import axis_size, domain_axes
+from ..mesh import axis_size, default_dims, domain_axes
 
 #: Tensors with more dims than this are refused (the gathered rows have a fixed width).
 MAX_NDIM = 12
@@ -285,7 +285,7 @@ class ShardedMixin:
         check_mesh(mesh, name)
         axes = domain_axes(mesh)
         if dims is None:
-            dims = self._default_dims(axes)
+            dims = self._default_dims(mesh)
         dims = (dims,) if isinstance(dims, int) else tuple(dims)
         if len(dims) > len(axes):
             raise ShardingError(
@@ -296,9 +296,9 @@ class ShardedMixin:
         self.dims = dims
         self.mesh_axes = axes[: len(dims)]
 
-    def _default_dims(self, axes: tuple[str, ...]) -> tuple[int, ...]:
-        """One tensor dim per domain axis: the first spatial dims."""
-        return tuple(range(2, 2 + len(axes)))
+    def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
+        """One tensor dim per domain axis: the first spatial dims (``mesh.default_dims``)."""
+        return default_dims(mesh)
 
     def _check_dims(self, dims: tuple[int, ...], axes: tuple[str, ...]) -> None:
         bad = [d for d in dims if not 2 <= d < 2 + self._spatial_dims]

@@ -286,8 +286,8 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
     ``dims`` explicitly for token tensors (e.g. ``dims=(1,)`` for ``LayerNorm([L, C])``).
     """
 
-    def _default_dims(self, axes: tuple[str, ...]) -> tuple[int, ...]:
-        return () if len(self.normalized_shape) == 1 else super()._default_dims(axes)
+    def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
+        return () if len(self.normalized_shape) == 1 else super()._default_dims(mesh)
 
     def _check_dims(self, dims: tuple[int, ...], axes: tuple[str, ...]) -> None:
         if any(d < 1 for d in dims):

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_cat
 from ..errors import ShardingError, ShardingNotImplementedError
-from ..mesh import domain_axes
+from ..mesh import default_dims, domain_axes
 from ..registry import register
 from .base import ShardedMixin, agree, batched
 from .window import edge_pad
@@ -77,7 +77,7 @@ def _pad(
 ) -> torch.Tensor:
     axes = domain_axes(mesh)
     if dims is None:
-        dims = tuple(range(2, 2 + len(axes)))
+        dims = default_dims(mesh)
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     layouts = agree(x, mesh, dims, what=what, ndims=ndims, expected=expected).layouts
     pad = tuple(int(p) for p in pad)
