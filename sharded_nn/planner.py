@@ -54,7 +54,7 @@ def parse_bytes(budget: int | float | str) -> int:
         raise ValueError(f"budget: expected bytes (int) or a string like '24GiB', got {budget!r}.")
     if isinstance(budget, (int, float)):
         if budget <= 0 or not math.isfinite(budget):
-            raise ValueError(f"budget: expected a positive number of bytes, got {budget!r}.")
+            raise ValueError(f"budget: expected a positive number of bytes or a string like '24GiB', got {budget!r}.")
         return int(budget)
     if isinstance(budget, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
