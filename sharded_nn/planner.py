@@ -6,8 +6,8 @@ memory), under a ``TorchDispatchMode`` that follows every storage an operator cr
 (a weak reference on each storage), so the trace gives the exact timeline of live bytes that
 eager PyTorch would hold, op by op, through forward and backward. Each byte is classified:
 
-* parameter-shaped tensors (weights, their gradients and gradient partials) are replicated over
-  the domain ranks: they do not shrink with P;
+* the parameter gradients (identified by storage after the backward) are replicated over the
+  domain ranks: they do not shrink with P (nor do the parameters, counted apart);
 * every other tensor (activations, saved tensors, activation gradients) lives on the sharded
   sample, so its size scales with the local slab: ``ceil(S / P) / S`` of the full size, where ``S``
   is the extent of the sharded dim ``dims[0]``.
@@ -74,50 +74,72 @@ def _fmt(n: float) -> str:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Follows the storages created by operators; records (activation, replicated) bytes per event.
+    """Follows the storages created by operators: a timeline of live bytes, op by op.
 
-    Works on real and on fake tensors. A storage counts as *replicated* when its tensor has the
-    shape of one of ``param_shapes`` (weights' gradients and partials); else as *activation*.
+    Works on real and on fake tensors. Every allocation gets a sequence number; after the run,
+    :meth:`mark_replicated` names the tensors (the parameter gradients) whose bytes do not shrink
+    with P, and :attr:`timeline` gives ``(activation, replicated)`` bytes after every event.
+    Classifying by identity, not by shape, matters: a ViT's position embedding has the shape of
+    every token activation.
     """
 
-    def __init__(self, param_shapes: set[tuple[int, ...]] = frozenset()):
+    def __init__(self):
         super().__init__()
-        self.param_shapes = set(param_shapes)
-        self.live: dict[int, tuple[int, bool]] = {}  # id(storage) -> (bytes, replicated)
-        self.act = 0
-        self.rep = 0
-        self.timeline: list[tuple[int, int]] = [(0, 0)]
+        self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (seq, bytes)
         self._refs: dict[int, weakref.ref] = {}
+        self.events: list[tuple[int, int]] = []  # (seq, +bytes on allocation / -bytes on free)
+        self.replicated: set[int] = set()
+        self._seq = 0
 
     def _free(self, key: int) -> None:
-        nbytes, rep = self.live.pop(key, (0, False))
+        seq, nbytes = self._live.pop(key, (None, 0))
         self._refs.pop(key, None)
-        if rep:
-            self.rep -= nbytes
-        else:
-            self.act -= nbytes
-        self.timeline.append((self.act, self.rep))
+        if seq is not None:
+            self.events.append((seq, -nbytes))
 
     def _track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = id(st)
-        if key in self.live:
+        if key in self._live:
             return
-        nbytes = st.nbytes()
-        rep = tuple(t.shape) in self.param_shapes
-        self.live[key] = (nbytes, rep)
+        self._seq += 1
+        self._live[key] = (self._seq, st.nbytes())
         self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
-        if rep:
-            self.rep += nbytes
-        else:
-            self.act += nbytes
-        self.timeline.append((self.act, self.rep))
+        self.events.append((self._seq, st.nbytes()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self._track(t)
+        return out
+
+    def mark_replicated(self, tensors) -> None:
+        """Count these (still alive) tensors' storages as replicated over the domain ranks."""
+        for t in tensors:
+            if t is not None:
+                entry = self._live.get(id(t.untyped_storage()))
+                if entry is not None:
+                    self.replicated.add(entry[0])
+
+    @property
+    def act(self) -> int:
+        return sum(b for s, b in self._live.values() if s not in self.replicated)
+
+    @property
+    def rep(self) -> int:
+        return sum(b for s, b in self._live.values() if s in self.replicated)
+
+    @property
+    def timeline(self) -> list[tuple[int, int]]:
+        act = rep = 0
+        out = [(0, 0)]
+        for seq, delta in self.events:
+            if seq in self.replicated:
+                rep += delta
+            else:
+                act += delta
+            out.append((act, rep))
         return out
 
     def peak(self, scale: float = 1.0) -> int:
@@ -177,16 +199,20 @@ def _normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> int:
 
 
 def trace_peak(
-    model: nn.Module, x: torch.Tensor, *, backward: bool = True, tracker: LiveBytes | None = None
+    model: nn.Module, x: torch.Tensor, *, backward: bool = True, tracker: LiveBytes | None = None, params=None
 ) -> LiveBytes:
-    """Run ``model(x)`` (and a backward of the output's sum) under a :class:`LiveBytes` tracker."""
-    tracker = tracker or LiveBytes({tuple(p.shape) for p in model.parameters()})
+    """Run ``model(x)`` and a backward of ones under a :class:`LiveBytes` tracker.
+
+    The gradients of ``params`` (default: ``model.parameters()``) are marked replicated.
+    """
+    tracker = tracker or LiveBytes()
     with tracker:
         out = model(x)
         if backward:
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         del out
+    tracker.mark_replicated(p.grad for p in (params if params is not None else model.parameters()))
     return tracker
 
 
@@ -245,13 +271,14 @@ def plan_memory(
         for name, b in model.named_buffers():
             state[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype, device=device)
         x = torch.empty(shape, dtype=dtype, device=device).requires_grad_(backward)
-        tracker = LiveBytes({tuple(p.shape) for p in params})
+        tracker = LiveBytes()
 
         class _Bound(nn.Module):
             def forward(self, inp):
                 return torch.func.functional_call(model, state, (inp,))
 
-        trace_peak(_Bound(), x, backward=backward, tracker=tracker)
+        fake_params = [state[name] for name, _ in model.named_parameters()]
+        trace_peak(_Bound(), x, backward=backward, tracker=tracker, params=fake_params)
 
     param_bytes = sum(p.numel() * (torch.empty((), dtype=dtype).element_size() if p.is_floating_point() else p.element_size()) for p in params)
     input_full = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -103,14 +103,16 @@ def test_bad_dims_and_ranks():
         snn.plan_memory(_conv(), (1, 3, 16, 16), max_ranks=0)
 
 
-def test_live_bytes_classifies_parameter_shapes_as_replicated():
-    tracker = LiveBytes({(4, 4)})
+def test_live_bytes_follows_frees_and_marks_replicated_by_identity():
+    tracker = LiveBytes()
     with tracker:
-        a = torch.ones(4, 4) * 2  # parameter-shaped
-        b = torch.ones(8) * 2
+        a = torch.ones(4, 4) * 2
+        b = torch.ones(4, 4) * 3  # the same shape as a: only identity tells them apart
+    tracker.mark_replicated([a])
     # The temporaries (the ones) are freed; a (replicated) and b (activation) remain.
-    assert (tracker.act, tracker.rep) == (8 * 4, 16 * 4)
-    assert max(r for _, r in tracker.timeline) == 2 * 16 * 4  # ones and a, both alive during the mul
+    assert (tracker.act, tracker.rep) == (16 * 4, 16 * 4)
+    assert max(x for x, _ in tracker.timeline) == 2 * 16 * 4  # b and its temporary ones
     del a
-    assert tracker.rep == 0 and tracker.act == 8 * 4
+    assert tracker.rep == 0 and tracker.act == 16 * 4
     del b
+    assert tracker.timeline[-1] == (0, 0)
