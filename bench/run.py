@@ -75,7 +75,7 @@ def run_zoo(cases, progress: bool) -> list[dict]:
     rows = []
     todo = [(m, s, d) for m, sizes, d in cases for s in sizes]
     for model_name, size, depth in tqdm(todo, desc="zoo cases", disable=not progress, file=sys.stdout):
-        cfg = demo.DemoConfig(model=model_name, size=size, depth=depth, nproc=2)
+        cfg = demo.DemoConfig(model=model_name, size=size, depth=depth, nproc=2, repeat=2)
         demo.validate(cfg)
         rec = demo.run_local(cfg, progress=False)
         pred = predicted_mib(model_name, size, depth)
@@ -131,7 +131,10 @@ def write_markdown(zoo: list[dict], benches: list[dict], path: Path, quick: bool
             f"{'yes' if r['ok'] else 'NO'} |"
         )
     lines += ["", "Cases: " + "; ".join(sorted({f"{r['model']}: {r['description']}" for r in zoo})), ""]
-    lines += ["Planned: `snn.plan_memory` peak less parameters and input (what the measured column counts).", ""]
+    lines += ["Time: the faster of 2 steps, slowest rank. Memory: growth of the resident high-water mark above its value "
+              "after the model and input were built (0: the step stayed below the start-up high-water mark, as at "
+              "`--quick` sizes). Planned: `snn.plan_memory` peak less parameters and input (what the measured column "
+              "counts).", ""]
     for b in benches:
         lines += [f"## `{b['command']}` (exit {b['rc']}, {b['seconds']:.0f} s)", "", "```", b["output"].rstrip(), "```", ""]
     lines += ["Not measured: communication volume per step (needs a byte counter in `sharded_nn.comm`).", ""]

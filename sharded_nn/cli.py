@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--depth", type=int, default=None, help="ViT blocks / Transolver layers (smaller: faster)")
     d.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     d.add_argument("--out", default="sharded_nn_demo", help="output folder (default ./sharded_nn_demo)")
+    d.add_argument("--repeat", type=int, default=1, help="steps per run; the fastest is reported (default 1)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         cfg = _demo.DemoConfig(
-            model=args.model, nproc=args.nproc, size=args.size, depth=args.depth, dtype=args.dtype, out=args.out
+            model=args.model, nproc=args.nproc, size=args.size, depth=args.depth, dtype=args.dtype, out=args.out,
+            repeat=args.repeat,
         )
         try:
             _demo.validate(cfg)

@@ -22,11 +22,13 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "model,size", [("vit", "32"), ("cnn", "16")], ids=["vit", "cnn"]
+    "model,size,repeat", [("vit", "32", "1"), ("cnn", "16", "2")], ids=["vit", "cnn-repeat2"]
 )
-def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str):
+def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str, repeat: str):
     out = tmp_path / "demo"
-    proc = _run("demo", "--model", model, "--size", size, "--depth", "1", "--out", str(out), "--no-progress")
+    proc = _run(
+        "demo", "--model", model, "--size", size, "--depth", "1", "--repeat", repeat, "--out", str(out), "--no-progress"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads((out / f"demo_{model}.json").read_text())
     assert record["ok"] is True and record["model"] == model
@@ -47,6 +49,7 @@ def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str)
         (["demo", "--model", "cnn", "--nproc", "0"], "--nproc must be >= 1, got 0"),
         (["demo", "--size", "32", "--nproc", "4"], "only 2 aligned slab(s) for --nproc 4"),
         (["demo", "--depth", "0"], "--depth must be >= 1"),
+        (["demo", "--repeat", "0"], "--repeat must be >= 1, got 0"),
         (["demo", "--model", "resnet"], "invalid choice: 'resnet'"),
         (["demo", "--size", "big"], "invalid int value: 'big'"),
         ([], "the following arguments are required: COMMAND"),
