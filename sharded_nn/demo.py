@@ -20,7 +20,6 @@ reported as ``None``.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import resource
@@ -313,7 +312,8 @@ def format_table(rec: DemoRecord) -> str:
         lines.append(f"| {r.nproc} | {mems} | {r.seconds:.2f} |")
     diffs = ", ".join(f"{k} {v:.2e}" for k, v in rec.max_abs_diff.items())
     verdict = "OK: sharded == single process" if rec.ok else "MISMATCH"
-    lines.append(f"max |difference| P={rec.runs[-1].nproc} vs P=1: {diffs} (tolerance {rec.tolerance:.1e}) -> {verdict}")
+    p = rec.runs[-1].nproc
+    lines.append(f"max |difference| P={p} vs P=1: {diffs} (tolerance {rec.tolerance:.1e}) -> {verdict}")
     return "\n".join(lines)
 
 
@@ -347,7 +347,8 @@ def _record(cfg: DemoConfig, ref: dict[str, Any], got: dict[str, Any], nproc: in
     return DemoRecord(
         model=cfg.model, description=desc, size=cfg.resolved_size(), input_shape=list(shape), dtype=cfg.dtype,
         backend=got["backend"],
-        runs=[RunRecord(1, ref["mem"] if ref_mem_ok else [None], ref["seconds"]), RunRecord(nproc, got["mem"], got["seconds"])],
+        runs=[RunRecord(1, ref["mem"] if ref_mem_ok else [None], ref["seconds"]),
+              RunRecord(nproc, got["mem"], got["seconds"])],
         max_abs_diff=diffs, tolerance=tol, ok=ok,
     )  # fmt: skip
 

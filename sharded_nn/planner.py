@@ -280,8 +280,9 @@ def plan_memory(
         fake_params = [state[name] for name, _ in model.named_parameters()]
         trace_peak(_Bound(), x, backward=backward, tracker=tracker, params=fake_params)
 
-    param_bytes = sum(p.numel() * (torch.empty((), dtype=dtype).element_size() if p.is_floating_point() else p.element_size()) for p in params)
-    input_full = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    param_bytes = sum(p.numel() * (itemsize if p.is_floating_point() else p.element_size()) for p in params)
+    input_full = math.prod(shape) * itemsize
     ranks, peaks, acts, inputs = [], [], [], []
     for p in range(1, max_ranks + 1):
         frac = -(-shape[dim] // p) / shape[dim]  # the largest slab
