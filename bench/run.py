@@ -90,16 +90,12 @@ def run_zoo(cases, progress: bool) -> list[dict]:
     return rows
 
 
-def run_bench(name: str, args: list[str], out: Path, timeout: float) -> dict:
-    """One per-model benchmark as a subprocess; its output is kept and its speedups collected."""
-    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        text, rc = proc.stdout + ("\n" + proc.stderr[-2000:] if proc.returncode else ""), proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = f"{e.stdout or ''}\n(timed out after {timeout:.0f} s)", 124
-    (out / f"{name}.txt").write_text(text)
+def parse_speedups(text: str) -> list[float]:
+    """The speedups (``1.83x``) a benchmark printed: the first ``<float>x`` of each table row.
+
+    A table starts at a header line containing "speedup" and ends at a blank line; Markdown rows
+    (``|`` first) count anywhere. Shapes such as ``1x16x128`` are not floats and do not match.
+    """
     in_table, speedups = False, []
     for line in text.splitlines():
         if "speedup" in line:
@@ -111,6 +107,20 @@ def run_bench(name: str, args: list[str], out: Path, timeout: float) -> dict:
             m = _SPEEDUP.search(line)
             if m:
                 speedups.append(float(m.group(1)))
+    return speedups
+
+
+def run_bench(name: str, args: list[str], out: Path, timeout: float) -> dict:
+    """One per-model benchmark as a subprocess; its output is kept and its speedups collected."""
+    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        text, rc = proc.stdout + ("\n" + proc.stderr[-2000:] if proc.returncode else ""), proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}\n(timed out after {timeout:.0f} s)", 124
+    (out / f"{name}.txt").write_text(text)
+    speedups = parse_speedups(text)
     return {"name": name, "command": " ".join(["python", f"bench/{name}.py", *args]), "rc": rc,
             "seconds": time.perf_counter() - t0, "speedups": speedups, "output": text}  # fmt: skip
 

@@ -77,3 +77,16 @@ def test_console_script_is_installed():
     assert script is not None and Path(script).exists(), "reinstall: pip install -e . (pyproject [project.scripts])"
     proc = subprocess.run([str(script), "demo", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--model" in proc.stdout and "--nproc" in proc.stdout
+
+
+def test_suite_collects_the_speedups_benchmarks_print():
+    from bench.run import parse_speedups
+
+    markdown = "| seq | T1 (s) | speedup | mem ratio |\n| --- | --- | --- | --- |\n| 1024 | 0.16 | 1.23x MISS | 0.64x |\n"
+    fixed = (
+        "case     shape    T1 s   speedup  mem ratio\n-----\n"
+        "conv3d   1x16x32x32x32  0.5  1.91x  0.51x\n\nCPU-time ratio T1/T2 1.95x\n"
+    )
+    assert parse_speedups(markdown) == [1.23]
+    assert parse_speedups(fixed) == [1.91]
+    assert parse_speedups("P plain sharded ratio\n1 fwd 986 979 0.99\n") == []
