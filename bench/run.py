@@ -59,11 +59,12 @@ def predicted_mib(model_name: str, size: int, depth: int | None) -> list[float] 
     from sharded_nn import demo
 
     cfg = demo.DemoConfig(model=model_name, size=size, depth=depth)
-    if model_name == "transolver":  # two inputs (fields and coordinates): plan_memory takes one
-        return None
     model = demo.build_model(cfg, None)
     _, shape = demo.describe(cfg)
-    plan = snn.plan_memory(model, shape, max_ranks=2, dims=2)
+    if model_name == "transolver":  # points along dim 1; the coordinates are a second input
+        plan = snn.plan_memory(model, shape, max_ranks=2, dims=1, input_kwargs={"embedding": shape})
+    else:
+        plan = snn.plan_memory(model, shape, max_ranks=2, dims=2)
     return [(plan.peak(p) - plan.param_bytes - plan.input_bytes[p - 1]) / 2**20 for p in (1, 2)]
 
 

@@ -225,6 +225,7 @@ def plan_memory(
     dims: int | Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     backward: bool = True,
+    input_kwargs: dict[str, Sequence[int]] | None = None,
 ) -> MemoryPlan:
     """Predict the peak memory per rank of ``model`` on one sample of ``input_shape``, P = 1..max_ranks.
 
@@ -242,6 +243,8 @@ def plan_memory(
             ``(N, C, ...)``), or 1 for 2-d inputs (``(N, points)``).
         dtype: the parameter and input dtype (default: the model's parameter dtype, else float32).
         backward: include the backward (a gradient of ones on the output); ``False``: inference.
+        input_kwargs: shapes of further keyword inputs of ``model.forward`` (e.g. Transolver's
+            ``{"embedding": (1, n, 3)}``), sharded like the input (counted with the input).
 
     Returns:
         A :class:`MemoryPlan`; ``print(plan)`` shows the table.
@@ -271,18 +274,19 @@ def plan_memory(
         for name, b in model.named_buffers():
             state[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype, device=device)
         x = torch.empty(shape, dtype=dtype, device=device).requires_grad_(backward)
+        extra = {k: torch.empty(tuple(v), dtype=dtype, device=device) for k, v in (input_kwargs or {}).items()}
         tracker = LiveBytes()
 
         class _Bound(nn.Module):
             def forward(self, inp):
-                return torch.func.functional_call(model, state, (inp,))
+                return torch.func.functional_call(model, state, (inp,), extra)
 
         fake_params = [state[name] for name, _ in model.named_parameters()]
         trace_peak(_Bound(), x, backward=backward, tracker=tracker, params=fake_params)
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     param_bytes = sum(p.numel() * (itemsize if p.is_floating_point() else p.element_size()) for p in params)
-    input_full = math.prod(shape) * itemsize
+    input_full = (math.prod(shape) + sum(math.prod(v) for v in (input_kwargs or {}).values())) * itemsize
     ranks, peaks, acts, inputs = [], [], [], []
     for p in range(1, max_ranks + 1):
         frac = -(-shape[dim] // p) / shape[dim]  # the largest slab

@@ -52,6 +52,30 @@ def test_real_tracker_frees_what_autograd_frees():
     assert tracker.peak() > tracker.timeline[-1][0] + tracker.timeline[-1][1]
 
 
+def test_keyword_inputs_transolver_within_15_percent():
+    torch.manual_seed(0)
+    model = snn.zoo.create_model(
+        "transolver", functional_dim=3, out_dim=1, embedding_dim=3, n_layers=1, n_hidden=32, n_head=4, slice_num=8
+    )
+    shape = (1, 2048, 3)
+    plan = snn.plan_memory(model, shape, max_ranks=2, dims=1, input_kwargs={"embedding": shape})
+    fx, emb = torch.randn(shape, requires_grad=True), torch.randn(shape)
+
+    class Bound(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x, embedding=emb)
+
+    tracker = trace_peak(Bound(), fx)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    measured = tracker.peak() + params + 2 * fx.numel() * 4
+    assert abs(plan.peak(1) - measured) <= 0.15 * measured, (plan.peak(1), measured)
+    assert plan.activation_bytes[1] == pytest.approx(plan.activation_bytes[0] / 2, rel=0.01)
+
+
 def test_two_ranks_halve_the_activations():
     plan = snn.plan_memory(_conv(), (1, 3, 128, 128), max_ranks=4)
     a1, a2, a4 = plan.activation_bytes[0], plan.activation_bytes[1], plan.activation_bytes[3]
