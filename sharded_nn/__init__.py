@@ -15,6 +15,7 @@ from .layers.upsample import interpolate
 from .layout import Layout
 from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh
 from .parallel import parallelize
+from .planner import plan_memory
 from .points import PointCloudPartition
 from .registry import register
 from .sharding import default_dims, gather, local_slices, shard
@@ -43,6 +44,7 @@ __all__ = [
     "local_slices",
     "losses",
     "parallelize",
+    "plan_memory",
     "points",
     "reductions",
     "register",

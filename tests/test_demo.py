@@ -1,0 +1,92 @@
+"""``sharded-nn demo``: the console entry runs end to end at a tiny size; bad options fail in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sharded_nn import cli
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "sharded_nn", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "model,size,repeat", [("vit", "32", "1"), ("cnn", "16", "2")], ids=["vit", "cnn-repeat2"]
+)
+def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str, repeat: str):
+    out = tmp_path / "demo"
+    proc = _run(
+        "demo", "--model", model, "--size", size, "--depth", "1", "--repeat", repeat, "--out", str(out), "--no-progress"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((out / f"demo_{model}.json").read_text())
+    assert record["ok"] is True and record["model"] == model
+    assert [r["nproc"] for r in record["runs"]] == [1, 2]
+    assert len(record["runs"][1]["mem_mib"]) == 2  # one peak per rank
+    assert set(record["max_abs_diff"]) == {"output", "input grad", "param grads"}
+    assert max(record["max_abs_diff"].values()) <= record["tolerance"] <= 1e-1
+    assert max(record["max_abs_diff"]["output"], record["max_abs_diff"]["input grad"]) < 1e-4
+    png = out / f"demo_{model}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "OK: sharded == single process" in proc.stdout and "| P |" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["demo", "--size", "7"], "expected a multiple of 16 of at least 32, got 7"),
+        (["demo", "--model", "cnn", "--nproc", "0"], "--nproc must be >= 1, got 0"),
+        (["demo", "--size", "32", "--nproc", "4"], "only 2 aligned slab(s) for --nproc 4"),
+        (["demo", "--depth", "0"], "--depth must be >= 1"),
+        (["demo", "--repeat", "0"], "--repeat must be >= 1, got 0"),
+        (["demo", "--model", "resnet"], "invalid choice: 'resnet'"),
+        (["demo", "--size", "big"], "invalid int value: 'big'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_bad_options_one_line_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_bad_option_in_a_subprocess_has_no_traceback():
+    proc = _run("demo", "--model", "transolver", "--size", "1", timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sharded-nn demo: error: --size for --model transolver")
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).with_name("sharded-nn")
+    if not script.exists():
+        script = shutil.which("sharded-nn")
+    assert script is not None and Path(script).exists(), "reinstall: pip install -e . (pyproject [project.scripts])"
+    proc = subprocess.run([str(script), "demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--model" in proc.stdout and "--nproc" in proc.stdout
+
+
+def test_suite_collects_the_speedups_benchmarks_print():
+    from bench.run import parse_speedups
+
+    markdown = "| seq | T1 (s) | speedup | mem ratio |\n| --- | --- | --- | --- |\n| 1024 | 0.16 | 1.23x MISS | 0.64x |\n"
+    fixed = (
+        "case     shape    T1 s   speedup  mem ratio\n-----\n"
+        "conv3d   1x16x32x32x32  0.5  1.91x  0.51x\n\nCPU-time ratio T1/T2 1.95x\n"
+    )
+    assert parse_speedups(markdown) == [1.23]
+    assert parse_speedups(fixed) == [1.91]
+    assert parse_speedups("P plain sharded ratio\n1 fwd 986 979 0.99\n") == []

@@ -1,0 +1,142 @@
+"""``snn.plan_memory``: prediction against a traced real run, P scaling, budget parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sharded_nn as snn
+from sharded_nn.planner import LiveBytes, parse_bytes, trace_peak
+
+
+def _conv() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1, stride=2), nn.GELU(),
+        nn.Conv2d(16, 1, 1),
+    )  # fmt: skip
+
+
+def _vit() -> nn.Module:
+    torch.manual_seed(0)
+    return snn.zoo.create_model("vit_tiny_patch16_224", img_size=64, depth=2)
+
+
+def _measured(model: nn.Module, shape: tuple[int, ...]) -> int:
+    """Real run at P=1: the same live-bytes tracker on real tensors, plus parameters and input."""
+    x = torch.randn(shape, requires_grad=True)
+    tracker = trace_peak(model, x)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return tracker.peak() + params + x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("build,shape", [(_conv, (1, 3, 64, 64)), (_vit, (1, 3, 64, 64))], ids=["conv", "vit"])
+def test_prediction_within_15_percent_of_real_run(build, shape):
+    model = build()
+    plan = snn.plan_memory(model, shape, max_ranks=2)
+    # The model itself was not touched: no gradients, real (not fake) parameters.
+    assert all(p.grad is None and type(p) is nn.Parameter for p in model.parameters())
+    measured = _measured(model, shape)
+    assert abs(plan.peak(1) - measured) <= 0.15 * measured, (plan.peak(1), measured)
+
+
+def test_real_tracker_frees_what_autograd_frees():
+    """After the step only the parameter gradients stay alive (the timeline returns to them)."""
+    model = _conv()
+    x = torch.randn(1, 3, 32, 32, requires_grad=True)
+    tracker = trace_peak(model, x)
+    grads = sum(p.grad.numel() * 4 for p in model.parameters())
+    assert tracker.timeline[-1][1] == grads  # replicated: the gradients
+    assert tracker.timeline[-1][0] <= x.numel() * 4  # activations freed (x.grad may remain)
+    assert tracker.peak() > tracker.timeline[-1][0] + tracker.timeline[-1][1]
+
+
+def test_keyword_inputs_transolver_within_15_percent():
+    torch.manual_seed(0)
+    model = snn.zoo.create_model(
+        "transolver", functional_dim=3, out_dim=1, embedding_dim=3, n_layers=1, n_hidden=32, n_head=4, slice_num=8
+    )
+    shape = (1, 2048, 3)
+    plan = snn.plan_memory(model, shape, max_ranks=2, dims=1, input_kwargs={"embedding": shape})
+    fx, emb = torch.randn(shape, requires_grad=True), torch.randn(shape)
+
+    class Bound(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x, embedding=emb)
+
+    tracker = trace_peak(Bound(), fx)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    measured = tracker.peak() + params + 2 * fx.numel() * 4
+    assert abs(plan.peak(1) - measured) <= 0.15 * measured, (plan.peak(1), measured)
+    assert plan.activation_bytes[1] == pytest.approx(plan.activation_bytes[0] / 2, rel=0.01)
+
+
+def test_two_ranks_halve_the_activations():
+    plan = snn.plan_memory(_conv(), (1, 3, 128, 128), max_ranks=4)
+    a1, a2, a4 = plan.activation_bytes[0], plan.activation_bytes[1], plan.activation_bytes[3]
+    assert a2 == pytest.approx(a1 / 2, rel=0.01) and a4 == pytest.approx(a1 / 4, rel=0.01)
+    assert plan.peak(1) > plan.peak(2) > plan.peak(4) > plan.param_bytes
+    # Uneven: 127 rows over 2 ranks -> the largest slab has 64 rows.
+    uneven = snn.plan_memory(_conv(), (1, 3, 127, 128), max_ranks=2)
+    assert uneven.activation_bytes[1] == pytest.approx(uneven.activation_bytes[0] * 64 / 127, rel=0.01)
+
+
+def test_budget_picks_the_smallest_fitting_p():
+    model = _conv()
+    plan = snn.plan_memory(model, (1, 3, 128, 128), max_ranks=8)
+    target = plan.peak(3)
+    fit = snn.plan_memory(model, (1, 3, 128, 128), max_ranks=8, budget=target)
+    assert fit.fits == 3 and fit.budget == target
+    assert snn.plan_memory(model, (1, 3, 128, 128), max_ranks=2, budget=1).fits is None
+    text = str(fit)
+    assert "smallest P that fits: 3" in text and "| 8 |" in text
+
+
+def test_float64_and_forward_only():
+    model = _conv()
+    f32 = snn.plan_memory(model, (1, 3, 64, 64), max_ranks=1)
+    f64 = snn.plan_memory(model, (1, 3, 64, 64), max_ranks=1, dtype=torch.float64)
+    fwd = snn.plan_memory(model, (1, 3, 64, 64), max_ranks=1, backward=False)
+    assert f64.peak(1) == 2 * f32.peak(1)
+    assert fwd.peak(1) < f32.peak(1)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("24GiB", 24 * 2**30), ("512 MiB", 512 * 2**20), ("32GB", 32 * 10**9), ("1.5kib", 1536), (4096, 4096)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["24 gigs", "", "GiB", "-1GiB", 0, -5, True, "24GiB!"])
+def test_bad_budget_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=r"budget: expected .*24GiB"):
+        snn.plan_memory(_conv(), (1, 3, 16, 16), budget=bad)
+
+
+def test_bad_dims_and_ranks():
+    with pytest.raises(ValueError, match="dims must name a dim of the 4-d input"):
+        snn.plan_memory(_conv(), (1, 3, 16, 16), dims=7)
+    with pytest.raises(ValueError, match="max_ranks must be >= 1"):
+        snn.plan_memory(_conv(), (1, 3, 16, 16), max_ranks=0)
+
+
+def test_live_bytes_follows_frees_and_marks_replicated_by_identity():
+    tracker = LiveBytes()
+    with tracker:
+        a = torch.ones(4, 4) * 2
+        b = torch.ones(4, 4) * 3  # the same shape as a: only identity tells them apart
+    tracker.mark_replicated([a])
+    # The temporaries (the ones) are freed; a (replicated) and b (activation) remain.
+    assert (tracker.act, tracker.rep) == (16 * 4, 16 * 4)
+    assert max(x for x, _ in tracker.timeline) == 2 * 16 * 4  # b and its temporary ones
+    del a
+    assert tracker.rep == 0 and tracker.act == 16 * 4
+    del b
+    assert tracker.timeline[-1] == (0, 0)
