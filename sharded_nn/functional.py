@@ -10,6 +10,9 @@ Token layouts (``layout=``): ``"contiguous"`` slabs (rank r holds one run of tok
 or ``"zigzag"``, the load-balanced layout for causal attention: the sequence is cut into 2P
 balanced chunks and rank r holds chunks r and 2P-1-r, so that every rank does the same causal
 work. ``zigzag_shard`` / ``zigzag_unshard`` move tokens into and out of it.
+
+The grid functions ``interpolate`` (``F.interpolate`` on slabs) and ``pad`` (``F.pad`` on slabs)
+are served from here too; they live beside their modules in ``sharded_nn.layers``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,22 @@ from .comm.ring_pass import gather_ints, ring_pass
 from .errors import ShardingError, ShardingNotImplementedError
 from .layout import Layout
 
-__all__ = ["ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["interpolate", "pad", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
+
+
+def __getattr__(name: str):
+    # The functional forms of the grid layers live beside their modules (layers/upsample.py,
+    # layers/padding.py), which import this module for attention; they are served from here
+    # too, where a reader of ``F.interpolate`` / ``F.pad`` looks for them, without an import cycle.
+    if name == "interpolate":
+        from .layers.upsample import interpolate
+
+        return interpolate
+    if name == "pad":
+        from .layers.padding import pad
+
+        return pad
+    raise AttributeError(f"module 'sharded_nn.functional' has no attribute {name!r}")
 
 _LAYOUTS = ("contiguous", "zigzag")
 #: Pieces that the travelling K/V slab (and its dK/dV accumulator) is cut into, along batch and

@@ -65,3 +65,14 @@ def _reductions_default_case():
 
 def test_reductions_use_the_same_default(run):
     assert all(run(4, _reductions_default_case))
+
+
+def test_functional_forms_live_in_functional():
+    """``snn.functional`` holds every functional form a reader looks for: attention, interpolate, pad."""
+    import sharded_nn as snn
+    from sharded_nn.layers.padding import pad
+    from sharded_nn.layers.upsample import interpolate
+
+    assert snn.functional.interpolate is interpolate is snn.interpolate
+    assert snn.functional.pad is pad
+    assert {"interpolate", "pad", "ring_attention", "ulysses_attention"} <= set(snn.functional.__all__)
