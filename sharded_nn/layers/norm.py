@@ -135,12 +135,63 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
         self._check_channels(x, self.num_channels, agreed, self.dims)
-        xg = _opmath(x).reshape(x.shape[0], self.num_groups, -1)
-        mean, var, _ = global_moments(xg, (2,), self._domain_group())
-        # Normalized and scaled in the accumulation dtype, rounded once to the output dtype.
-        y = ((xg - mean) * torch.rsqrt(var + self.eps)).reshape(x.shape)
-        y = _affine(y, _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim()))
-        return y.to(_out_dtype(x, "group_norm"))
+        return _GroupNormFn.apply(
+            x, self.weight, self.bias, self.num_groups, self.eps, self._domain_group(), _out_dtype(x, "group_norm")
+        )
+
+
+class _GroupNormFn(torch.autograd.Function):
+    """Group normalization over slabs that keeps only its input and the statistics for backward.
+
+    Written with elementwise autograd ops, the layer kept three slab-sized tensors for backward
+    (``x - mean``, the normalized input and its scaled copy) where torch's fused ``group_norm``
+    keeps one, its input: a UNet's fwd+bwd peak at P=2 was 0.8x of P=1 instead of 0.5x. The
+    backward recomputes the normalized input from the saved input and the (small) statistics and
+    needs one all-reduce of two per-group sums:
+    ``dx = rstd * (g - sum(g) / n - xhat * sum(g * xhat) / n)`` with ``g = dy * weight`` and the
+    sums over the whole group on every rank. Statistics and gradients accumulate in
+    ``acc_dtype`` and are rounded once. With ``create_graph`` (double backward) the statistics are
+    recomputed with autograd-aware ops, so second derivatives stay exact.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_groups, eps, group, out_dtype):  # noqa: D102
+        xg = _opmath(x).reshape(x.shape[0], num_groups, -1)
+        mean, var, count = global_moments(xg, (2,), group)
+        rstd = torch.rsqrt(var + eps)
+        y = ((xg - mean) * rstd).reshape(x.shape)
+        y = _affine(y, _channel_view(weight, x.dim()), _channel_view(bias, x.dim())).to(out_dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.num_groups, ctx.eps, ctx.group, ctx.count = num_groups, eps, group, count
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: D102
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        n, groups = x.shape[0], ctx.num_groups
+        xa = _opmath(x)
+        if torch.is_grad_enabled():
+            # create_graph: statistics that depend on x through recorded ops.
+            mean, var, _ = global_moments(xa.reshape(n, groups, -1), (2,), ctx.group)
+            rstd = torch.rsqrt(var + ctx.eps)
+        acc = mean.dtype
+        xhat = (xa.reshape(n, groups, -1) - mean) * rstd
+        gya = gy.to(acc)
+        gw = gya * _channel_view(weight, x.dim()).to(acc) if weight is not None else gya
+        gw = gw.reshape(n, groups, -1)
+        sums = torch.stack([gw.sum(2), (gw * xhat).sum(2)])
+        if ctx.group is not None:
+            sums = all_reduce_sum(sums, ctx.group)
+        count = ctx.count.to(acc)
+        dx = rstd * (gw - sums[0].unsqueeze(-1) / count - xhat * (sums[1].unsqueeze(-1) / count))
+        dx = dx.reshape(x.shape).to(x.dtype)
+        reduce_dims = (0, *range(2, x.dim()))
+        dw = db = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = (gya * xhat.reshape(x.shape)).sum(reduce_dims).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            db = gya.sum(reduce_dims).to(bias.dtype)
+        return dx, dw, db, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
