@@ -4,6 +4,11 @@ Split one huge sample across processes; explicit sharded layers exchange halos, 
 statistics and pass attention blocks so that the result equals the single-device model.
 """
 
+# Before anything can allocate a tensor: torch reads its huge-page switch at the first allocation.
+from .host_memory import apply_process_defaults as _apply_process_defaults
+
+_apply_process_defaults()
+
 from . import comm, functional, losses, points, reductions
 from . import layers as _layers
 from .alignment import alignment
