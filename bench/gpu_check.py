@@ -1,0 +1,184 @@
+"""One prepared check for a machine with one NVIDIA GPU (issue 12 item 5).
+
+Three parts, each printed as a Markdown table and written to ``--out`` (JSON):
+
+1. **NCCL at world size 1**: ``sharded_nn.init_mesh(device_type="cuda")`` in a one-process
+   group must pick NCCL; each zoo model (small sizes) runs forward and backward through the
+   sharded path on it and is checked against the plain model on the same GPU.
+2. **CUDA attention kernels inside ring attention**: ``snn.functional.ring_attention`` with the
+   fused block kernel (``sharded_nn.attention_kernels``; the CUDA memory-efficient kernel behind
+   its one-time self-check) against the blocked math path, for float32 / bfloat16 / float16,
+   with and without key padding, causal and not: output and q/k/v gradients, and whether the
+   fused kernel was really used.
+3. **CUDA peak memory against the planner**: each zoo model at a moderate size, forward and
+   backward of the plain model at P=1, ``torch.cuda.max_memory_allocated`` growth above the
+   model and input, against ``snn.plan_memory``'s P=1 activation prediction (its peak less
+   parameters and input, as ``bench/run.py`` compares on CPU).
+
+Run it from the repository root on the GPU machine::
+
+    python bench/gpu_check.py --out gpu_check.json
+
+Without a GPU it runs the same code on the CPU with gloo (``--allow-cpu``, a dry run of the
+script itself: part 2 then compares the CPU flash kernel with the math path, part 3 measures the
+resident-set growth), so the script is known to work before a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import sharded_nn as snn  # noqa: E402
+from sharded_nn import attention_kernels, demo  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_process_group() -> None:
+    """A world of one, as torchrun would set it up, so that ``init_mesh`` chooses the backend."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")  # fmt: skip
+
+
+def check_backend(device_type: str) -> list[dict]:
+    """Part 1: every zoo model through the sharded path at world size 1 against the plain model."""
+    rows = []
+    cases = [("cnn", 32, None), ("vit", 256, 2), ("unet", 128, None), ("transolver", 4096, 2)]
+    for model, size, depth in cases:
+        cfg = demo.DemoConfig(model=model, size=size, depth=depth, nproc=1)
+        ref = demo.rank_step(cfg, sharded=False)
+        got = demo.rank_step(cfg, sharded=True)
+        diffs, tol, ok = demo.compare(cfg, ref, got)
+        rows.append({"model": model, "size": size, "backend": got["backend"], "max_diff": max(diffs.values()),
+                     "tolerance": tol, "ok": ok and got["backend"] == ("nccl" if device_type == "cuda" else "gloo")})
+    return rows
+
+
+def _attention_case(device, dtype, masked, causal, mesh):
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 4, 300, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d)
+    pad = None
+    if masked:
+        pad = torch.rand(b, n, generator=g) < 0.2
+        pad[:, 0] = False
+        pad = pad.to(device)
+    dout = torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype)
+    out = snn.functional.ring_attention(q, k, v, mesh, causal, key_padding_mask=pad)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return [out.detach(), *grads]
+
+
+def check_attention(device_type: str, mesh) -> list[dict]:
+    """Part 2: the fused block kernel against the blocked math path inside ring attention."""
+    device = torch.device(device_type)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if device_type == "cuda" else (torch.float32,)
+    rows = []
+    for dtype in dtypes:
+        for masked in (False, True):
+            for causal in (False, True):
+                attention_kernels._CHECKED.clear()
+                fused = _attention_case(device, dtype, masked, causal, mesh)
+                used = any(ok for key, ok in attention_kernels._CHECKED.items() if key[1] == dtype)
+                used = used or (device_type == "cpu" and attention_kernels._use_cpu_flash(fused[0], fused[0]))
+                saved = dict(attention_kernels._CHECKED_KERNELS)
+                attention_kernels._CHECKED_KERNELS.clear()  # no fused kernel: the math path
+                orig_cpu = attention_kernels._use_cpu_flash
+                attention_kernels._use_cpu_flash = lambda q, v: False
+                try:
+                    math = _attention_case(device, dtype, masked, causal, mesh)
+                finally:
+                    attention_kernels._CHECKED_KERNELS.update(saved)
+                    attention_kernels._use_cpu_flash = orig_cpu
+                err = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                          for a, b in zip(fused, math))
+                tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+                rows.append({"dtype": str(dtype).replace("torch.", ""), "key_padding": masked, "causal": causal,
+                             "fused_used": used, "max_rel_err": err, "ok": used and err <= tol})
+    return rows
+
+
+def check_memory(device_type: str) -> list[dict]:
+    """Part 3: measured P=1 activation peak of each zoo model against the planner's prediction."""
+    os.environ["SNN_DEMO_DEVICE"] = device_type
+    big = device_type == "cuda"
+    cases = [("vit", 1024 if big else 256, None if big else 2), ("unet", 1024 if big else 256, None),
+             ("transolver", 262144 if big else 8192, None if big else 2), ("cnn", 128 if big else 32, None)]
+    rows = []
+    for model, size, depth in cases:
+        cfg = demo.DemoConfig(model=model, size=size, depth=depth, nproc=1)
+        measured = demo.rank_step(cfg, sharded=False)["mem"][0]
+        plain = demo.build_model(cfg, None)
+        _, shape = demo.describe(cfg)
+        if model == "transolver":
+            plan = snn.plan_memory(plain, shape, max_ranks=1, dims=1, input_kwargs={"embedding": shape})
+        else:
+            plan = snn.plan_memory(plain, shape, max_ranks=1, dims=2)
+        planned = (plan.peak(1) - plan.param_bytes - plan.input_bytes[0]) / 2**20
+        rows.append({"model": model, "size": size, "measured_mib": measured, "planned_mib": planned,
+                     "ratio": planned / measured if measured else float("nan")})
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return "(none)"
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--allow-cpu", action="store_true", help="dry run on the CPU (gloo) without a GPU")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("gpu_check: no CUDA device; run on a GPU machine, or pass --allow-cpu for a dry run.")
+        return 2
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    os.environ["SNN_DEMO_DEVICE"] = device_type
+    _one_process_group()
+    t0 = time.perf_counter()
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device_type == "cuda" else None}
+    print("environment:", info)
+    backend = check_backend(device_type)
+    print("\n## 1. backend at world size 1 (sharded path against the plain model)\n\n" + _table(backend))
+    mesh = snn.init_mesh(device_type=device_type)
+    attention = check_attention(device_type, mesh)
+    print("\n## 2. ring attention: fused block kernel against the math path\n\n" + _table(attention))
+    memory = check_memory(device_type)
+    print("\n## 3. peak activation memory at P=1: measured against plan_memory\n\n" + _table(memory))
+    ok = all(r["ok"] for r in backend + attention)
+    print(f"\nall checks {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
+    Path(args.out).write_text(json.dumps({"info": info, "backend": backend, "attention": attention,
+                                          "memory": memory, "ok": ok}, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
