@@ -19,8 +19,8 @@ efficiency against P), ``memory.png`` (peak memory per rank against resolution, 
 ``--quick`` is a smoke run of a couple of minutes on 2 cores: tiny sizes, the slow per-model
 benchmarks skipped. The full run takes hours on a laptop; numbers depend on the machine's load.
 
-Not measured here: the communication volume per step (bytes moved by halos, rings and
-reductions) needs a byte counter in ``sharded_nn.comm``, which does not exist yet.
+The communication volume per step (bytes moved by halos, rings and reductions, counted by
+``sharded_nn.comm.traffic``) against the minimum the algorithm needs is ``bench/comm_volume.py``.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ ZOO_FULL = [("vit", [512, 1024], None), ("unet", [512, 1024], None), ("cnn", [64
             ("transolver", [65536, 131072], None)]  # fmt: skip
 
 #: (name, arguments) of part 2; quick and full.
-BENCH_QUICK = [("attention", ["--seq", "1024", "--iters", "1"]), ("layer_overhead", ["--iters", "20", "--warmup", "5"])]
+BENCH_QUICK = [("attention", ["--seq", "1024", "--iters", "1"]), ("layer_overhead", ["--iters", "20", "--warmup", "5"]),
+               ("comm_volume", ["--side", "32", "--length", "1024"])]  # fmt: skip
 BENCH_FULL = [
     ("conv", []), ("attention", []), ("vit", []), ("unet", []), ("transolver", []), ("layer_overhead", []),
+    ("comm_volume", []),
 ]  # fmt: skip
 
 _SPEEDUP = re.compile(r"(?<![\w.])(\d+\.\d+)x(?!\w)")
@@ -148,7 +150,6 @@ def write_markdown(zoo: list[dict], benches: list[dict], path: Path, quick: bool
               "counts).", ""]
     for b in benches:
         lines += [f"## `{b['command']}` (exit {b['rc']}, {b['seconds']:.0f} s)", "", "```", b["output"].rstrip(), "```", ""]
-    lines += ["Not measured: communication volume per step (needs a byte counter in `sharded_nn.comm`).", ""]
     path.write_text("\n".join(lines))
 
 

@@ -22,8 +22,11 @@ def _pad_to(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return F.pad(x, pads) if any(pads) else x.contiguous()
 
 
-# torch 2.14 renamed all_gather_into_tensor; keep working on older releases too.
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch 2.14 renamed all_gather_into_tensor; keep working on older releases too. Looked up at
+    # call time, so that ``comm.traffic.count_traffic`` sees the call.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
 
 
 def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -31,7 +34,7 @@ def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     world = dist.get_world_size(group)
     x = x.detach().contiguous()
     out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-    _ALL_GATHER_SINGLE(out, x.reshape(-1), group=group)
+    _all_gather_single(out, x.reshape(-1), group)
     return out.reshape(world, *x.shape)
 
 
