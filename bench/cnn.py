@@ -1,0 +1,139 @@
+"""timm CNNs at moderate resolutions: plain timm at P=1 against the converted model at P=2.
+
+Issue 16: per-layer latency, not bytes, decides the speedup of modern CNNs at one to four
+megapixels. For each model and input size this measures, one thread per rank, in separate
+``snn.launch`` runs (so each process's allocator and caches are its own):
+
+* **forward**: ``model.eval()`` under ``torch.no_grad()``;
+* **forward+backward**: ``model.train()`` (BatchNorm statistics over the whole sample: the
+  sharded BatchNorm all-reduces them), drop rates 0 so the output is deterministic, loss = the
+  sum of the logits weighted by fixed random numbers.
+
+P=1 is plain timm (``timm.create_model(name, num_classes=10, drop_rate=0, drop_path_rate=0)``,
+randomly initialised with a fixed seed); P=2 is ``snn.convert`` of the same model, the
+``(1, 3, H, W)`` input sharded on H with the model's alignment (``snn.alignment``). Times are
+the median of ``--iters`` steps after one warm-up, slowest rank. Checked: P=2 logits and the
+domain-summed gradient of the first convolution's weight against P=1 (relative error).
+
+Targets (issue 16): >= 1.6x at 1024x512 and >= 1.85x at 2048x1024 for every model, forward and
+forward+backward; never slower than one process at 512x256.
+
+Run from the repository root::
+
+    python bench/cnn.py                                     # 5 models x 3 sizes (long)
+    python bench/cnn.py --models regnetx_002 --sizes 512x256 --iters 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import sharded_nn as snn  # noqa: E402
+
+MODELS = ("convnext_atto", "regnetx_002", "efficientnet_b0", "mobilenetv3_large_100", "resnet50")
+SIZES = ("512x256", "1024x512", "2048x1024")
+TARGETS = {"512x256": 1.0, "1024x512": 1.6, "2048x1024": 1.85}
+SEED = 0
+
+
+def _build(name: str):
+    import timm
+
+    torch.manual_seed(SEED)
+    return timm.create_model(name, num_classes=10, drop_rate=0.0, drop_path_rate=0.0)
+
+
+def _median_time(fn, iters: int, sync) -> tuple[float, object]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def rank_main(name: str, h: int, w: int, iters: int, sharded: bool) -> dict:
+    model = _build(name)
+    x_full = torch.randn(1, 3, h, w, generator=torch.Generator().manual_seed(SEED + 1))
+    weights = torch.randn(1, 10, generator=torch.Generator().manual_seed(SEED + 2))
+    mesh = None
+    if sharded:
+        mesh = snn.init_mesh(domain=dist.get_world_size())
+        align = snn.alignment(model, 2)
+        model = snn.convert(model, mesh)
+        x = x_full[snn.local_slices(x_full.shape, mesh, dims=(2,), align=align)].clone()
+    else:
+        x = x_full
+    del x_full
+    sync = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else (lambda: None)
+    first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+
+    def forward():
+        with torch.no_grad():
+            return model(x)
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss = (model(x) * weights).sum()
+        (snn.losses.share(loss, mesh) if mesh is not None else loss).backward()
+        return first_conv.weight.grad.clone()
+
+    model.eval()
+    t_fwd, logits = _median_time(forward, iters, sync)
+    model.train()
+    t_step, grad = _median_time(train_step, iters, sync)
+    if mesh is not None:
+        times = torch.tensor([t_fwd, t_step], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        t_fwd, t_step = times.tolist()
+        dist.all_reduce(grad)  # parameter gradients are per-rank partial sums
+    return {"fwd": t_fwd, "step": t_step, "logits": logits, "grad": grad}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), help="HxW, e.g. 1024x512")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    args = parser.parse_args(argv)
+    rows = []
+    for size in args.sizes:
+        h, w = (int(v) for v in size.split("x"))
+        for name in args.models:
+            ref = snn.launch(rank_main, 1, name, h, w, args.iters, False, threads=1, timeout=args.timeout)
+            got = snn.launch(rank_main, 2, name, h, w, args.iters, True, threads=1, timeout=args.timeout)
+            err = max(_rel(got["logits"], ref["logits"]), _rel(got["grad"], ref["grad"]))
+            rows.append((name, size, ref, got, err))
+            print(f"{name} {size}: fwd {ref['fwd']:.3f}/{got['fwd']:.3f} s, fwd+bwd {ref['step']:.3f}/{got['step']:.3f} s, "
+                  f"rel. err {err:.1e}", flush=True)  # fmt: skip
+    print("\n| model | size | fwd P=1 (s) | fwd P=2 (s) | speedup | fwd+bwd P=1 (s) | fwd+bwd P=2 (s) | speedup | "
+          "rel. error | target |")  # fmt: skip
+    print("| --- " * 10 + "|")
+    for name, size, ref, got, err in rows:
+        s1, s2 = ref["fwd"] / got["fwd"], ref["step"] / got["step"]
+        t = TARGETS.get(size)
+        mark = "n/a" if t is None else ("PASS" if min(s1, s2) >= t else "MISS") + f" ({t}x)"
+        print(f"| {name} | {size} | {ref['fwd']:.3f} | {got['fwd']:.3f} | {s1:.2f}x | {ref['step']:.3f} | "
+              f"{got['step']:.3f} | {s2:.2f}x | {err:.1e} | {mark} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
