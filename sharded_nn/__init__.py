@@ -23,7 +23,7 @@ from .parallel import parallelize
 from .planner import plan_memory
 from .points import PointCloudPartition
 from .registry import register
-from .sharding import default_dims, gather, local_slices, shard
+from .sharding import batch_slice, default_dims, gather, local_slices, shard
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "Layout",
     "PointCloudPartition",
     "alignment",
+    "batch_slice",
     "ShardingError",
     "ShardingNotImplementedError",
     "ShardingWarning",

@@ -7,6 +7,11 @@ single-device loss of the whole sample (the same on every rank, convenient for l
 gradients and partial parameter gradients that ``parallelize`` sums. Calling ``backward`` on one
 rank alone is therefore not the global gradient.
 
+Helpers: ``mse_loss``, ``relative_l2``, ``dice_loss``, ``global_mean`` and ``global_sum`` return
+shared losses; ``domain_sum`` returns a replicated value; ``global_loss_value`` averages a loss
+over the data replicas for logging (detached). ``snn.batch_slice`` gives each data replica its
+samples of the global batch.
+
 Any loss you compute yourself from a *replicated* value (the output of ``gather``, of a reduction
 in ``sharded_nn.reductions``, of ``domain_sum``) is computed identically on every rank that holds
 the copy: pass it through ``share`` so that it is counted once, then call ``backward()`` on every
@@ -32,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce_sum, comm_device
 from .comm.collectives import all_gather_stacked
-from .mesh import axis_size, domain_axes, domain_group, group_over
+from .mesh import axis_group, axis_size, data_axis, domain_axes, domain_group, group_over
 from .reductions import accumulation_dtype
 
 # Shapes of more dims are compared exactly but shown truncated in error messages.
@@ -117,6 +122,99 @@ def global_mean(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     layout of ``x`` (it only needs the slabs to partition the tensor).
     """
     return share(_mean_acc(x, mesh), mesh).to(x.dtype)
+
+
+def global_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sum of all elements of the sharded tensor whose local slab is ``x``: a loss, shared.
+
+    The value is the single-device ``x_full.sum()`` on every rank; the gradient is this rank's
+    share, so ``global_sum(x, mesh).backward()`` on every rank gives each element of ``x`` the
+    gradient 1, as on one device. There is no ``share`` to forget: the helper applies it. For a
+    sum that feeds further computation (a normaliser, a value), use ``domain_sum`` of a local
+    sum or ``snn.reductions.sum``, which return replicated *values*.
+    """
+    return share(domain_sum(x.sum(dtype=accumulation_dtype(x.dtype)), mesh), mesh).to(x.dtype)
+
+
+def dice_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    smooth_nr: float = 1e-5,
+    smooth_dr: float = 1e-5,
+    squared_pred: bool = False,
+    include_background: bool = True,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Soft Dice loss of a sharded segmentation, per sample and class, from local slabs; shared.
+
+    ``1 - (2 * sum(p * t) + smooth_nr) / (sum(p) + sum(t) + smooth_dr)`` with the sums over every
+    spatial position of the *whole* sample (MONAI's ``DiceLoss`` formula and defaults), one value
+    per (sample, class). The three sums are taken on the slab and summed over the domain ranks
+    in one all-reduce, so any layout of the spatial dims works.
+
+    Args:
+        pred: ``(N, C, S...)`` slab of class probabilities (apply ``softmax``/``sigmoid`` over C
+            first: it is pointwise, so it runs on the slab unchanged).
+        target: the same slab of the labels: ``(N, C, S...)`` one-hot or soft labels, or integer
+            class indices ``(N, S...)`` / ``(N, 1, S...)`` (one-hot over the C of ``pred``; an
+            index outside ``[0, C)`` matches no class).
+        mesh: the mesh.
+        smooth_nr: added to the numerator (keeps an empty class's Dice finite).
+        smooth_dr: added to the denominator.
+        squared_pred: sum ``p**2`` and ``t**2`` in the denominator (the V-Net form).
+        include_background: keep class 0; ``False`` drops it.
+        reduction: ``"mean"`` (over samples and classes), ``"sum"``, or ``"none"`` (the ``(N, C)``
+            losses, each shared: reduce them with ``mean``/``sum`` before ``backward``).
+
+    Returns:
+        The loss: its value is the single-device loss of the whole sample on every rank, its
+        gradient this rank's share (call ``backward()`` on every rank; DESIGN.md section 3).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"dice_loss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
+    if pred.dim() < 3:
+        raise ValueError(f"dice_loss: pred must be (N, C, S...) with spatial dims, got shape {tuple(pred.shape)}.")
+    classes = pred.shape[1]
+    as_indices = target.dim() == pred.dim() - 1 or (target.dim() == pred.dim() and target.shape[1] == 1 < classes)
+    if not target.is_floating_point() and as_indices:
+        labels = target if target.dim() == pred.dim() - 1 else target.squeeze(1)
+        # A comparison, not F.one_hot: an out-of-range label on one rank must not raise there alone.
+        ids = torch.arange(classes, device=labels.device).view(1, classes, *(1,) * (labels.dim() - 1))
+        target = labels.unsqueeze(1) == ids
+    _check_same_shape(pred, target, mesh, "dice_loss")
+    acc = accumulation_dtype(pred.dtype)
+    p, t = pred.to(acc), target.to(acc)
+    if not include_background:
+        p, t = p[:, 1:], t[:, 1:]
+    spatial = tuple(range(2, p.dim()))
+    local = torch.stack([(p * t).sum(spatial), (p.square() if squared_pred else p).sum(spatial),
+                         (t.square() if squared_pred else t).sum(spatial)])  # (3, N, C)
+    inter, p_sum, t_sum = domain_sum(local, mesh)
+    loss = 1 - (2 * inter + smooth_nr) / (p_sum + t_sum + smooth_dr)
+    if reduction == "mean":
+        loss = loss.mean()
+    elif reduction == "sum":
+        loss = loss.sum()
+    return share(loss, mesh).to(pred.dtype)
+
+
+def global_loss_value(loss: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The loss of the whole global batch, for logging: the mean of ``loss`` over the data replicas.
+
+    ``loss`` is a loss helper's result (its value is already global over the domain ranks, the
+    mean over this replica's samples). Replicas hold equal numbers of samples (``batch_slice``),
+    so their mean is the global batch's loss, the number single-device training on that batch
+    would log. Returns a detached tensor, the same on every rank; without a data axis it is
+    ``loss.detach()``. One all-reduce over the data axis: call it on every rank.
+    """
+    value = loss.detach()
+    axis = data_axis(mesh)
+    if axis is None or axis_size(mesh, axis) == 1:
+        return value
+    total = all_reduce_sum(value.to(accumulation_dtype(value.dtype)), axis_group(mesh, axis))
+    return (total / axis_size(mesh, axis)).to(value.dtype)
 
 
 def mse_loss(pred: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

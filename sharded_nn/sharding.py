@@ -1,4 +1,4 @@
-"""Moving whole tensors in and out of the sharded world: ``shard``, ``gather``, ``local_slices``.
+"""Moving whole tensors in and out of the sharded world: ``shard``, ``gather``, ``local_slices``, ``batch_slice``.
 
 Grid tensors ``(N, C, S0, S1, ...)`` are sharded along ``dims``, the k-th dim by the k-th domain
 axis of the mesh, following the balanced aligned rule of ``Layout.balanced``. ``dims`` defaults
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import axis_size, default_dims, domain_axes, domain_group, group_over
+from .mesh import axis_size, data_axis, default_dims, domain_axes, domain_group, group_over
 
 
 def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
@@ -56,23 +56,60 @@ def global_layouts(
     )
 
 
+def batch_slice(mesh: DeviceMesh, batch_size: int) -> slice:
+    """This data replica's slice of a global batch of ``batch_size`` samples.
+
+    On a mesh with a ``"data"`` axis the global batch is cut into equal contiguous parts, one per
+    data replica (every domain rank of a replica gets the same part); without one it is the
+    whole batch. Equal parts, because ``parallelize`` averages the gradients over the data
+    replicas and the loss helpers average over each replica's own samples: their mean is the
+    global batch's mean only when every replica holds as many samples.
+
+    Pure arithmetic, no communication: a data loader reads ``dataset[batch_slice(mesh, B)]``.
+
+    Raises:
+        ValueError: when ``batch_size`` is not a positive multiple of the data axis size (the
+            same facts on every rank, so every rank raises alike).
+    """
+    axis = data_axis(mesh)
+    replicas = 1 if axis is None else axis_size(mesh, axis)
+    if batch_size < 1 or batch_size % replicas:
+        raise ValueError(
+            f"batch_slice: the global batch of {batch_size} samples must be a positive multiple of the "
+            f"{replicas} data replicas, so that every replica holds as many samples (the gradients are "
+            "averaged over replicas). Pick a multiple, or drop the last incomplete batch."
+        )
+    per = batch_size // replicas
+    start = 0 if axis is None else mesh.get_local_rank(axis) * per
+    return slice(start, start + per)
+
+
 def local_slices(
     global_shape: Sequence[int],
     mesh: DeviceMesh,
     *,
     dims: int | Sequence[int] | None = None,
     align: int | Sequence[int] = 1,
+    batch_dim: int | None = None,
 ) -> tuple[slice, ...]:
     """Index slices of this rank's slab: ``x[local_slices(x.shape, mesh)] == shard(x, mesh)``.
 
     Pure arithmetic, no communication, so a data loader can read just its slab from disk.
     ``dims`` and ``align`` as for ``shard`` (default dims: ``default_dims(mesh)``).
+    ``batch_dim`` (e.g. 0): also cut that dim of a global batch by the data axis, as
+    ``batch_slice`` does (on a data x domain mesh each rank then gets its replica's samples and
+    its domain slab of each); default ``None``, the dim is left whole.
     """
     dims = normalize_dims(default_dims(mesh) if dims is None else dims, len(global_shape), "local_slices")
     layouts = global_layouts(global_shape, mesh, dims, align)
     idx = [slice(None)] * len(global_shape)
     for d, a, lay in zip(dims, domain_axes(mesh), layouts):
         idx[d] = lay.slice(mesh.get_local_rank(a))
+    if batch_dim is not None:
+        (b,) = normalize_dims(batch_dim, len(global_shape), "local_slices")
+        if b in dims:
+            raise ShardingError(f"local_slices: batch_dim={batch_dim} is also a sharded dim of dims={dims}.")
+        idx[b] = batch_slice(mesh, global_shape[b])
     return tuple(idx)
 
 
@@ -83,6 +120,7 @@ def shard(
     dims: int | Sequence[int] | None = None,
     align: int | Sequence[int] = 1,
     src: int | None = None,
+    batch_dim: int | None = None,
 ) -> torch.Tensor:
     """This rank's slab of ``x``.
 
@@ -98,6 +136,8 @@ def shard(
         src: domain rank that holds ``x``, or ``None`` when every rank holds it. The slabs are
             sent from the device the domain group communicates on (CUDA for NCCL, CPU for gloo),
             a fact every rank shares: a CPU ``x`` on an NCCL mesh is moved there on ``src``.
+        batch_dim: also cut this dim of a global batch by the data axis (``batch_slice``); with
+            ``src=None`` only, since ``src`` scatters over the domain ranks of one replica.
 
     Returns:
         A contiguous tensor that owns its memory (it does not keep ``x`` alive). With ``src=r``
@@ -108,7 +148,13 @@ def shard(
     if src is None:
         if x is None:
             raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
-        return x[local_slices(x.shape, mesh, dims=dims, align=align)].clone(memory_format=torch.contiguous_format)
+        sl = local_slices(x.shape, mesh, dims=dims, align=align, batch_dim=batch_dim)
+        return x[sl].clone(memory_format=torch.contiguous_format)
+    if batch_dim is not None:
+        raise ValueError(
+            f"shard: batch_dim={batch_dim} needs src=None (every rank passes the global batch); with src={src}, "
+            "pass each replica's samples (x[batch_slice(mesh, B)]) on the src rank instead."
+        )
     return _scatter(x, mesh, dims, align, src)
 
 

@@ -55,6 +55,7 @@ from .pool import (
     ShardedMaxPool2d,
     ShardedMaxPool3d,
 )
+from .transformer import ShardedTransformerEncoder, ShardedTransformerEncoderLayer  # noqa: F401 - registers them
 from .unpool import ShardedMaxUnpool1d, ShardedMaxUnpool2d, ShardedMaxUnpool3d
 from .upsample import ShardedUpsample, ShardedUpsamplingBilinear2d, ShardedUpsamplingNearest2d
 
