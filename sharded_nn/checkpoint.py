@@ -73,21 +73,31 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> int:
     return int.from_bytes(h.digest(), "little") >> 1  # fits an int64
 
 
+def _text_digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def _agree(mesh: DeviceMesh | None, error: str | None, digest: int, what: str) -> None:
-    """Raise the same error on every rank of ``mesh`` when any rank failed or the digests differ."""
+    """Raise the same error on every rank of ``mesh`` when any rank failed or the digests differ.
+
+    Messages hold only facts every rank shares: a rank's own cause (e.g. its path) is appended
+    after " This rank:" unless every rank failed with the very same message.
+    """
     if mesh is None:
         if error is not None:
             raise ShardingError(error)
         return
-    rows = gather_ints([int(error is not None), digest], _mesh_peers(mesh))
+    rows = gather_ints([int(error is not None), _text_digest(error or ""), digest], _mesh_peers(mesh))
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
+        if len(failed) == len(rows) and len({row[1] for row in rows}) == 1:
+            raise ShardingError(error)  # the same message on every rank
         mine = f" This rank: {error}" if error is not None else ""
         raise ShardingError(
             f"{what} failed on mesh rank(s) {failed} (every rank raises; see those ranks' messages for the "
-            f"cause).{mine}"
+            f"cause, and pass a path that every rank can read).{mine}"
         )
-    digests = [row[1] for row in rows]
+    digests = [row[2] for row in rows]
     if len(set(digests)) != 1:
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
@@ -152,9 +162,13 @@ def load(model: nn.Module, path: str | os.PathLike, *, mesh: DeviceMesh | None =
     try:
         target.load_state_dict(load_file(str(path)), strict=strict)
     except Exception as e:  # noqa: BLE001 - reported on every rank
-        error = f"load: {path} does not fit the model: {type(e).__name__}: {e}"
+        error = (
+            f"load: {str(path)!r} does not fit the model ({type(e).__name__}: {e}). Load a safetensors file "
+            "written by sharded_nn.checkpoint.save for a model with the same keys and shapes (torch.save "
+            "pickles are refused: they can execute code)."
+        )
     digest = state_digest(target.state_dict()) if mesh is not None and error is None else 0
-    _agree(mesh, error, digest, f"load({str(path)!r})")
+    _agree(mesh, error, digest, "load")
     return model
 
 
