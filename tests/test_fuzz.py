@@ -140,6 +140,9 @@ def configs(draw, kinds=KINDS):
         norm = draw(st.sampled_from(["group", "instance", "batch", "layer"]))
         g = draw(st.sampled_from([1, 2, 4]))
         cfg.update(norm=norm, groups=g, cin=4)
+        # torch needs more than one value per channel (batch norm) or per sample and channel
+        # (instance norm) in training: two positions on every rank's slab keep that true.
+        min_slab = 2
     cfg["align"] = stride
     other = max(span + 1, 3)
     parts = domain if isinstance(domain, int) else domain[0]
