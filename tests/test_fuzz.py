@@ -170,7 +170,7 @@ def _outcome(pools, cfg) -> str:
     return "ok" if results[0] == "ok" else "refused"
 
 
-FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_FAST_EXAMPLES", 36)), deadline=None, derandomize=True,
+FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_FAST_EXAMPLES", 20)), deadline=None, derandomize=True,
                 phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 
 
