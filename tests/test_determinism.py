@@ -10,9 +10,7 @@ changes roundings but nothing else.
 
 from __future__ import annotations
 
-import copy
 
-import pytest
 import torch
 
 import sharded_nn as snn

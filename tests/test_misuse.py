@@ -11,13 +11,11 @@ misuses (every public layer, ranks 2 and 3) are in ``tests/test_layer_errors.py`
 
 from __future__ import annotations
 
-import copy
 import pathlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import pytest
 import torch
 import torch.nn as nn
 
