@@ -164,8 +164,8 @@ def configs(draw, kinds=KINDS):
 # --------------------------------------------------------------------------- tests
 
 
-def _outcome(pools, cfg) -> str:
-    results = pools.run(world_of(cfg["domain"]), _case, cfg)
+def _outcome(pools, cfg, timeout: float = 120.0) -> str:
+    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
     assert all(r == results[0] for r in results), f"ranks ended differently on {cfg}: {results}"
     return "ok" if results[0] == "ok" else "refused"
 
@@ -187,6 +187,11 @@ def test_fuzz_campaign(pools):
     counts: collections.Counter = collections.Counter()
     mismatches: list[tuple[dict, str]] = []
     refusals: list[dict] = []
+    timeouts: list[dict] = []
+    # The campaign runs at low priority on a shared machine: a starved case gets a long timeout,
+    # and a timeout is reported apart from the mismatches (it is a hang or starvation, not a
+    # wrong answer; either way it fails the campaign).
+    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
 
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
@@ -196,22 +201,30 @@ def test_fuzz_campaign(pools):
         counts[cfg["kind"]] += 1
         counts[f"domain={cfg['domain']}"] += 1
         try:
-            outcome = _outcome(pools, cfg)
-        except (RankFailure, AssertionError, TimeoutError) as e:
+            outcome = _outcome(pools, cfg, timeout)
+        except TimeoutError:
+            timeouts.append(cfg)
+            return
+        except (RankFailure, AssertionError) as e:
             cause = e.__cause__ if e.__cause__ is not None else e
             mismatches.append((cfg, str(cause)[-600:]))
             return
         counts[outcome] += 1
-        if counts["cases"] % 100 == 0:
-            print(f"fuzz campaign: {counts['cases']} cases, {len(mismatches)} mismatches", flush=True)
+        if counts["cases"] % 50 == 0:
+            print(f"fuzz campaign: {counts['cases']} cases, {len(mismatches)} mismatches, {len(timeouts)} timeouts",
+                  flush=True)
         if outcome == "refused":
             refusals.append(cfg)
 
     campaign()
-    print(f"\nfuzz campaign: {dict(counts)}; mismatches: {len(mismatches)}; refusals: {len(refusals)}")
+    print(f"\nfuzz campaign: {dict(counts)}; mismatches: {len(mismatches)}; refusals: {len(refusals)}; "
+          f"timeouts: {len(timeouts)}")
     for cfg, why in mismatches[:20]:
         print("MISMATCH", cfg, why)
     for cfg in refusals[:20]:
         print("REFUSED", cfg)
     assert counts["cases"] >= min(n, 1000)
+    for cfg in timeouts[:20]:
+        print("TIMEOUT", cfg)
     assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
+    assert not timeouts, f"{len(timeouts)} cases timed out after {timeout} s, first: {timeouts[0]}"
