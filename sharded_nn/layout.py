@@ -95,4 +95,7 @@ class Layout:
         """Raise when a rank holds an empty slab."""
         empty = [r for r, s in enumerate(self.sizes) if s == 0]
         if empty:
-            raise ShardingError(f"{what}: ranks {empty} hold empty slabs (sizes {self.sizes}); every rank needs data.")
+            raise ShardingError(
+                f"{what}: ranks {empty} hold empty slabs (sizes {self.sizes}); every rank needs data. "
+                "Use fewer ranks or a larger input, and cut slabs with sharded_nn.shard / local_slices."
+            )

@@ -74,14 +74,17 @@ def init_mesh(
     ensure_process_group(device_type, timeout)
     world = dist.get_world_size()
     if data < 1:
-        raise ValueError(f"init_mesh: data must be >= 1, got {data}.")
+        raise ValueError(f"init_mesh: data must be >= 1, got {data}. Pass data=1 (no data-parallel axis) or more.")
     if domain is None:
         if world % data:
-            raise ValueError(f"init_mesh: world size {world} is not divisible by data={data}.")
+            raise ValueError(
+                f"init_mesh: world size {world} is not divisible by data={data}. Pass a data size that divides "
+                "the world size, or domain= explicitly."
+            )
         domain = world // data
     domain_shape = (domain,) if isinstance(domain, int) else tuple(int(d) for d in domain)
     if not domain_shape or any(d < 1 for d in domain_shape):
-        raise ValueError(f"init_mesh: domain sizes must be >= 1, got {domain!r}.")
+        raise ValueError(f"init_mesh: domain sizes must be >= 1, got {domain!r}. Pass positive ints.")
     if data * math.prod(domain_shape) != world:
         raise ValueError(
             f"init_mesh: data={data} x domain={domain_shape} needs {data * math.prod(domain_shape)} "

@@ -86,6 +86,7 @@ def parallelize(
     if fsdp_modules and mode != "fsdp":
         raise ValueError(f"parallelize: fsdp_modules={tuple(fsdp_modules)!r} needs mode='fsdp', got mode={mode!r}.")
     model = convert(model, mesh, plan=plan, dims=dims, strict=strict)
+    check_model_mesh(model, mesh, "parallelize")
     if mode == "fsdp":
         return _fully_shard(model, mesh, fsdp_modules, kwargs)
     if mesh.device_type == "cuda":
@@ -94,6 +95,32 @@ def parallelize(
     ddp = DDP(model, process_group=group, **kwargs)
     ddp.register_comm_hook(_HookState(group, 1.0 / _data_size(mesh)), _sum_domain_mean_data_hook)
     return ddp
+
+
+def check_model_mesh(model: nn.Module, mesh: DeviceMesh, what: str = "check_model_mesh") -> None:
+    """Raise if a sharded layer of ``model`` was converted for another mesh than ``mesh``.
+
+    ``convert`` leaves layers that are already sharded as they are, so a model converted for one
+    mesh and then used with another keeps exchanging halos over the first mesh's groups: with a
+    ``"data"`` axis added or the domain reshaped, the result is silently wrong. Meshes compare as
+    torch's ``DeviceMesh`` does (device type, rank layout and axis names), facts every rank
+    shares, so every rank raises alike.
+    """
+    other = [
+        (f"{name or '<root>'} ({type(m).__name__})", m.mesh)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "mesh", None), DeviceMesh) and m.mesh != mesh
+    ]
+    if other:
+        shown = ", ".join(label for label, _ in other[:4])
+        theirs = other[0][1]
+        raise ValueError(
+            f"{what}: {len(other)} layer(s) were converted for another mesh (axes {theirs.mesh_dim_names}, "
+            f"shape {tuple(theirs.shape)}) than the one given (axes {mesh.mesh_dim_names}, shape "
+            f"{tuple(mesh.shape)}): {shown}{', ...' if len(other) > 4 else ''}. Convert the single-device model "
+            "once, with the mesh you train on (keep an unconverted copy, or reload its state_dict into a fresh "
+            "model: the keys are the same)."
+        )
 
 
 def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

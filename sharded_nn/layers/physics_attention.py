@@ -324,7 +324,11 @@ class _ShardedPhysicsAttention:
     def reduce_points(self, sums: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if domain_size(self.mesh) == 1:
             return sums
-        return all_reduce_sum(sums, domain_group(self.mesh))
+        # Under autocast the per-rank sums are fp16/bf16: add the ranks' partials in float32 and
+        # round once, as one device's matmul accumulates the whole sum in float32 (DESIGN.md 4).
+        low = sums.dtype in (torch.float16, torch.bfloat16)
+        total = all_reduce_sum(sums.float() if low else sums, domain_group(self.mesh))
+        return total.to(sums.dtype)
 
     def point_counts(self, x: torch.Tensor) -> list[int]:
         """Every domain rank's point count, after checking that the ranks agree on B and C.

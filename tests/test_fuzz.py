@@ -1,0 +1,230 @@
+"""Hypothesis fuzzing of the grid layers: random configs, splits, meshes and world sizes.
+
+Each example draws one layer config (convolution, transposed convolution, max/avg pool,
+upsample or norm), a world size (1-4) with random uneven aligned slab sizes on a 1-D domain, or
+a 2x2 mesh with balanced aligned slabs on two dims, and compares the converted layer against the
+torch layer on the full tensor, forward and backward (input and parameter gradients after the
+domain sum), in float64 (``tests/reference.py``).
+
+The configs respect the layers' documented preconditions: every slab starts at a multiple of the
+layer's stride (its alignment) and is at least one window plus one stride wide, so that no halo
+is wider than a neighbour's slab and no rank is left without outputs. A ``ShardingError`` is
+still accepted as an outcome when every rank raised it with the same message (a documented
+refusal, never a hang or a wrong answer), and counted apart; any numerical mismatch fails.
+
+- ``test_fuzz_fast``: the CI subset (a few dozen examples, well under a minute).
+- ``test_fuzz_campaign`` (``pytest -m slow tests/test_fuzz.py``): the long run,
+  ``SNN_FUZZ_EXAMPLES`` examples (default 1,200); it records every mismatch and refusal, prints
+  the counts and fails if any example mismatched.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import sharded_nn as snn
+
+from .harness import RankFailure, mesh, world_of
+from .reference import check_against_reference
+
+KINDS = ("conv", "conv_transpose", "max_pool", "avg_pool", "upsample", "norm")
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _layer(cfg: dict) -> nn.Module:
+    nd, kind = cfg["nd"], cfg["kind"]
+    if kind == "conv":
+        return getattr(nn, f"Conv{nd}d")(
+            cfg["cin"], cfg["cout"], cfg["kernel"], stride=cfg["stride"], padding=cfg["padding"],
+            dilation=cfg["dilation"], groups=cfg["groups"], padding_mode=cfg["mode"], bias=cfg["bias"],
+        )
+    if kind == "conv_transpose":
+        return getattr(nn, f"ConvTranspose{nd}d")(
+            cfg["cin"], cfg["cout"], cfg["kernel"], stride=cfg["stride"], padding=cfg["padding"],
+            output_padding=cfg["output_padding"], dilation=cfg["dilation"], groups=cfg["groups"], bias=cfg["bias"],
+        )
+    if kind == "max_pool":
+        return getattr(nn, f"MaxPool{nd}d")(
+            cfg["kernel"], cfg["stride"], cfg["padding"], dilation=cfg["dilation"], ceil_mode=cfg["ceil_mode"]
+        )
+    if kind == "avg_pool":
+        return getattr(nn, f"AvgPool{nd}d")(
+            cfg["kernel"], cfg["stride"], cfg["padding"], ceil_mode=cfg["ceil_mode"],
+            count_include_pad=cfg["count_include_pad"],
+        )
+    if kind == "upsample":
+        return nn.Upsample(scale_factor=cfg["scale"], mode=cfg["mode"], align_corners=cfg["align_corners"])
+    norm = cfg["norm"]
+    c = cfg["cin"]
+    if norm == "group":
+        return nn.GroupNorm(cfg["groups"], c, affine=cfg["bias"])
+    if norm == "instance":
+        return getattr(nn, f"InstanceNorm{nd}d")(c, affine=cfg["bias"])
+    if norm == "batch":
+        return getattr(nn, f"BatchNorm{nd}d")(c)
+    return nn.LayerNorm([c, *cfg["spatial"]], elementwise_affine=cfg["bias"])
+
+
+def _case(cfg: dict):
+    """One fuzz example on this rank: ``"ok"``, or ``("refused", type, message)``; raises on a mismatch."""
+    domain = cfg["domain"]
+    m = mesh(domain)
+    torch.manual_seed(cfg["seed"])
+    ref = _layer(cfg).double()
+    with torch.no_grad():  # non-trivial affine parameters (norms start at weight 1, bias 0)
+        for p in ref.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(cfg["batch"], cfg["cin"], *cfg["spatial"], dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(cfg["seed"] + 1))
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    try:
+        check_against_reference(ref, x, m, dims=dims, align=cfg["align"], sizes=cfg["sizes"], atol=1e-9, rtol=1e-9)
+    except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
+        return ("refused", type(e).__name__, str(e))
+    return "ok"
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@st.composite
+def configs(draw, kinds=KINDS):
+    kind = draw(st.sampled_from(kinds))
+    domain = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
+    nd = 2 if isinstance(domain, tuple) else draw(st.sampled_from([1, 2]))
+    cfg = dict(kind=kind, nd=nd, domain=domain, seed=draw(st.integers(0, 2**16)), batch=draw(st.integers(1, 2)),
+               bias=draw(st.booleans()), cin=2, cout=3, groups=1, align=1, sizes=None)
+    span, stride, min_slab = 1, 1, 1  # window extent, alignment, smallest slab
+    if kind in ("conv", "conv_transpose"):
+        k, d = draw(st.integers(1, 4)), draw(st.integers(1, 2))
+        stride = draw(st.integers(1, 3))
+        span = d * (k - 1) + 1
+        g = draw(st.sampled_from([1, 2]))
+        cfg.update(kernel=k, dilation=d, stride=stride, groups=g, cin=2 * g, cout=3 * g if g > 1 else 3)
+        if kind == "conv":
+            mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+            cfg.update(mode=mode, padding=draw(st.integers(0, span - 1 if mode == "zeros" else min(span - 1, 2))))
+            min_slab = span + stride
+        else:
+            cfg.update(padding=draw(st.integers(0, span - 1)),
+                       output_padding=draw(st.integers(0, max(stride, d) - 1)))
+            # transposed windows scatter span outputs from each input: the output strip sent to a
+            # neighbour must fit in its (stride times wider) slab.
+            min_slab = span + 2
+            stride = 1  # input slabs need no alignment; the output slab starts at stride x start
+    elif kind in ("max_pool", "avg_pool"):
+        k = draw(st.integers(1, 4))
+        stride = draw(st.integers(1, 3))
+        d = draw(st.integers(1, 2)) if kind == "max_pool" else 1
+        span = d * (k - 1) + 1
+        cfg.update(kernel=k, stride=stride, dilation=d, padding=draw(st.integers(0, k // 2)),
+                   ceil_mode=draw(st.booleans()), count_include_pad=draw(st.booleans()))
+        min_slab = span + stride
+    elif kind == "upsample":
+        modes = ["nearest", "nearest-exact", "linear" if nd == 1 else "bilinear"] + (["bicubic"] if nd == 2 else [])
+        mode = draw(st.sampled_from(modes))
+        linear = mode in ("linear", "bilinear", "bicubic")
+        cfg.update(scale=draw(st.integers(1, 3)), mode=mode,
+                   align_corners=draw(st.booleans()) if linear else None)
+        min_slab = 3 if mode == "bicubic" else 2
+    else:
+        norm = draw(st.sampled_from(["group", "instance", "batch", "layer"]))
+        g = draw(st.sampled_from([1, 2, 4]))
+        cfg.update(norm=norm, groups=g, cin=4)
+        # torch needs more than one value per channel (batch norm) or per sample and channel
+        # (instance norm) in training: two positions on every rank's slab keep that true.
+        min_slab = 2
+    cfg["align"] = stride
+    other = max(span + 1, 3)
+    parts = domain if isinstance(domain, int) else domain[0]
+    blocks_min = -(-min_slab // stride)
+    if isinstance(domain, int):
+        # Random uneven slabs: multiples of the stride, the last one possibly shorter (but still
+        # at least min_slab), as the balanced rule of the layout allows.
+        sizes = [draw(st.integers(blocks_min, blocks_min + 3)) * stride for _ in range(parts)]
+        sizes[-1] = max(min_slab, sizes[-1] - draw(st.integers(0, stride - 1)))
+        cfg["sizes"] = tuple(sizes) if parts > 1 else None
+        spatial = [sum(sizes)] + [other] * (nd - 1)
+    else:
+        # 2x2 mesh: balanced aligned slabs on both spatial dims.
+        spatial = [parts * blocks_min * stride + draw(st.integers(0, 2 * stride)) for _ in range(2)]
+    cfg["spatial"] = tuple(spatial)
+    return cfg
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def _outcome(pools, cfg, timeout: float = 120.0) -> str:
+    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
+    assert all(r == results[0] for r in results), f"ranks ended differently on {cfg}: {results}"
+    return "ok" if results[0] == "ok" else "refused"
+
+
+FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_FAST_EXAMPLES", 20)), deadline=None, derandomize=True,
+                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+@FAST
+@given(cfg=configs())
+def test_fuzz_fast(pools, cfg):
+    # No shrinking: a failing example restarts the worker pool; the example is reported as found.
+    _outcome(pools, cfg)
+
+
+@pytest.mark.slow
+def test_fuzz_campaign(pools):
+    n = int(os.environ.get("SNN_FUZZ_EXAMPLES", 1200))
+    counts: collections.Counter = collections.Counter()
+    mismatches: list[tuple[dict, str]] = []
+    refusals: list[dict] = []
+    timeouts: list[dict] = []
+    # The campaign runs at low priority on a shared machine: a starved case gets a long timeout,
+    # and a timeout is reported apart from the mismatches (it is a hang or starvation, not a
+    # wrong answer; either way it fails the campaign).
+    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
+
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(cfg=configs())
+    def campaign(cfg):
+        counts["cases"] += 1
+        counts[cfg["kind"]] += 1
+        counts[f"domain={cfg['domain']}"] += 1
+        try:
+            outcome = _outcome(pools, cfg, timeout)
+        except TimeoutError:
+            timeouts.append(cfg)
+            return
+        except (RankFailure, AssertionError) as e:
+            cause = e.__cause__ if e.__cause__ is not None else e
+            mismatches.append((cfg, str(cause)[-600:]))
+            return
+        counts[outcome] += 1
+        if counts["cases"] % 50 == 0:
+            print(f"fuzz campaign: {counts['cases']} cases, {len(mismatches)} mismatches, {len(timeouts)} timeouts",
+                  flush=True)
+        if outcome == "refused":
+            refusals.append(cfg)
+
+    campaign()
+    print(f"\nfuzz campaign: {dict(counts)}; mismatches: {len(mismatches)}; refusals: {len(refusals)}; "
+          f"timeouts: {len(timeouts)}")
+    for cfg, why in mismatches[:20]:
+        print("MISMATCH", cfg, why)
+    for cfg in refusals[:20]:
+        print("REFUSED", cfg)
+    assert counts["cases"] >= min(n, 1000)
+    for cfg in timeouts[:20]:
+        print("TIMEOUT", cfg)
+    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
+    assert not timeouts, f"{len(timeouts)} cases timed out after {timeout} s, first: {timeouts[0]}"
