@@ -240,6 +240,12 @@ def _upsample_outputs(r, tmp):
     return lambda: snn.interpolate(snn.shard(x, m), m, size=(1, 4), mode="nearest")
 
 
+def _zoo_unknown(r, tmp):
+    from sharded_nn import zoo
+
+    return lambda: zoo.create_model("vit_smal_patch16_224", mesh=_m(), img_size=64)  # a typo
+
+
 CATALOGUE: dict[str, Misuse] = {
     "misaligned-slab": Misuse("a slab starts off the alignment (strided conv, rank 1 starts at 5, stride 2)",
                               "ShardingError", r"needs every slab to start at a multiple of 2",
@@ -296,6 +302,8 @@ CATALOGUE: dict[str, Misuse] = {
                                           _ckpt_missing_on_one),
     "checkpoint-pickle": Misuse("a pickled torch.save checkpoint (would execute code)", "ShardingError",
                                 r"does not fit.*pickles are refused", r"Load a safetensors file", _ckpt_pickle),
+    "zoo-unknown-model": Misuse("zoo.create_model with a misspelt model name", "ValueError", r"unknown model",
+                                r"timm model name.*check the spelling", _zoo_unknown),
     "parallelize-mode": Misuse("parallelize with an unknown mode", "ValueError", r"mode must be", r"'ddp' or 'fsdp'",
                                _parallelize_mode),
     "upsample-no-outputs": Misuse("an interpolate size that leaves a rank without outputs", "ShardingError",

@@ -46,6 +46,16 @@ def list_models() -> list[str]:
     return sorted(_BUILDERS)
 
 
+def _known_to_timm(name: str) -> bool:
+    """Whether timm can build ``name`` (the fallback builder is timm's ``create_model``)."""
+    try:
+        import timm
+    except ImportError:
+        return False
+    # A pretrained tag ("vit_base_patch16_224.augreg_in21k") names the same architecture.
+    return timm.is_model(name.split(".")[0])
+
+
 def create_model(name: str, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
     """Build zoo model ``name``; converted for ``mesh`` (``None``: the plain model).
 
@@ -60,7 +70,10 @@ def create_model(name: str, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
         raise TypeError(f"create_model: name must be a str, got {type(name).__name__}.")
     builder = _BUILDERS.get(name)
     if builder is None:
-        if not _FALLBACK:
-            raise ValueError(f"create_model: unknown model {name!r}; zoo models: {list_models()}.")
+        if not _FALLBACK or not _known_to_timm(name):
+            raise ValueError(
+                f"create_model: unknown model {name!r}; expected a zoo model ({', '.join(list_models())}) "
+                "or a timm model name (see timm.list_models(), e.g. 'vit_small_patch16_224'): check the spelling."
+            )
         builder = _FALLBACK[0]
     return builder(name, mesh=mesh, **kwargs)
