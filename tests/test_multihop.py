@@ -1,0 +1,95 @@
+"""Multi-hop halos, clipped halos and empty slabs against the single-device modules.
+
+A slab thinner than the halo a layer needs (the deep stages of a UNet or a ConvNeXt on many
+ranks) is served by ``comm.halo_gather``: each rank reads the rows it needs from every rank its
+halo spans. A rank whose output slab is empty (13 rows, pool k4 s3, P=3: slabs 6, 6, 1) carries
+an empty slab through the following layers. Every case compares forward output, input gradient
+and parameter gradients (summed over the ranks) with the single-device module in float64; slabs
+are cut explicitly, so the case says which ranks a halo spans.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import sharded_nn as snn
+from sharded_nn import comm
+
+from .harness import mesh
+from .reference import reduce_param_grads
+
+
+def _rand(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t.detach())
+    return out
+
+
+def _check(make, shape, sizes, dim=2, seed=0, atol=1e-10):
+    """Reference check with explicit slab ``sizes`` along ``dim``; returns the output slab sizes."""
+    m = mesh(len(sizes))
+    torch.manual_seed(seed)
+    ref = make().double()
+    model = snn.convert(copy.deepcopy(ref), m, dims=(dim,))
+    x = _rand(shape, seed).requires_grad_()
+    y = ref(x)
+    g_out = _rand(y.shape, seed + 1)
+    (y * g_out).sum().backward()
+    r = m.get_local_rank("domain")
+    x_loc = x.detach().narrow(dim, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    y_loc = model(x_loc)
+    ys = _all_gather(y_loc)
+    torch.testing.assert_close(torch.cat(ys, dim), y.detach(), atol=atol, rtol=atol)
+    off = sum(t.shape[dim] for t in ys[:r])
+    # Per-rank losses sum to the global loss (no replicated value here).
+    (y_loc * g_out.narrow(dim, off, y_loc.shape[dim])).sum().backward()
+    torch.testing.assert_close(torch.cat(_all_gather(x_loc.grad), dim), x.grad, atol=atol, rtol=atol)
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=atol, msg=lambda s, n=name: f"{n}: {s}")
+    return tuple(t.shape[dim] for t in ys)
+
+
+CASES = {
+    # Conv2d k7 p3 on H=7: the halo of 3 spans two ranks at P=3, three at P=4.
+    "conv2d-k7-p3": (lambda: nn.Conv2d(2, 3, 7, padding=3), (1, 2, 7, 5), [(3, 2, 2), (2, 2, 2, 1)]),
+    # Conv1d k11 p5 on L=8 at P=4: a halo of 5 over slabs of 2 spans three ranks.
+    "conv1d-k11-p5": (lambda: nn.Conv1d(2, 3, 11, padding=5), (2, 2, 8), [(2, 2, 2, 2)]),
+    # ConvNeXt's depthwise 7x7 at 1/32 resolution on 3 ranks: slabs 3, 2, 2.
+    "depthwise-7x7": (lambda: nn.Conv2d(4, 4, 7, padding=3, groups=4), (1, 4, 7, 7), [(3, 2, 2)]),
+    # Periodic padding wider than a slab wraps across several ranks; reflect and replicate
+    # padding read rows the first and last ranks do not hold.
+    "circular-wide": (lambda: nn.Conv1d(2, 2, 7, padding=3, padding_mode="circular"), (1, 2, 8), [(2, 2, 2, 2), (4, 3, 1)]),
+    "reflect-thin": (lambda: nn.Conv1d(2, 2, 7, padding=3, padding_mode="reflect"), (1, 2, 8), [(2, 2, 2, 2), (1, 5, 2)]),
+    "replicate-thin": (lambda: nn.Conv1d(2, 2, 5, padding=2, padding_mode="replicate"), (1, 2, 7), [(1, 1, 4, 1)]),
+    "strided-thin": (lambda: nn.Conv1d(2, 3, 9, stride=2, padding=4), (1, 2, 10), [(2, 2, 2, 4)]),
+    # A transposed conv whose output strip spans several ranks' output slabs.
+    "convT-wide-strip": (lambda: nn.ConvTranspose1d(2, 3, 11, stride=2, padding=5), (1, 2, 5), [(2, 1, 1, 1)]),
+    "convT-k9": (lambda: nn.ConvTranspose1d(2, 2, 9, padding=2), (1, 2, 6), [(2, 2, 1, 1)]),
+    "maxpool-k7": (lambda: nn.MaxPool1d(7, stride=1, padding=3), (1, 2, 8), [(2, 2, 2, 2)]),
+    "avgpool2d-k5": (
+        lambda: nn.AvgPool2d(5, stride=1, padding=2, count_include_pad=False), (1, 2, 6, 4), [(2, 2, 1, 1)]
+    ),
+}
+
+
+def _case(name, sizes):
+    make, shape, _ = CASES[name]
+    return _check(make, shape, sizes)
+
+
+@pytest.mark.parametrize(
+    ("name", "sizes"), [(n, s) for n, (_, _, all_sizes) in CASES.items() for s in all_sizes], ids=str
+)
+def test_multihop_layer(run, name, sizes):
+    outs = run(len(sizes), _case, name, sizes)
+    assert len(set(outs)) == 1
