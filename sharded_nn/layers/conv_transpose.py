@@ -34,7 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import HaloGather, HaloSpec, axis_peers, halo_add, halo_scatter
+from ..comm import HaloSpec, axis_peers, halo_add
+from ..comm.halo import HaloGather, halo_scatter
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register

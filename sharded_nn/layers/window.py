@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..comm import AxisPeers, HaloGather, HaloSpec, halo_cat, halo_exchange, halo_gather
+from ..comm import AxisPeers, HaloSpec, halo_cat, halo_exchange
+from ..comm.halo import HaloGather, halo_gather
 from ..errors import ShardingError
 from ..layout import Layout
 from .base import BoundedCache
