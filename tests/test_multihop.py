@@ -11,6 +11,7 @@ are cut explicitly, so the case says which ranks a halo spans.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -75,6 +76,12 @@ CASES = {
     # A transposed conv whose output strip spans several ranks' output slabs.
     "convT-wide-strip": (lambda: nn.ConvTranspose1d(2, 3, 11, stride=2, padding=5), (1, 2, 5), [(2, 1, 1, 1)]),
     "convT-k9": (lambda: nn.ConvTranspose1d(2, 2, 9, padding=2), (1, 2, 6), [(2, 2, 1, 1)]),
+    # Halos clipped to the domain: a dilated conv whose halo (6) exceeds the rows that exist
+    # before rank 1 (4 at P=2, 3 at P=3); the taps beyond the global edge read zero padding.
+    "dilated-clipped": (lambda: nn.Conv2d(2, 2, 3, dilation=6, padding=6), (1, 2, 8, 5), [(4, 4), (3, 3, 2)]),
+    "dilated-clipped-reflect": (
+        lambda: nn.Conv1d(2, 2, 3, dilation=3, padding=3, padding_mode="reflect"), (1, 2, 7), [(2, 3, 2)]
+    ),
     "maxpool-k7": (lambda: nn.MaxPool1d(7, stride=1, padding=3), (1, 2, 8), [(2, 2, 2, 2)]),
     "avgpool2d-k5": (
         lambda: nn.AvgPool2d(5, stride=1, padding=2, count_include_pad=False), (1, 2, 6, 4), [(2, 2, 1, 1)]
@@ -93,3 +100,89 @@ def _case(name, sizes):
 def test_multihop_layer(run, name, sizes):
     outs = run(len(sizes), _case, name, sizes)
     assert len(set(outs)) == 1
+
+
+def _chain(spatial: int) -> nn.Module:
+    """Pool leaves rank 2 without rows; conv, norms, pool, upsample and activations carry it."""
+    conv, pool, bn = (nn.Conv1d, nn.MaxPool1d, nn.BatchNorm1d) if spatial == 1 else (nn.Conv2d, nn.MaxPool2d, nn.BatchNorm2d)
+    mode = "linear" if spatial == 1 else "bilinear"
+    return nn.Sequential(
+        pool(4, stride=3),  # 13 rows in slabs 6, 6, 1 -> outputs 2, 2, 0
+        conv(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        conv(4, 4, 3, padding=1, padding_mode="replicate"),
+        bn(4),
+        nn.GELU(),
+        pool(2, stride=2),  # 2, 2, 0 -> 1, 1, 0
+        nn.Upsample(scale_factor=2, mode=mode),  # -> 2, 2, 0
+        conv(4, 3, 3, padding=1),
+        nn.Upsample(scale_factor=2, mode="nearest"),  # -> 4, 4, 0
+    )
+
+
+@pytest.mark.parametrize("spatial", [1, 2])
+def test_empty_output_slab_carried_through_a_chain(run, spatial):
+    shape = (2, 2, 13) if spatial == 1 else (1, 2, 13, 8)
+    outs = run(3, _check, functools.partial(_chain, spatial), shape, (6, 6, 1))
+    assert outs == [(4, 4, 0)] * 3
+
+
+def _empty_pool(n):
+    make = (lambda: nn.MaxPool1d(4, stride=3)) if n == 1 else (lambda: nn.AvgPool2d(4, stride=3))
+    return _check(make, (1, 2, 13) if n == 1 else (1, 2, 13, 6), (6, 6, 1))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_pool_leaves_a_rank_without_output(run, n):
+    assert run(3, _empty_pool, n) == [(2, 2, 0)] * 3
+
+
+def _gather_direct(sizes, left, right, keep_all):
+    """``comm.halo_gather`` against indexing of the full tensor, and its adjoint ``halo_scatter``."""
+    m = mesh(len(sizes))
+    ring = comm.axis_peers(m, "domain")
+    r = ring.index
+    n = sum(sizes)
+    x = _rand((2, 3, n), 3).requires_grad_()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    spec = comm.halo.HaloGather(
+        2, tuple(sizes), tuple(left), tuple((0, s if keep_all else 0) for s in sizes), tuple(right)
+    )
+    x_loc = x.detach().narrow(2, starts[r], sizes[r]).clone().requires_grad_()
+    ext = comm.halo.halo_gather(x_loc, spec, ring, value=-7.0)
+    full = torch.cat([x, torch.full((2, 3, 1), -7.0, dtype=x.dtype)], 2)
+    keep = list(range(starts[r], starts[r] + (sizes[r] if keep_all else 0)))
+    idx = [g if g >= 0 else n for g in (*left[r], *keep, *right[r])]
+    ref = full.index_select(2, torch.tensor(idx, dtype=torch.long))
+    torch.testing.assert_close(ext, ref, atol=0, rtol=0)
+    w = _rand(ext.shape, 10 + r)
+    (ext * w).sum().backward()
+    # The reference gradient: the sum over ranks of each rank's loss, on the full tensor.
+    xs = x.detach().requires_grad_()
+    fulls = torch.cat([xs, torch.zeros(2, 3, 1, dtype=x.dtype)], 2)
+    total = 0
+    for q in range(len(sizes)):
+        kq = list(range(starts[q], starts[q] + (sizes[q] if keep_all else 0)))
+        iq = [g if g >= 0 else n for g in (*left[q], *kq, *right[q])]
+        shape = (2, 3, len(iq))
+        total = total + (fulls.index_select(2, torch.tensor(iq, dtype=torch.long)) * _rand(shape, 10 + q)).sum()
+    total.backward()
+    torch.testing.assert_close(x_loc.grad, xs.grad.narrow(2, starts[r], sizes[r]))
+    # halo_scatter adds every position into its owner: the adjoint of the gather.
+    y = comm.halo.halo_scatter(w, spec, ring)
+    torch.testing.assert_close(y, x_loc.grad)
+    return True
+
+
+@pytest.mark.parametrize(
+    ("sizes", "left", "right", "keep_all"),
+    [
+        # Rank 3 reads 5 rows from ranks 0-2; rank 0 reads from ranks 2-3 (reflect-like, reversed).
+        ((2, 2, 2, 2), ((), (0, 1), (-1, 0, 1, 2, 3), (1, 2, 3, 4, 5)), ((5, 4, 7), (4, 5, 6), (6, 7), (-1, -1)), True),
+        # An empty slab in the middle, and a rank that keeps nothing (a placeholder of fill).
+        ((3, 0, 2, 1), ((), (1, 2), (-1,), (2, 1, 0)), ((3, 4, 5), (3,), (5,), ()), False),
+    ],
+)
+def test_halo_gather_and_scatter_against_indexing(run, sizes, left, right, keep_all):
+    assert run(len(sizes), _gather_direct, sizes, left, right, keep_all) == [True] * len(sizes)
