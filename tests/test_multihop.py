@@ -186,3 +186,33 @@ def _gather_direct(sizes, left, right, keep_all):
 )
 def test_halo_gather_and_scatter_against_indexing(run, sizes, left, right, keep_all):
     assert run(len(sizes), _gather_direct, sizes, left, right, keep_all) == [True] * len(sizes)
+
+
+def _deeplab_trunk():
+    from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
+
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3, aux_loss=False)
+    ref = ref.double().eval()
+    for mod in ref.modules():  # statistics that no zero-initialised branch hides
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.5, 0.5)
+            mod.running_var.uniform_(0.5, 1.5)
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = _rand((1, 3, 160, 48), 5)
+    x_loc = snn.shard(x, m, dims=(2,), align=16)
+    with torch.no_grad():
+        # At 160 px the ASPP's dilated convs (dilation 12, 24, 36) on a 10-row map sharded 5/5
+        # ask for halos wider than the rows that exist past the edge: clipped to the domain.
+        # (The final F.interpolate(size=local shape) of DeepLabV3.forward is the position-mixing
+        # call of issue 14 items 1-2, outside this check.)
+        want = ref.classifier(ref.backbone(x)["out"])
+        got = model.classifier(model.backbone(x_loc)["out"])
+    torch.testing.assert_close(snn.gather(got, m, dims=(2,)), want, atol=1e-12, rtol=1e-10)
+    return tuple(got.shape)
+
+
+def test_deeplabv3_mobilenet_halos_clipped_to_the_domain(run):
+    pytest.importorskip("torchvision")
+    assert run(2, _deeplab_trunk) == [(1, 3, 5, 3)] * 2
