@@ -178,12 +178,6 @@ def test_conv_property_random_splits(pools, data, nd, kernel, stride, dilation, 
 # --- bad input: the same clear error on every rank ------------------------------------------
 
 
-def _expect_error(cfg: Cfg, sizes, exc, match):
-    with pytest.raises(exc, match=match):
-        _check(cfg, sizes)
-    return True
-
-
 @pytest.mark.parametrize(
     "cfg,sizes,match",
     [

@@ -125,12 +125,6 @@ def test_float32_decoder_stack(run):
     run(3, _float32_decoder)
 
 
-def _expect_error(cfg, sizes, match):
-    with pytest.raises(snn.ShardingError, match=match):
-        _check_many([cfg], len(sizes), (2,), sizes)
-    return True
-
-
 def test_strip_spanning_several_ranks_is_exact(run):
     # Span 11, stride 2, padding 5: 4 outputs spill to the right, where the neighbour's output
     # slab holds 2: they are added into the two ranks they span (comm.halo_scatter).

@@ -69,8 +69,12 @@ CASES = {
     "depthwise-7x7": (lambda: nn.Conv2d(4, 4, 7, padding=3, groups=4), (1, 4, 7, 7), [(3, 2, 2)]),
     # Periodic padding wider than a slab wraps across several ranks; reflect and replicate
     # padding read rows the first and last ranks do not hold.
-    "circular-wide": (lambda: nn.Conv1d(2, 2, 7, padding=3, padding_mode="circular"), (1, 2, 8), [(2, 2, 2, 2), (4, 3, 1)]),
-    "reflect-thin": (lambda: nn.Conv1d(2, 2, 7, padding=3, padding_mode="reflect"), (1, 2, 8), [(2, 2, 2, 2), (1, 5, 2)]),
+    "circular-wide": (
+        lambda: nn.Conv1d(2, 2, 7, padding=3, padding_mode="circular"), (1, 2, 8), [(2, 2, 2, 2), (4, 3, 1)]
+    ),
+    "reflect-thin": (
+        lambda: nn.Conv1d(2, 2, 7, padding=3, padding_mode="reflect"), (1, 2, 8), [(2, 2, 2, 2), (1, 5, 2)]
+    ),
     "replicate-thin": (lambda: nn.Conv1d(2, 2, 5, padding=2, padding_mode="replicate"), (1, 2, 7), [(1, 1, 4, 1)]),
     "strided-thin": (lambda: nn.Conv1d(2, 3, 9, stride=2, padding=4), (1, 2, 10), [(2, 2, 2, 4)]),
     # A transposed conv whose output strip spans several ranks' output slabs.
@@ -104,7 +108,10 @@ def test_multihop_layer(run, name, sizes):
 
 def _chain(spatial: int) -> nn.Module:
     """Pool leaves rank 2 without rows; conv, norms, pool, upsample and activations carry it."""
-    conv, pool, bn = (nn.Conv1d, nn.MaxPool1d, nn.BatchNorm1d) if spatial == 1 else (nn.Conv2d, nn.MaxPool2d, nn.BatchNorm2d)
+    if spatial == 1:
+        conv, pool, bn = nn.Conv1d, nn.MaxPool1d, nn.BatchNorm1d
+    else:
+        conv, pool, bn = nn.Conv2d, nn.MaxPool2d, nn.BatchNorm2d
     mode = "linear" if spatial == 1 else "bilinear"
     return nn.Sequential(
         pool(4, stride=3),  # 13 rows in slabs 6, 6, 1 -> outputs 2, 2, 0
@@ -179,7 +186,12 @@ def _gather_direct(sizes, left, right, keep_all):
     ("sizes", "left", "right", "keep_all"),
     [
         # Rank 3 reads 5 rows from ranks 0-2; rank 0 reads from ranks 2-3 (reflect-like, reversed).
-        ((2, 2, 2, 2), ((), (0, 1), (-1, 0, 1, 2, 3), (1, 2, 3, 4, 5)), ((5, 4, 7), (4, 5, 6), (6, 7), (-1, -1)), True),
+        (
+            (2, 2, 2, 2),
+            ((), (0, 1), (-1, 0, 1, 2, 3), (1, 2, 3, 4, 5)),
+            ((5, 4, 7), (4, 5, 6), (6, 7), (-1, -1)),
+            True,
+        ),
         # An empty slab in the middle, and a rank that keeps nothing (a placeholder of fill).
         ((3, 0, 2, 1), ((), (1, 2), (-1,), (2, 1, 0)), ((3, 4, 5), (3,), (5,), ()), False),
     ],

@@ -107,7 +107,10 @@ class _ShardedConvTransposeNd(ShardedMixin):
             tuple(core),
             tuple(tuple(idx(q) for q in range(o - spec.left[r], o)) for r, o in enumerate(starts)),
             tuple((0, c) for c in core),
-            tuple(tuple(idx(q) for q in range(o + c, o + c + spec.right[r])) for r, (o, c) in enumerate(zip(starts, core))),
+            tuple(
+                tuple(idx(q) for q in range(o + c, o + c + spec.right[r]))
+                for r, (o, c) in enumerate(zip(starts, core))
+            ),
         )
         return spec, out, total, gather
 

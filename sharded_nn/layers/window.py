@@ -193,7 +193,9 @@ def _general_window_plan(layout: Layout, w: Window, dim: int, mode: str, what: s
     )
     starts = [sum(out[:r]) for r in range(len(out))]
     align = math.gcd(max(1, layout.align // s), *starts)
-    return WindowPlan(halo=halo, trim=(0,) * len(out), pad_left=0, pad_right=0, out=Layout(tuple(out), align), gather=spec)
+    return WindowPlan(
+        halo=halo, trim=(0,) * len(out), pad_left=0, pad_right=0, out=Layout(tuple(out), align), gather=spec
+    )
 
 
 def crop_empty(y: torch.Tensor, plans: Sequence[WindowPlan], rings: Sequence[AxisPeers]) -> torch.Tensor:
