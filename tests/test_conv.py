@@ -178,24 +178,43 @@ def test_conv_property_random_splits(pools, data, nd, kernel, stride, dilation, 
 # --- bad input: the same clear error on every rank ------------------------------------------
 
 
-def _expect_error(cfg: Cfg, sizes, exc, match):
-    with pytest.raises(exc, match=match):
-        _check(cfg, sizes)
-    return True
-
-
 @pytest.mark.parametrize(
     "cfg,sizes,match",
     [
         (Cfg(kernel=3, stride=2, padding=1, domain=2, size=(20, 5, 4)), (9, 11), "start at a multiple of 2"),
-        (Cfg(kernel=7, padding=3, domain=4, size=(8, 5, 4)), (2, 2, 2, 2), "halo of 3"),
-        (Cfg(kernel=5, padding=2, mode="reflect", domain=2, size=(12, 5, 4)), (2, 10), "reflect padding"),
-        (Cfg(kernel=3, padding=0, domain=2, size=(12, 5, 4)), (10, 2), "no output"),
+        # Truly impossible, on one device too: torch refuses these on the full tensor.
+        (Cfg(kernel=5, padding=4, mode="reflect", domain=2, size=(4, 5, 4)), (2, 2), "at most 3"),
+        (Cfg(kernel=7, padding=0, domain=2, size=(5, 5, 4)), (3, 2), "no output at all"),
     ],
-    ids=["misaligned", "halo-too-wide", "reflect-too-thin", "empty-output"],
+    ids=["misaligned", "reflect-wider-than-dim", "window-wider-than-dim"],
 )
 def test_bad_layout_raises_on_every_rank(run, cfg, sizes, match):
-    assert all(run(len(sizes), _expect_error, cfg, sizes, snn.ShardingError, match))
+    assert all(run(len(sizes), _expect_layer_error, cfg, sizes, match))
+
+
+def _expect_layer_error(cfg: Cfg, sizes, match):
+    # The sharded layer alone: torch itself refuses some of these layouts on the full tensor.
+    m = mesh(cfg.domain)
+    layer = snn.convert(cfg.module(), m)
+    r = m.get_local_rank("domain")
+    x_loc = cfg.input().narrow(2, sum(sizes[:r]), sizes[r])
+    with pytest.raises(snn.ShardingError, match=match):
+        layer(x_loc)
+    return True
+
+
+@pytest.mark.parametrize(
+    "cfg,sizes",
+    [
+        (Cfg(kernel=7, padding=3, domain=4, size=(8, 5, 4)), (2, 2, 2, 2)),
+        (Cfg(kernel=5, padding=2, mode="reflect", domain=2, size=(12, 5, 4)), (2, 10)),
+        (Cfg(kernel=5, padding=2, mode="circular", domain=3, size=(7, 5, 4)), (1, 5, 1)),
+    ],
+    ids=["halo-spans-three-ranks", "reflect-thin-edge", "circular-thin-edges"],
+)
+def test_formerly_refused_thin_slabs_are_exact(run, cfg, sizes):
+    # These raised "halo wider than the slab" before multi-hop halos (comm.halo_gather).
+    run(len(sizes), _check, cfg, sizes)
 
 
 def _bad_construction():

@@ -125,16 +125,26 @@ def test_float32_decoder_stack(run):
     run(3, _float32_decoder)
 
 
-def _expect_error(cfg, sizes, match):
-    with pytest.raises(snn.ShardingError, match=match):
-        _check_many([cfg], len(sizes), (2,), sizes)
+def test_strip_spanning_several_ranks_is_exact(run):
+    # Span 11, stride 2, padding 5: 4 outputs spill to the right, where the neighbour's output
+    # slab holds 2: they are added into the two ranks they span (comm.halo_scatter).
+    cfg = Cfg(kernel=11, stride=2, padding=5, size=(9, 5, 4))
+    run(3, _check_many, [cfg], 3, (2,), (4, 1, 4))
+
+
+def _empty_global_output():
+    m = mesh(2)
+    layer = snn.ShardedConvTranspose1d(2, 2, 2, padding=3, mesh=m)
+    x = torch.randn(1, 2, 3)
+    x_loc = x[..., :2] if m.get_local_rank("domain") == 0 else x[..., 2:]
+    with pytest.raises(snn.ShardingError, match=r"global output is empty \(input size 3\)"):
+        layer(x_loc)
     return True
 
 
-def test_bad_layout_raises_on_every_rank(run):
-    # Span 11, stride 2, padding 5: 4 outputs spill into the right neighbour, whose slab holds 2.
-    cfg = Cfg(kernel=11, stride=2, padding=5, size=(9, 5, 4))
-    assert all(run(3, _expect_error, cfg, (4, 1, 4), "right halo of 4"))
+def test_empty_global_output_raises_on_every_rank(run):
+    # Padding crops more than the whole output: torch refuses it on one device too.
+    assert run(2, _empty_global_output) == [True, True]
 
 
 def _unsupported():

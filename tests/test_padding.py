@@ -88,10 +88,11 @@ def test_functional_pad(run):
 def _errors():
     m = mesh(2)
     x = snn.shard(torch.randn(1, 2, 5, 4), m, dims=(2,))  # slabs of 3 and 2
-    with pytest.raises(snn.ShardingError, match="reflect padding of 2"):
-        pad(x, (0, 0, 0, 2), m, "reflect")
-    with pytest.raises(snn.ShardingError, match="halo of 3"):
-        pad(x, (0, 0, 3, 0), m, "circular")
+    # Wider than the global dim: torch refuses these on one device too.
+    with pytest.raises(snn.ShardingError, match=r"reflect padding \(0, 5\) along sharded dim 2 must be at most 4"):
+        pad(x, (0, 0, 0, 5), m, "reflect")
+    with pytest.raises(snn.ShardingError, match=r"circular padding \(6, 0\) .* at most 5"):
+        pad(x, (0, 0, 6, 0), m, "circular")
     with pytest.raises(snn.ShardingNotImplementedError, match="negative padding"):
         pad(x, (0, 0, -1, 0), m)
     with pytest.raises(snn.ShardingError, match="unknown mode"):
@@ -103,3 +104,18 @@ def _errors():
 
 def test_bad_input_raises_on_every_rank(run):
     assert all(run(2, _errors))
+
+
+def _thin_edges():
+    # Padding wider than the edge slabs (these raised before multi-hop halos): the edge ranks
+    # read the rows from every rank they span; forward and backward against torch.
+    m = mesh(3)
+    x = torch.randn(1, 2, 5, 3, dtype=torch.float64)
+    for ref in (nn.ReflectionPad1d((3, 4)), nn.CircularPad1d((5, 4)), nn.ReflectionPad2d((1, 1, 4, 2))):
+        inp = x[..., 0] if isinstance(ref, (nn.ReflectionPad1d, nn.CircularPad1d)) else x
+        check_against_reference(ref, inp, m, sizes=(1, 3, 1))
+    return True
+
+
+def test_padding_wider_than_edge_slabs(run):
+    assert all(run(3, _thin_edges))

@@ -5,11 +5,13 @@ after another on the already extended tensor, which covers the corners. With ``p
 the first and last rank are neighbours, which is what circular padding needs.
 
 Widths are given for every rank (``HaloSpec``), so each rank knows what its neighbours expect
-without asking them. Callers build the spec from a layout that all ranks share and must check
-that no halo is wider than the slab it is read from (``HaloSpec.check``); sharded_nn raises a
-``ShardingError`` in that case rather than fetching from the rank beyond, because a halo that
-spans several slabs means the decomposition is too fine for the layer and is cheaper to fix by
-using fewer ranks than to serve by multi-hop traffic.
+without asking them. ``HaloSpec.check`` tells whether every halo lies inside the direct
+neighbour's slab: the common case, served by one exchange with the two neighbours
+(``halo_cat``, ``halo_exchange``). Where it does not (a slab thinner than the halo: a deep stage
+on many ranks; an empty slab; a halo clipped at the domain's edge), layers plan a
+``HaloGather`` instead, which names every position by its global index; ``halo_gather`` fetches
+each from the rank that owns it, still point-to-point (multi-hop), and ``halo_scatter`` is its
+adjoint.
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ class HaloSpec:
                 f"no right one, got left={self.left}, right={self.right}."
             )
 
+    def fits(self, sizes: tuple[int, ...]) -> bool:
+        """Whether every halo lies inside the direct neighbour's slab (one exchange serves it)."""
+        p = len(sizes)
+        return all(
+            not width or width <= sizes[src % p]
+            for r in range(p)
+            for width, src in ((self.left[r], r - 1), (self.right[r], r + 1))
+        )
+
     def check(self, sizes: tuple[int, ...], what: str) -> None:
         """Raise (on every rank alike) when a halo is wider than the slab it is read from."""
         p = len(sizes)
@@ -72,8 +83,8 @@ class HaloSpec:
                     raise ShardingError(
                         f"{what}: rank {r} needs a {side} halo of {width} along dim {self.dim}, but its "
                         f"{side} neighbour (rank {src % p}) holds only {sizes[src % p]} positions "
-                        f"(slab sizes {sizes}). Halos are read from direct neighbours only: use fewer "
-                        "ranks or a larger input so that every slab is at least as wide as the halo."
+                        f"(slab sizes {sizes}). A one-hop exchange reads direct neighbours only: plan a "
+                        "HaloGather (halo_gather fetches from every rank the halo spans) or use fewer ranks."
                     )
 
     def send_widths(self, index: int) -> tuple[int, int]:
@@ -327,3 +338,249 @@ class _HaloCat(torch.autograd.Function):
         g_right = g.narrow(d, lw + n, rw) if rw else None
         _return_halo_grads(grad_x, g_left, g_right, spec, ring, ctx.tag + 2)
         return grad_x, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-hop halos: positions read wherever they live (thin slabs, empty slabs, clipped domains)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HaloGather:
+    """The positions every rank of one mesh axis reads along one dim, wherever they live.
+
+    ``HaloSpec`` serves the common case (each halo lies inside the direct neighbour's slab: one
+    exchange with the two neighbours). A slab thinner than the halo a layer needs (a deep stage on
+    many ranks), an empty slab, or a halo clipped at the domain's edge needs positions from ranks
+    further away: ``HaloGather`` names them by *global index*, and ``halo_gather`` fetches each
+    one point-to-point from the rank that owns it (one message per pair of ranks that share
+    positions, never a collective over the group).
+
+    Rank r's extended slab is ``[left[r] | own slab[keep[r]] | right[r]]`` along ``dim``.
+
+    Attributes:
+        dim: tensor dim that the axis shards.
+        sizes: slab size of every rank along ``dim`` (the layout; sizes may be zero).
+        left: ``left[r]``: global index of each position rank r places before its kept slab, in
+            order; ``-1`` for a position filled with the constant ``value`` (zero padding).
+        keep: ``keep[r] = (offset, length)``: the part of rank r's own slab that it keeps.
+        right: as ``left``, for the positions after the kept slab.
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+    left: tuple[tuple[int, ...], ...]
+    keep: tuple[tuple[int, int], ...]
+    right: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        p, n = len(self.sizes), sum(self.sizes)
+        if not p or not (len(self.left) == len(self.keep) == len(self.right) == p):
+            raise ValueError(f"HaloGather: need one entry per rank for {p} ranks, got {self}.")
+        bad = [g for idx in self.left + self.right for g in idx if not -1 <= g < n]
+        if bad or any(o < 0 or k < 0 or o + k > s for (o, k), s in zip(self.keep, self.sizes)):
+            raise ValueError(
+                f"HaloGather: indices must lie in [-1, {n}) and kept ranges inside the slabs {self.sizes}; got {self}."
+            )
+
+    def ext_size(self, index: int) -> int:
+        """Length of rank ``index``'s extended slab along ``dim``."""
+        return len(self.left[index]) + self.keep[index][1] + len(self.right[index])
+
+    def routes(self, index: int) -> _Routes:
+        """What rank ``index`` sends, receives and copies (pure arithmetic on the spec)."""
+        starts = [0]
+        for s in self.sizes:
+            starts.append(starts[-1] + s)
+
+        def owner(g: int) -> int:
+            # The highest rank starting at or before g holds it (empty slabs share a start with
+            # the next rank, which then wins).
+            lo, hi = 0, len(self.sizes) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if starts[mid] <= g:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        def needs(dst: int) -> dict[int, list[int]]:
+            out: dict[int, set[int]] = {}
+            for g in self.left[dst] + self.right[dst]:
+                if g >= 0:
+                    o = owner(g)
+                    out.setdefault(o, set()).add(g - starts[o])
+            return {o: sorted(v) for o, v in out.items()}
+
+        mine = needs(index)
+        recvs = tuple((src, tuple(offs)) for src, offs in sorted(mine.items()) if src != index)
+        own = tuple(mine.get(index, ()))
+        sends = []
+        for dst in range(len(self.sizes)):
+            if dst != index:
+                offs = needs(dst).get(index)
+                if offs:
+                    sends.append((dst, tuple(offs)))
+        # Bank: the received rows (by source), then this rank's own rows, then one fill row.
+        where: dict[int, int] = {}
+        pos = 0
+        for src, offs in recvs + ((index, own),):
+            for o in offs:
+                where[starts[src] + o] = pos
+                pos += 1
+        fill = pos
+        index_of = tuple(where.get(g, fill) if g >= 0 else fill for g in self.left[index] + self.right[index])
+        has_fill = any(i == fill for i in index_of)
+        return _Routes(tuple(sends), recvs, own, index_of, fill + int(has_fill))
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """One rank's share of a ``HaloGather``: messages, its own rows, and where each halo position is found."""
+
+    sends: tuple[tuple[int, tuple[int, ...]], ...]  # (destination, offsets in my slab)
+    recvs: tuple[tuple[int, tuple[int, ...]], ...]  # (source, offsets in its slab)
+    own: tuple[int, ...]  # offsets in my slab that my own halos read (reflect, circular on few ranks)
+    index: tuple[int, ...]  # bank position of each halo position (left then right)
+    bank: int  # bank length: received rows, own rows, and a fill row where needed
+
+
+def _rows(x: torch.Tensor, dim: int, offsets: tuple[int, ...]) -> torch.Tensor:
+    """``x``'s entries ``offsets`` along ``dim`` (sorted, unique), as a contiguous tensor."""
+    if offsets == tuple(range(offsets[0], offsets[0] + len(offsets))):
+        return x.narrow(dim, offsets[0], len(offsets)).contiguous()
+    return x.index_select(dim, torch.tensor(offsets, device=x.device))
+
+
+def _p2p(ring: AxisPeers, sends, recvs, tag: int) -> None:
+    """Send ``(peer, tensor)`` pairs and receive into ``(peer, buffer)`` pairs; waits for all.
+
+    At most one message per ordered pair of ranks, so a single tag tells them apart on gloo, and
+    every rank issues its operations in peer order, which keeps NCCL's issue-order matching.
+    """
+    ops = [dist.P2POp(dist.isend, t, ring.ranks[peer], group=ring.group, tag=tag) for peer, t in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, ring.ranks[peer], group=ring.group, tag=tag) for peer, t in recvs if t.numel()]
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
+
+
+def _gather_fwd(x: torch.Tensor, spec: HaloGather, ring: AxisPeers, tag: int, value: float) -> torch.Tensor:
+    d, me = spec.dim, ring.index
+    rt = spec.routes(me)
+    bufs = [(src, _empty(x, d, len(offs))) for src, offs in rt.recvs]
+    _p2p(ring, [(dst, _rows(x, d, offs)) for dst, offs in rt.sends], bufs, tag)
+    pieces = [b for _, b in bufs]
+    if rt.own:
+        pieces.append(_rows(x, d, rt.own))
+    if rt.bank > sum(p.shape[d] for p in pieces):
+        shape = list(x.shape)
+        shape[d] = 1
+        pieces.append(x.new_full(shape, value))
+    nl = len(spec.left[me])
+    off, n = spec.keep[me]
+    parts = []
+    if rt.index:
+        bank = torch.cat(pieces, d) if len(pieces) > 1 else pieces[0]
+        halo = bank.index_select(d, torch.tensor(rt.index, device=x.device))
+        parts.append(halo.narrow(d, 0, nl))
+    parts.append(x.narrow(d, off, n))
+    if rt.index:
+        parts.append(halo.narrow(d, nl, len(rt.index) - nl))
+    return torch.cat(parts, d)
+
+
+def _scatter_fwd(g: torch.Tensor, spec: HaloGather, ring: AxisPeers, tag: int) -> torch.Tensor:
+    """The adjoint of ``_gather_fwd``: every position's value is added into the rank owning it."""
+    d, me = spec.dim, ring.index
+    rt = spec.routes(me)
+    nl = len(spec.left[me])
+    off, n = spec.keep[me]
+    shape = list(g.shape)
+    shape[d] = spec.sizes[me]
+    out = g.new_zeros(shape)
+    out.narrow(d, off, n).add_(g.narrow(d, nl, n))
+    if rt.index:
+        halo = torch.cat([g.narrow(d, 0, nl), g.narrow(d, nl + n, len(rt.index) - nl)], d)
+        shape[d] = rt.bank
+        bank = g.new_zeros(shape).index_add_(d, torch.tensor(rt.index, device=g.device), halo)
+    else:
+        bank = None
+    # Rows this rank read from others go back to them; rows others read from it come back here.
+    sends, pos = [], 0
+    for src, offs in rt.recvs:
+        sends.append((src, bank.narrow(d, pos, len(offs)).contiguous()))
+        pos += len(offs)
+    bufs = [(dst, _empty(g, d, len(offs))) for dst, offs in rt.sends]
+    _p2p(ring, sends, bufs, tag)
+    if rt.own:
+        out.index_add_(d, torch.tensor(rt.own, device=g.device), bank.narrow(d, pos, len(rt.own)))
+    for (_, offs), (_, b) in zip(rt.sends, bufs):
+        out.index_add_(d, torch.tensor(offs, device=g.device), b)
+    return out
+
+
+def _check_gather_ring(spec: HaloGather, ring: AxisPeers) -> None:
+    if len(spec.sizes) != ring.size:
+        raise ValueError(
+            f"halo gather: HaloGather has sizes for {len(spec.sizes)} ranks but the mesh axis has "
+            f"{ring.size}. Build the spec from the layout of this axis."
+        )
+
+
+def halo_gather(
+    x: torch.Tensor, spec: HaloGather, ring: AxisPeers, *, value: float = 0.0, tag: int | None = None
+) -> torch.Tensor:
+    """Rank r's extended slab ``[left | x[keep] | right]``, halos fetched from whichever ranks own them.
+
+    The multi-hop form of ``halo_cat``: used where a halo spans several slabs (or a slab is
+    empty); each rank exchanges one message with every rank it shares positions with, so the
+    traffic is the halo itself, point-to-point. Autograd-aware: the backward adds each halo
+    position's gradient into the rank that owns it (``halo_scatter``). ``tag``: as
+    ``halo_exchange`` (``HALO_TAGS`` reserved on every rank).
+
+    Args:
+        x: this rank's slab (possibly empty along ``spec.dim``).
+        spec: the positions every rank reads (see ``HaloGather``).
+        ring: the axis, from ``axis_peers(mesh, axis)``.
+        value: the fill of positions whose index is -1 (zero padding, ``-inf`` for max pooling).
+    """
+    _check_gather_ring(spec, ring)
+    return _HaloGatherFn.apply(x, spec, ring, ring.next_tags(HALO_TAGS) if tag is None else tag, value)
+
+
+def halo_scatter(y: torch.Tensor, spec: HaloGather, ring: AxisPeers, *, tag: int | None = None) -> torch.Tensor:
+    """The adjoint of ``halo_gather``: add every position of ``y`` into the slab of the rank owning it.
+
+    The multi-hop form of ``halo_add``: ``y`` is laid out as ``halo_gather``'s output
+    (``[left | kept | right]``); returns this rank's slab (``spec.sizes[r]`` positions) with every
+    rank's contributions added; positions with index -1 are dropped. The backward is
+    ``halo_gather`` of the gradient.
+    """
+    _check_gather_ring(spec, ring)
+    return _HaloScatterFn.apply(y, spec, ring, ring.next_tags(HALO_TAGS) if tag is None else tag)
+
+
+class _HaloGatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec: HaloGather, ring: AxisPeers, tag: int, value: float):  # noqa: D102
+        ctx.spec, ctx.ring, ctx.tag = spec, ring, tag
+        return _gather_fwd(x, spec, ring, tag, value)
+
+    # Its communication is not recorded for a second derivative: double backward raises.
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):  # noqa: D102
+        return _scatter_fwd(g.contiguous(), ctx.spec, ctx.ring, ctx.tag + 2), None, None, None, None
+
+
+class _HaloScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, spec: HaloGather, ring: AxisPeers, tag: int):  # noqa: D102
+        ctx.spec, ctx.ring, ctx.tag = spec, ring, tag
+        return _scatter_fwd(y.contiguous(), spec, ring, tag)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):  # noqa: D102
+        return _gather_fwd(g.contiguous(), ctx.spec, ctx.ring, ctx.tag + 2, 0.0), None, None, None

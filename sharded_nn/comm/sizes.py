@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -73,8 +72,11 @@ def gather_layouts(
     dims: Sequence[int],
     *,
     what: str = "sharded tensor",
+    allow_empty: bool = False,
 ) -> tuple[Layout, ...]:
     """Gather every domain rank's local ``shape`` and return the layout of each sharded dim.
+
+    ``allow_empty=True`` accepts empty slabs (layers that carry them through a deep stage).
 
     ``dims[k]`` is sharded by the k-th domain axis of ``mesh``. Every rank receives the same
     shapes and runs the same checks, so an inconsistent input raises the same ``ShardingError``
@@ -109,19 +111,41 @@ def gather_layouts(
         flat = all_gather_stacked(mine, meta.group).view(-1).tolist()
         starts = range(0, len(flat), width)
         rows = tuple(tuple(flat[a : a + 1 + n_axes + flat[a]]) for a in starts)
-    return _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what)
+    return _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what, allow_empty)
 
 
-@lru_cache(maxsize=1024)
+#: Layouts by gathered rows (bounded: shapes change from call to call in some models). A plain
+#: dict, not ``functools.lru_cache``: Dynamo warns on (and cannot trace into) ``lru_cache``
+#: wrappers, and under ``torch.compile`` the cache is bypassed (see ``_layouts``).
+_LAYOUTS: dict[tuple, tuple[Layout, ...]] = {}
+_LAYOUTS_MAX = 1024
+
+
 def _layouts(
-    rows: tuple[tuple[int, ...], ...], n_axes: int, axis_sizes: tuple[int, ...], dims: tuple[int, ...], what: str
+    rows: tuple[tuple[int, ...], ...],
+    n_axes: int,
+    axis_sizes: tuple[int, ...],
+    dims: tuple[int, ...],
+    what: str,
+    allow_empty: bool = False,
 ) -> tuple[Layout, ...]:
     # Keyed by the gathered rows, which are the same on every rank, so all ranks hit or miss
-    # together; a miss runs no collective anyway. Bounded: shapes change from call to call in
-    # some models. Errors are raised again on every call (lru_cache does not store them).
+    # together; a miss runs no collective anyway. Errors are raised again on every call (an
+    # error is never stored). While compiling, computed afresh so no traced graph depends on the
+    # cache's state.
+    key = (rows, n_axes, axis_sizes, dims, what, allow_empty)
+    if not torch.compiler.is_compiling():
+        hit = _LAYOUTS.get(key)
+        if hit is not None:
+            return hit
     coords = [r[1 : 1 + n_axes] for r in rows]
     shapes = [r[1 + n_axes :] for r in rows]
-    return layouts_from_shapes(shapes, coords, axis_sizes, dims, what=what)
+    out = layouts_from_shapes(shapes, coords, axis_sizes, dims, what=what, allow_empty=allow_empty)
+    if not torch.compiler.is_compiling():
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest entry
+        _LAYOUTS[key] = out
+    return out
 
 
 def layouts_from_shapes(
@@ -131,10 +155,12 @@ def layouts_from_shapes(
     dims: Sequence[int],
     *,
     what: str = "sharded tensor",
+    allow_empty: bool = False,
 ) -> tuple[Layout, ...]:
     """Layouts from the local shapes of all domain ranks and their domain coordinates.
 
-    Pure function of facts every rank shares; see ``gather_layouts``.
+    Pure function of facts every rank shares; see ``gather_layouts``. ``allow_empty``: accept
+    empty slabs (otherwise a ``ShardingError``).
     """
     if len({len(s) for s in shapes}) != 1:
         raise ShardingError(f"{what}: ranks hold tensors of different ranks (ndims): {shapes}.")
@@ -163,7 +189,8 @@ def layouts_from_shapes(
                     f"Local shapes: {list(shapes)}."
                 )
         layout = Layout(tuple(sizes))  # type: ignore[arg-type]
-        layout.require_nonempty(f"{what} along dim {d}")
+        if not allow_empty:
+            layout.require_nonempty(f"{what} along dim {d}")
         layouts.append(layout)
     return tuple(layouts)
 

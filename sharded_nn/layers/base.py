@@ -159,6 +159,7 @@ def agree(
     same: Mapping[str, Sequence[int]] | None = None,
     local: Sequence[int] = (),
     requires_grad: bool | None = None,
+    allow_empty: bool = False,
 ) -> Agreement:
     """Agree with the other domain ranks on the input: layouts, dtype, arguments; one all-gather.
 
@@ -177,6 +178,8 @@ def agree(
         local: per-rank facts returned in ``Agreement.local``.
         requires_grad: whether this rank runs the layer's backward communication; default
             ``x.requires_grad`` while grad mode is on.
+        allow_empty: accept empty slabs (layers that carry an empty slab through, e.g. after a
+            pooling that leaves a rank without outputs); otherwise they raise.
 
     Raises:
         ShardingError: ranks disagree on the number of dims, a ``same`` fact or an unsharded
@@ -208,7 +211,9 @@ def agree(
     if ndims is not None and ndim_all[0] not in ndims:
         raise ShardingError(f"{what}: expected {expected} input, got local shapes {list(shapes)}.")
     coord_rows = [tuple(r[1 : 1 + len(axes)]) for r in rows]
-    layouts = layouts_from_shapes(shapes, coord_rows, [axis_size(mesh, a) for a in axes], dims, what=what)
+    layouts = layouts_from_shapes(
+        shapes, coord_rows, [axis_size(mesh, a) for a in axes], dims, what=what, allow_empty=allow_empty
+    )
     start = 1 + len(axes) + MAX_NDIM + len(flat)
     return Agreement(layouts, shapes, tuple(tuple(r[start:]) for r in rows))
 
@@ -272,6 +277,9 @@ class ShardedMixin:
     """
 
     _spatial_dims: int = 1
+    #: Whether the layer carries empty slabs through (a rank left without rows by a deep stage
+    #: computes an empty output and still serves its neighbours' halos); else they raise.
+    _allow_empty: bool = False
     #: Keyword-only constructor options that configure the sharding (``_init_sharding``'s).
     _sharding_options: tuple[str, ...] = ("dims",)
 
@@ -318,6 +326,7 @@ class ShardedMixin:
         n = self._spatial_dims
         kwargs.setdefault("ndims", (n + 2,))
         kwargs.setdefault("expected", f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
+        kwargs.setdefault("allow_empty", self._allow_empty)
         return agree(x, self.mesh, kwargs.pop("dims", self.dims), what=type(self).__name__, **kwargs)
 
     @classmethod

@@ -35,6 +35,7 @@ from .window import (
     WindowPlan,
     apply_linear,
     apply_overlapped,
+    crop_empty,
     extend,
     pad_unsharded,
     plan_window,
@@ -156,6 +157,7 @@ class _ShardedConvNd(ShardedMixin):
     """Shared forward of the sharded convolutions (mixed into the torch classes)."""
 
     _sharding_options = ("dims", "overlap")
+    _allow_empty = True
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True) -> None:
         """See the module docstring; ``overlap`` computes the interior while halos travel."""
@@ -233,6 +235,10 @@ class _ShardedConvNd(ShardedMixin):
         last_dim = self.dims[last]
         for k in range(last):
             x = extend(x, plans[k], rings[k], mode)
+        if any(p.gather is not None for p in plans):
+            # A thin, empty or edge-clipped stage (multi-hop halos): synchronous, and ranks left
+            # without outputs crop their placeholder row.
+            return crop_empty(conv(extend(x, plans[last], rings[last], mode)), plans, rings)
         if self.overlap:
             window = self._window(last_dim - 2)
             # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16

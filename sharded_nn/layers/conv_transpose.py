@@ -16,7 +16,9 @@ Sharding contract:
         to the left neighbour and the ``e - s - p`` right of ``b*s`` to the right one: they are
         sent there and *added* (``comm.halo_add``, the adjoint of a halo exchange). The first
         rank drops its left strip (it is the global crop), the last rank crops or zero-extends its
-        tail to the global output size. The bias is added once, after the reduction.
+        tail to the global output size. The bias is added once, after the reduction. Where a
+        strip is wider than the neighbour's output slab (thin slabs) it is added into every rank
+        it spans (``comm.halo_scatter``, multi-hop, point-to-point); empty slabs pass through.
     backward: the input gradient is exact on every rank (``halo_add``'s backward is a halo
         exchange of the output gradient); weight and bias gradients are partial sums over the
         domain ranks (reduce them with ``sharded_nn.parallelize``).
@@ -24,6 +26,7 @@ Sharding contract:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_add
+from ..comm.halo import HaloGather, halo_scatter
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
@@ -53,6 +57,8 @@ def _narrow_or_pad(x: torch.Tensor, dim: int, start: int, length: int) -> torch.
 class _ShardedConvTransposeNd(ShardedMixin):
     """Shared forward of the sharded transposed convolutions (mixed into the torch classes)."""
 
+    _allow_empty = True
+
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         """See the module docstring."""
         super()._init_sharding(mesh, dims)
@@ -62,32 +68,51 @@ class _ShardedConvTransposeNd(ShardedMixin):
                 "transposed convolutions."
             )
 
-    def _plan(self, layout: Layout, dim: int, out_pad: int) -> tuple[HaloSpec, Layout, int]:
-        """Halo-reduction spec, output layout and the last rank's tail adjustment along ``dim``."""
+    def _plan(self, layout: Layout, dim: int, out_pad: int) -> tuple[HaloSpec, Layout, int, HaloGather | None]:
+        """Halo-reduction spec, output layout, global output size and, where the strips reach
+        past the direct neighbours, the multi-hop plan (``comm.halo_scatter``) along ``dim``."""
         i = dim - 2
         s, p = self.stride[i], self.padding[i]
         e = self.dilation[i] * (self.kernel_size[i] - 1) + 1
         sizes, n_ranks = layout.sizes, layout.parts
-        # Outputs each rank owns: [a*s, b*s), the last one up to the global output size.
+        # Outputs each rank owns: [a*s, b*s), the last one up to the global output size; clipped
+        # to the global output where padding crops more than the last slab contributes.
         total = (layout.size - 1) * s - 2 * p + e + out_pad
-        core = [n * s for n in sizes[:-1]]
-        core.append(total - layout.starts[-1] * s)
         name = type(self).__name__
-        if min(core) < 1:
+        if total < 1:
             raise ShardingError(
                 f"{name}: along dim {dim} (kernel {self.kernel_size[i]}, stride {s}, padding {p}, output_padding "
-                f"{out_pad}) the input slabs {sizes} leave the last rank with no output. Use fewer ranks or "
-                "a larger input."
+                f"{out_pad}) the global output is empty (input size {layout.size}). Use a larger input."
             )
+        ends = [min((a + n) * s, total) for a, n in zip(layout.starts[:-1], sizes[:-1])] + [total]
+        core = [max(end - min(a * s, total), 0) for a, end in zip(layout.starts, ends)]
         right = max(e - s - p, 0)
         spec = HaloSpec(
             dim,
             tuple(p if r > 0 else 0 for r in range(n_ranks)),
             tuple(right if r < n_ranks - 1 else 0 for r in range(n_ranks)),
         )
-        # A strip wider than the neighbour's output slab would have to travel further than one hop.
-        spec.check(tuple(core), name)
-        return spec, Layout(tuple(core), layout.align * s), total
+        starts = [sum(core[:r]) for r in range(n_ranks)]
+        out = Layout(tuple(core), math.gcd(layout.align * s, *starts))
+        if spec.fits(tuple(core)) and min(core) >= 1:
+            return spec, out, total, None
+        # A strip wider than the neighbour's output slab (thin slabs), or an empty output slab:
+        # every strip position goes to the rank owning it, however far; positions outside the
+        # global output (the crop of ``padding``) are dropped (index -1).
+        def idx(q: int) -> int:
+            return q if 0 <= q < total else -1
+
+        gather = HaloGather(
+            dim,
+            tuple(core),
+            tuple(tuple(idx(q) for q in range(o - spec.left[r], o)) for r, o in enumerate(starts)),
+            tuple((0, c) for c in core),
+            tuple(
+                tuple(idx(q) for q in range(o + c, o + c + spec.right[r]))
+                for r, (o, c) in enumerate(zip(starts, core))
+            ),
+        )
+        return spec, out, total, gather
 
     @batched
     def forward(self, x: torch.Tensor, output_size: Sequence[int] | None = None) -> torch.Tensor:  # noqa: D102
@@ -118,8 +143,15 @@ class _ShardedConvTransposeNd(ShardedMixin):
             padding[d - 2] = output_padding[d - 2] = 0
         # Every plan (and its validation) before any communication.
         plans = [self._plan(lay, d, out_pad[d - 2]) for lay, d in zip(layouts, self.dims)]
+        for d in self.dims:
+            if x.shape[d] == 0:
+                # An empty slab (a deep stage on many ranks): one zero row stands in for it; it
+                # scatters zeros, so the strips this rank sends and the outputs it keeps are exact.
+                shape = list(x.shape)
+                shape[d] = 1
+                x = torch.cat([x, x.new_zeros(shape)], d)
         y = _CONVT_FN[n](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
-        for (spec, out_layout, _), d, axis in zip(plans, self.dims, self.mesh_axes):
+        for (spec, out_layout, _, gather), d, axis in zip(plans, self.dims, self.mesh_axes):
             i = d - 2
             ring = axis_peers(self.mesh, axis)
             r = ring.index
@@ -130,7 +162,9 @@ class _ShardedConvTransposeNd(ShardedMixin):
             # output_padding on the last rank).
             start = p - spec.left[r]
             y = _narrow_or_pad(y, d, start, spec.left[r] + out_layout.sizes[r] + spec.right[r])
-            if ring.size > 1:
+            if gather is not None:
+                y = halo_scatter(y, gather, ring)
+            elif ring.size > 1:
                 y = halo_add(y, spec, ring)
         if self.bias is not None:
             # In y's dtype: under autocast y is in the autocast dtype, as torch's own output.

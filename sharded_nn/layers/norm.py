@@ -110,6 +110,10 @@ def _unbiased(var: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 class _ShardedNorm(ShardedMixin):
     """Shared pieces: keyword-only mesh options, the sharded-dims check, the reduction group."""
 
+    # Empty slabs (a deep stage that left a rank without rows) add nothing to the statistics;
+    # the global count is summed, so they are exact.
+    _allow_empty = True
+
     def _check_channels(self, x: torch.Tensor, expected: int, agreed: Agreement, dims: Sequence[int]) -> None:
         # Dim 1 is unsharded, so after the agreement it is the same on every rank.
         if x.shape[1] != expected:

@@ -8,11 +8,13 @@ Sharding contract:
         slabs grow and the output layout is no longer balanced (layers gather layouts on every
         call, so that is fine). Unsharded dims are padded locally, exactly as ``F.pad`` does.
     modes: ``constant`` and ``replicate`` need no communication. ``reflect`` reads the edge slab
-        only; a slab thinner than the padding + 1 raises a ``ShardingError`` (use fewer ranks).
-        ``circular`` wraps around the ring: the first rank receives the last ``pad_left``
+        only. ``circular`` wraps around the ring: the first rank receives the last ``pad_left``
         positions from the last rank and vice versa (one periodic halo exchange, autograd-aware:
-        the halo gradients flow back to their owners). Several sharded dims are padded one
-        after another on the already padded tensor, which fills the corners.
+        the halo gradients flow back to their owners). Where the padding reads more rows than
+        an edge slab holds (circular or reflect padding wider than a thin edge slab, an empty
+        edge slab), the edge ranks read them from every rank they span (``comm.halo_gather``,
+        multi-hop). Several sharded dims are padded one after another on the already padded
+        tensor, which fills the corners. Empty slabs pass through.
     negative padding (cropping) is supported on unsharded dims; on a sharded dim it raises
         ``ShardingNotImplementedError``.
 """
@@ -27,11 +29,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_cat
+from ..comm.halo import halo_gather
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import default_dims, domain_axes
 from ..registry import register
 from .base import ShardedMixin, agree, batched
-from .window import edge_pad
+from .window import edge_pad, gather_plan
 
 MODES = ("constant", "reflect", "replicate", "circular")
 
@@ -56,8 +59,8 @@ def pad(
         dims: sharded dims of ``x`` (default: the first spatial dims, one per domain axis).
 
     Raises:
-        ShardingError: bad ``pad`` or mode, inconsistent slabs, a slab too thin for reflect, or a
-            neighbour slab thinner than a circular halo (same error on every rank).
+        ShardingError: bad ``pad`` or mode, inconsistent slabs, or reflect/circular padding wider
+            than the global dim (as torch; same error on every rank).
         ShardingNotImplementedError: negative padding of a sharded dim.
     """
     return _pad(x, pad, mesh, mode, value, dims=dims, what="pad")
@@ -79,7 +82,7 @@ def _pad(
     if dims is None:
         dims = default_dims(mesh)
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    layouts = agree(x, mesh, dims, what=what, ndims=ndims, expected=expected).layouts
+    layouts = agree(x, mesh, dims, what=what, ndims=ndims, expected=expected, allow_empty=True).layouts
     pad = tuple(int(p) for p in pad)
     if mode not in MODES:
         raise ShardingError(f"{what}: unknown mode {mode!r}; expected one of {MODES}.")
@@ -98,15 +101,15 @@ def _pad(
                 f"{what}: negative padding (cropping) {pl, pr} of sharded dim {d} is not supported; "
                 "crop the full tensor before sharding, or after gathering."
             )
-        if d in sharded and mode == "reflect":
-            sizes = sharded[d][1].sizes
-            for r, width in ((0, pl), (len(sizes) - 1, pr)):
-                if width >= sizes[r]:
-                    raise ShardingError(
-                        f"{what}: reflect padding of {width} along sharded dim {d} needs rank {r}'s slab to "
-                        f"hold more than {width} positions, got {sizes[r]} (sizes {sizes}). Use fewer ranks "
-                        "or a larger input."
-                    )
+        if d in sharded and mode in ("reflect", "circular"):
+            # torch's own limits on the full tensor; thin edge slabs are fine (multi-hop).
+            n = sharded[d][1].size
+            limit = n - 1 if mode == "reflect" else n
+            if max(pl, pr) > limit:
+                raise ShardingError(
+                    f"{what}: {mode} padding {pl, pr} along sharded dim {d} must be at most {limit} for a "
+                    f"global size of {n} (torch refuses it on one device too). Use a larger input or less padding."
+                )
     # Unsharded dims first, in one local F.pad call (zeros for the sharded dims' pairs).
     local = list(pad)
     for d in sharded:
@@ -122,6 +125,18 @@ def _pad(
             continue
         axis, layout = sharded[d]
         ring = axis_peers(mesh, axis)
+        if _needs_gather(layout.sizes, pl, pr, mode):
+            # The padding reads rows beyond the edge ranks' slabs (circular wider than the last
+            # slab, reflect wider than the first, an empty edge slab): every rank reads exactly
+            # its padded range from whichever ranks own those rows (multi-hop).
+            p, n = layout.parts, layout.size
+            ranges = [
+                (a - (pl if r == 0 else 0), a + m + (pr if r == p - 1 else 0))
+                for r, (a, m) in enumerate(zip(layout.starts, layout.sizes))
+            ]
+            spec = gather_plan(d, layout, ranges, "zeros" if mode == "constant" else mode)
+            x = halo_gather(x, spec, ring, value=fill)
+            continue
         if mode == "circular":
             p = layout.parts
             spec = HaloSpec(d, (pl,) + (0,) * (p - 1), (0,) * (p - 1) + (pr,), periodic=True)
@@ -133,6 +148,15 @@ def _pad(
         if ring.is_last:
             x = edge_pad(x, d, pr, False, mode, fill)
     return x
+
+
+def _needs_gather(sizes: tuple[int, ...], pl: int, pr: int, mode: str) -> bool:
+    """Whether padding one sharded dim reads beyond what the edge ranks (or their neighbours) hold."""
+    if mode == "constant":
+        return False
+    if mode == "circular":
+        return pl > sizes[-1] or pr > sizes[0] or (len(sizes) > 1 and min(sizes) == 0)
+    return 0 in sizes or (mode == "reflect" and (pl >= sizes[0] or pr >= sizes[-1]))
 
 
 class _ShardedPadNd(ShardedMixin):

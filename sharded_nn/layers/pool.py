@@ -33,7 +33,7 @@ from torch.nn.modules.utils import _ntuple
 from ..comm import axis_peers
 from ..registry import register
 from .base import ShardedMixin, batched
-from .window import Window, extend, pad_unsharded, plan_window
+from .window import Window, crop_empty, extend, pad_unsharded, plan_window
 
 _MAX_FN = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG_FN = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -50,6 +50,8 @@ def _pool_out_size(length: int, k: int, s: int, p: int, d: int, ceil_mode: bool)
 
 class _ShardedPoolNd(ShardedMixin):
     """Window bookkeeping shared by the sharded max and average pools."""
+
+    _allow_empty = True
 
     def _opts(self) -> tuple[tuple[int, ...], ...]:
         n = _ntuple(self._spatial_dims)
@@ -72,7 +74,7 @@ class _ShardedPoolNd(ShardedMixin):
         return out
 
     def _extend(self, x: torch.Tensor, value: float):
-        """The halo-extended, edge-padded slab; also global sizes, windows and output starts."""
+        """The halo-extended, edge-padded slab; also global sizes, windows, output starts and plans."""
         name = type(self).__name__
         agreed = self._agree(x)
         layouts = agreed.layouts
@@ -87,20 +89,23 @@ class _ShardedPoolNd(ShardedMixin):
             ring = axis_peers(self.mesh, axis)
             start = lay.starts[ring.index]
             starts[d - 2] = start // w.stride
-            offsets[d - 2] = start - plan.halo.left[ring.index] - (plan.pad_left if ring.is_first else 0)
+            # One-hop and general plans alike start the extended slab pad_left before the slab.
+            offsets[d - 2] = start - w.pad_left
             x = extend(x, plan, ring, "zeros", value)
         pads = {2 + i: (w.pad_left, w.pad_right) for i, w in enumerate(windows) if 2 + i not in self.dims}
         x = pad_unsharded(x, pads, "zeros", value)
-        return x, sizes, windows, starts, offsets
+        return x, sizes, windows, starts, offsets, plans
 
 
 class _ShardedMaxPoolNd(_ShardedPoolNd):
     @batched
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
-        ext, sizes, _, _, offsets = self._extend(x, float("-inf"))
+        ext, sizes, _, _, offsets, plans = self._extend(x, float("-inf"))
         k, s, _, d = self._opts()
         y, idx = _MAX_FN[n](ext, k, s, 0, d, ceil_mode=False, return_indices=True)
+        rings = [axis_peers(self.mesh, a) for a in self.mesh_axes]
+        y, idx = crop_empty(y, plans, rings), crop_empty(idx, plans, rings)
         if not self.return_indices:
             return y
         # Local indices are flat over the extended slab; shift each coordinate to the global
@@ -122,9 +127,10 @@ class _ShardedAvgPoolNd(_ShardedPoolNd):
     @batched
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
-        ext, sizes, _, starts, _ = self._extend(x, 0.0)
+        ext, sizes, _, starts, _, plans = self._extend(x, 0.0)
         k, s, p, _ = self._opts()
         y = _AVG_FN[n](ext, k, s, 0)  # divides by prod(k): every window lies inside ext
+        y = crop_empty(y, plans, [axis_peers(self.mesh, a) for a in self.mesh_axes])
         # Rescale each output from prod(k) to torch's divisor for its global position.
         override = getattr(self, "divisor_override", None)
         if override:

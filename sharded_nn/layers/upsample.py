@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_cat
+from ..comm.halo import halo_gather
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
@@ -152,7 +153,9 @@ def interpolate(
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     ndims = (_LINEAR[mode],) if mode in _LINEAR else (3, 4, 5)
     expected = f"a {ndims[0]}-d" if mode in _LINEAR else "a 3-d, 4-d or 5-d"
-    agreed = agree(x, mesh, dims, what=what, ndims=ndims, expected=f"(mode {mode!r}) {expected} (N, C, ...)")
+    agreed = agree(
+        x, mesh, dims, what=what, ndims=ndims, expected=f"(mode {mode!r}) {expected} (N, C, ...)", allow_empty=True
+    )
     if any(not 2 <= d < x.dim() for d in dims):
         raise ShardingError(f"{what}: dims={dims} must name spatial dims of a {x.dim()}-d input.")
     layouts = agreed.layouts
@@ -184,23 +187,23 @@ def interpolate(
             continue
         k = dims.index(d)
         lay, ring = layouts[k], axis_peers(mesh, axes[k])
+        # A rank may get no outputs (an empty input slab, or fewer outputs than ranks): it
+        # carries an empty slab and still serves its neighbours' halos.
         bounds = [_out_range(a, lay.size, outs[i]) for a in lay.starts] + [outs[i]]
-        if any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
-            raise ShardingError(
-                f"{what}: output size {outs[i]} along dim {d} leaves some rank without outputs "
-                f"(input slabs {lay.sizes}). Use fewer ranks."
-            )
         lo_src = torch.stack(taps).min(0).values
         hi_src = torch.stack(taps).max(0).values
         left, right = [], []
         for r, (a, m) in enumerate(zip(lay.starts, lay.sizes)):
             lo, hi = bounds[r], bounds[r + 1]
-            left.append(max(a - int(lo_src[lo:hi].min()), 0))
-            right.append(max(int(hi_src[lo:hi].max()) + 1 - (a + m), 0))
+            left.append(max(a - int(lo_src[lo:hi].min()), 0) if hi > lo else 0)
+            right.append(max(int(hi_src[lo:hi].max()) + 1 - (a + m), 0) if hi > lo else 0)
         spec = HaloSpec(d, tuple(left), tuple(right))
-        spec.check(lay.sizes, what)
         r = ring.index
-        if ring.size > 1:
+        if not spec.fits(lay.sizes):
+            # A halo spans several slabs (thin or empty ones): read each row from its owner.
+            ranges = [(a - lf, a + m + rt) for a, m, lf, rt in zip(lay.starts, lay.sizes, left, right)]
+            x = halo_gather(x, gather_plan(d, lay, ranges, "zeros"), ring)
+        elif ring.size > 1:
             x = halo_cat(x, spec, ring)
         lo, hi = bounds[r], bounds[r + 1]
         x = _resample(

@@ -13,16 +13,28 @@ this needs every slab start to be a multiple of ``s`` (the alignment), and then:
 
 All of this depends only on the layout, which every rank shares, so every rank validates the
 same facts and raises the same error.
+
+That is the one-hop plan (``WindowPlan.gather is None``): one exchange with the two neighbours,
+overlapped with the interior work. When a slab is thinner than the halo (a deep stage on many
+ranks), a slab is empty, or a halo reaches past the domain's edge (a dilated conv whose padding
+exceeds the rows a rank has before it), the plan is *general* instead: rank r's outputs are the
+global outputs ``j`` with ``j*s`` in its slab (none: an empty output slab), each extended
+position is mapped to the global row it reads (or to the fill value) by the padding mode, and
+``comm.halo_gather`` fetches every row from whichever rank owns it (multi-hop, point-to-point).
+Only thin or edge-clipped stages pay for it; the common case keeps the one-hop exchange.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..comm import AxisPeers, HaloSpec, halo_cat, halo_exchange
+from ..comm.halo import HaloGather, halo_gather
 from ..errors import ShardingError
 from ..layout import Layout
 from .base import BoundedCache
@@ -55,6 +67,11 @@ class WindowPlan:
         pad_left: global padding the first rank adds (0 when periodic).
         pad_right: global padding the last rank adds (0 when periodic).
         out: the output layout.
+        gather: the general (multi-hop) plan, or None for the one-hop exchange of ``halo``. When
+            set, ``extend`` returns exactly the positions this rank's outputs read, padding
+            included (``trim``, ``pad_left`` and ``pad_right`` are then unused); a rank without
+            outputs gets one window of fill, whose single output the layer crops
+            (``crop_empty``).
     """
 
     halo: HaloSpec
@@ -62,14 +79,52 @@ class WindowPlan:
     pad_left: int
     pad_right: int
     out: Layout
+    gather: HaloGather | None = None
+
+
+def source_index(q: int, n: int, mode: str) -> int:
+    """The global position that padded position ``q`` reads along a dim of ``n``; -1: the fill value."""
+    if 0 <= q < n:
+        return q
+    if mode in ("zeros", "constant"):
+        return -1
+    if mode == "replicate":
+        return min(max(q, 0), n - 1)
+    if mode == "reflect":
+        return -q if q < 0 else 2 * (n - 1) - q
+    if mode == "circular":
+        return q % n
+    raise ValueError(f"source_index: unknown padding mode {mode!r}; expected one of {PAD_MODES}.")
+
+
+def gather_plan(dim: int, layout: Layout, ranges: Sequence[tuple[int, int]], mode: str) -> HaloGather:
+    """The ``HaloGather`` giving rank r the padded global positions ``[lo, hi)`` of ``ranges[r]``.
+
+    Positions outside ``[0, layout.size)`` are mapped by the padding ``mode`` (``source_index``):
+    the fill value for zeros, else the row they mirror, repeat or wrap to. ``lo == hi``: nothing.
+    """
+    n = layout.size
+    left, keep, right = [], [], []
+    for (a, size), rng in zip(zip(layout.starts, layout.sizes), ranges):
+        lo, hi = rng
+        b = a + size
+        k0, k1 = min(max(lo, a), b), max(min(hi, b), min(max(lo, a), b))
+        left.append(tuple(source_index(q, n, mode) for q in range(lo, min(hi, a))))
+        keep.append((k0 - a, k1 - k0))
+        right.append(tuple(source_index(q, n, mode) for q in range(max(lo, b), hi)))
+    return HaloGather(dim, layout.sizes, tuple(left), tuple(keep), tuple(right))
 
 
 def plan_window(layout: Layout, w: Window, dim: int, *, mode: str, what: str) -> WindowPlan:
     """Plan the extension of ``layout`` along ``dim`` for window ``w``; validates on every rank.
 
+    The one-hop plan where every halo lies inside the direct neighbour's slab and every rank has
+    outputs; otherwise the general (multi-hop) plan, see the module docstring.
+
     Raises:
-        ShardingError: misaligned slabs, a halo wider than a neighbour's slab, a slab too thin
-            for reflect padding, or a rank left with no output.
+        ShardingError: misaligned slabs, padding that torch itself refuses on the full tensor
+            (reflect wider than the dim, circular wider than the dim), or a window wider than
+            the padded domain.
     """
     p = len(layout.sizes)
     periodic = mode == "circular"
@@ -84,32 +139,71 @@ def plan_window(layout: Layout, w: Window, dim: int, *, mode: str, what: str) ->
     right = tuple(max(inner_right, 0) if r < p - 1 else (w.pad_right if periodic else 0) for r in range(p))
     trim = tuple(max(-inner_right, 0) if r < p - 1 else 0 for r in range(p))
     halo = HaloSpec(dim, left, right, periodic)
-    halo.check(layout.sizes, what)
-    if mode == "reflect":
-        for r, width in ((0, w.pad_left), (p - 1, w.pad_right)):
-            if width >= layout.sizes[r]:
-                raise ShardingError(
-                    f"{what}: reflect padding of {width} along dim {dim} needs rank {r}'s slab to hold "
-                    f"more than {width} positions, got {layout.sizes[r]} (sizes {layout.sizes}). Use "
-                    "fewer ranks or a larger input."
-                )
     out = []
     for r, n in enumerate(layout.sizes):
         reach = w.pad_left + n + (inner_right if r < p - 1 else w.pad_right)
         out.append((reach - w.span) // w.stride + 1)
-    if min(out) < 1:
-        raise ShardingError(
-            f"{what}: along dim {dim} (kernel {w.kernel}, stride {w.stride}, dilation {w.dilation}, "
-            f"padding ({w.pad_left}, {w.pad_right})) the slabs {layout.sizes} leave rank(s) "
-            f"{[r for r, o in enumerate(out) if o < 1]} with no output. Use fewer ranks or a larger input."
+    reflect_ok = mode != "reflect" or (w.pad_left < layout.sizes[0] and w.pad_right < layout.sizes[-1])
+    if halo.fits(layout.sizes) and reflect_ok and min(out) >= 1:
+        return WindowPlan(
+            halo=halo,
+            trim=trim,
+            pad_left=0 if periodic else w.pad_left,
+            pad_right=0 if periodic else w.pad_right,
+            out=Layout(tuple(out), max(1, layout.align // w.stride)),
         )
-    return WindowPlan(
-        halo=halo,
-        trim=trim,
-        pad_left=0 if periodic else w.pad_left,
-        pad_right=0 if periodic else w.pad_right,
-        out=Layout(tuple(out), max(1, layout.align // w.stride)),
+    return _general_window_plan(layout, w, dim, mode, what, halo)
+
+
+def _general_window_plan(layout: Layout, w: Window, dim: int, mode: str, what: str, halo: HaloSpec) -> WindowPlan:
+    """The multi-hop plan: each rank reads exactly the rows of its outputs, wherever they live."""
+    n, s = layout.size, w.stride
+    limit = {"reflect": n - 1, "circular": n}.get(mode)
+    if limit is not None and max(w.pad_left, w.pad_right) > limit:
+        raise ShardingError(
+            f"{what}: {mode} padding ({w.pad_left}, {w.pad_right}) along dim {dim} needs at most {limit} "
+            f"for a global size of {n} (torch refuses it on one device too). Use a larger input or less padding."
+        )
+    total = (n + w.pad_left + w.pad_right - w.span) // s + 1
+    if total < 1:
+        raise ShardingError(
+            f"{what}: along dim {dim} the window (kernel {w.kernel}, dilation {w.dilation}, padding "
+            f"({w.pad_left}, {w.pad_right})) is wider than the padded global size {n}: no output at all. "
+            "Use a larger input."
+        )
+    out, ranges = [], []
+    for r, a in enumerate(layout.starts):
+        # The global outputs whose windows start in this slab; the last rank also those that
+        # right padding adds. None on a rank whose slab starts past the last output.
+        hi = (a + layout.sizes[r]) // s if r < layout.parts - 1 else total
+        k = max(min(hi, total) - a // s, 0)
+        out.append(k)
+        lo = a - w.pad_left
+        # A rank without outputs reads one window of fill: its single output is cropped away.
+        ranges.append((lo, lo + (k - 1) * s + w.span) if k else None)
+    spec_ranges = [rg if rg is not None else (0, 0) for rg in ranges]
+    spec = gather_plan(dim, layout, spec_ranges, mode)
+    span_fill = tuple((-1,) * w.span for _ in ranges)
+    spec = HaloGather(
+        dim,
+        spec.sizes,
+        tuple(lf if rg is not None else span_fill[r] for r, (lf, rg) in enumerate(zip(spec.left, ranges))),
+        spec.keep,
+        spec.right,
     )
+    starts = [sum(out[:r]) for r in range(len(out))]
+    align = math.gcd(max(1, layout.align // s), *starts)
+    return WindowPlan(
+        halo=halo, trim=(0,) * len(out), pad_left=0, pad_right=0, out=Layout(tuple(out), align), gather=spec
+    )
+
+
+def crop_empty(y: torch.Tensor, plans: Sequence[WindowPlan], rings: Sequence[AxisPeers]) -> torch.Tensor:
+    """Crop the placeholder output of a rank left without outputs (general plans) to size 0."""
+    for plan, ring in zip(plans, rings):
+        if plan.out.sizes[ring.index] == 0:
+            y = y.narrow(plan.halo.dim, 0, 0)
+    return y
 
 
 def edge_pad(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value: float = 0.0) -> torch.Tensor:
@@ -146,6 +240,9 @@ def extend(
     value: float = 0.0,
 ) -> torch.Tensor:
     """Halo-exchange, trim and edge-pad ``x`` along ``plan.halo.dim``, as planned."""
+    if plan.gather is not None:
+        fill = value if mode in ("zeros", "constant") else 0.0
+        return halo_gather(x, plan.gather, ring, value=fill)
     d = plan.halo.dim
     r = ring.index
     x = halo_cat(x, plan.halo, ring) if ring.size > 1 or plan.halo.periodic else x
