@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -207,7 +208,30 @@ def _dropout_facts(q, k, dropout_p, dropout_seed, q_positions, k_positions) -> t
     )
 
 
-def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, None, None, None)) -> _Plan:
+def _rows_from_lengths(ring: AxisPeers, row: tuple[int, ...], seq_lens, what: str) -> list[tuple[int, ...]]:
+    """Every rank's facts from this rank's and the caller's gathered lengths (no collective)."""
+    q_lens, k_lens = (tuple(int(n) for n in lens) for lens in seq_lens)
+    me = ring.index
+    if len(q_lens) != ring.size or len(k_lens) != ring.size or (row[2], row[6], row[10]) != (
+        q_lens[me], k_lens[me], k_lens[me]
+    ):
+        # Only a caller bug gets here, and only this rank can see it: the lengths are gathered facts.
+        raise ShardingError(
+            f"{what}: seq_lens={seq_lens} (per-rank query and key lengths of {ring.size} ranks) do not match "
+            f"this rank's (rank {me}) q, k, v lengths {(row[2], row[6], row[10])}. Pass the lengths gathered "
+            "from every rank, or seq_lens=None."
+        )
+    out = []
+    for r in range(ring.size):
+        other = list(row)
+        other[2], other[6], other[10] = q_lens[r], k_lens[r], k_lens[r]
+        out.append(tuple(other))
+    return out
+
+
+def _plan(
+    q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, None, None, None), seq_lens=None
+) -> _Plan:
     if layout not in _LAYOUTS:
         raise ValueError(f"{what}: layout must be one of {_LAYOUTS}, got {layout!r}.")
     ring = domain_peers(mesh)
@@ -222,7 +246,10 @@ def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, Non
     )
     facts = (*four[0], *four[1], *four[2], mask is not None, mask_ok)
     drop_facts = _dropout_facts(q, k, *dropout)
-    rows = gather_ints((*facts, *drop_facts, *ndims), ring)
+    if seq_lens is None:
+        rows = gather_ints((*facts, *drop_facts, *ndims), ring)
+    else:
+        rows = _rows_from_lengths(ring, (*facts, *drop_facts, *ndims), seq_lens, what)
     bad = [(r, tuple(row[-3:])) for r, row in enumerate(rows) if tuple(row[-3:]) != (4, 4, 4)]
     if bad:
         raise ShardingError(
@@ -573,6 +600,7 @@ def ring_attention(
     dropout_seed: int | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ):
     """Exact attention over a sequence sharded on the domain axis, by passing K/V around a ring.
 
@@ -613,6 +641,11 @@ def ring_attention(
         q_positions, k_positions: int64 ``(Lq_local,)`` / ``(Lk_local,)`` global positions of
             this rank's query / key tokens in the mask law (default: their positions in the
             global sequence of ``layout``). The key positions are all-gathered once per call.
+        seq_lens: ``(q_lens, k_lens)``, every rank's local query and key lengths, for a caller
+            that has already gathered them (a model gathers its token layout once per forward):
+            the call then skips its one small all-gather of the shapes, which is also a
+            synchronisation of the ranks. The other facts (batch, heads, head dims, mask
+            presence, dropout options) are then taken as agreed, not checked across ranks.
 
     Raises:
         ShardingError: inconsistent shapes or dropout options across ranks, a zigzag layout
@@ -621,7 +654,7 @@ def ring_attention(
         ValueError: ``dropout_p`` outside [0, 1), or without ``dropout_seed`` (every rank).
     """
     dropout = (dropout_p, dropout_seed, q_positions, k_positions)
-    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention", dropout)
+    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention", dropout, seq_lens)
     pad = key_padding_mask.to(torch.uint8).contiguous() if key_padding_mask is not None else None
     drop = _dropout_setup(plan, q, q_positions, k_positions)
     # Reserved by every rank in program order, also for its backward (see comm/peers.py).
@@ -647,6 +680,7 @@ def ulysses_attention(
     dropout_seed: int | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sharded sequence by all-to-all to head sharding and back.
 
@@ -657,14 +691,14 @@ def ulysses_attention(
     is all-gathered (B x L flags). Dropout options as ``ring_attention`` (the same mask law: a
     rank attends with whole heads over the full sequence and keys the mask on the global head
     index and positions; the positions are all-gathered once per call); with dropout the local
-    attention runs on the blocked math kernel.
+    attention runs on the blocked math kernel. ``seq_lens`` as ``ring_attention``.
 
     Raises:
         ShardingError: when the query or key/value heads are not divisible by the number of
             domain ranks (on every rank alike), or as ``ring_attention``.
     """
     dropout = (dropout_p, dropout_seed, q_positions, k_positions)
-    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ulysses_attention", dropout)
+    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ulysses_attention", dropout, seq_lens)
     p = plan.ring.size
     hq, hk = q.shape[1], k.shape[1]
     if hq % p or hk % p:

@@ -107,11 +107,14 @@ class TokenGrid:
         grid: global patch grid ``(H_patches, W_patches)``.
         start: this rank's first patch ``(h0, w0)``.
         size: this rank's patches ``(h_local, w_local)``.
+        counts: every domain rank's number of patch tokens, by ring coordinate (the domain axes
+            flattened row-major, as the attention ring runs); empty when not known.
     """
 
     grid: tuple[int, int]
     start: tuple[int, int]
     size: tuple[int, int]
+    counts: tuple[int, ...] = ()
 
     @property
     def num_local(self) -> int:
@@ -154,6 +157,9 @@ class _Streams:
         #: timm token indices of this rank's tokens in the current forward (set by the model for
         #: the attention-dropout mask law; None outside a model forward).
         self.positions: torch.Tensor | None = None
+        #: Every domain rank's patch-token count while the model runs its blocks (None otherwise):
+        #: the attention layers pass it on as gathered lengths instead of gathering per layer.
+        self.token_counts: tuple[int, ...] | None = None
 
     def _gen(self, kind: str, device: torch.device) -> torch.Generator:
         key = (kind, str(device))
@@ -313,20 +319,22 @@ def prefix_self_attention(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     positions: torch.Tensor | None = None,
+    seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Exact self-attention of ``[prefix, local patches]`` token slabs (the prefix replicated).
 
     The prefix keys/values count once (they join domain rank 0's slab); patch queries go through
     ring or Ulysses attention, prefix queries through ``replicated_query_attention``. With
     ``dropout_p > 0`` the mask is keyed on ``dropout_seed`` and ``positions`` (the global token
-    indices of this rank's ``[prefix, patches]`` tokens, required then).
+    indices of this rank's ``[prefix, patches]`` tokens, required then). ``seq_lens``: every
+    rank's (patch query, key) lengths, already gathered (see ``ring_attention``).
     """
     fn = _ATTENTION[attention]
-    drop = {}
+    drop = {"seq_lens": seq_lens}
     if dropout_p > 0:
-        drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
+        drop.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
     if num_prefix == 0:
-        if drop:
+        if dropout_p > 0:
             drop.update(q_positions=positions, k_positions=positions)
         return fn(q, k, v, mesh, False, scale, **drop)
     first = dist.get_rank(domain_group(mesh)) == 0
@@ -334,11 +342,11 @@ def prefix_self_attention(
     if not first:
         k, v = k[:, :, num_prefix:], v[:, :, num_prefix:]
         k_pos = None if positions is None else positions[num_prefix:]
-    if drop:
+    if dropout_p > 0:
         drop.update(q_positions=positions[num_prefix:], k_positions=k_pos)
     out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
     prefix_drop = None
-    if drop:
+    if dropout_p > 0:
         dev = q.device
         prefix_drop = BlockDropout(
             dropout_p, dropout_seed, torch.arange(q.shape[0], device=dev), torch.arange(q.shape[1], device=dev),
@@ -372,9 +380,12 @@ class _AttentionOptions:
     def _attend(self, q, k, v) -> torch.Tensor:
         """``prefix_self_attention`` with this layer's dropout in training (a fresh mask seed)."""
         p = self.attn_drop.p if self.training else 0.0
+        seq_lens = self._seq_lens()
         if p == 0.0:
             self.dropout_seed = None
-            return prefix_self_attention(q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale)
+            return prefix_self_attention(
+                q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale, seq_lens=seq_lens
+            )
         if self.streams is None:
             raise ShardingNotImplementedError(
                 f"{type(self).__name__}: attention dropout in training needs the random streams of a converted "
@@ -386,8 +397,18 @@ class _AttentionOptions:
             positions = _fallback_positions(q.shape[2], self.num_prefix_tokens, self.mesh)
         return prefix_self_attention(
             q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale,
-            dropout_p=p, dropout_seed=self.dropout_seed, positions=positions.to(q.device),
+            dropout_p=p, dropout_seed=self.dropout_seed, positions=positions.to(q.device), seq_lens=seq_lens,
         )
+
+    def _seq_lens(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(query, key) lengths of every rank for the patch-query attention, from the layout the
+        model gathered for this forward (None outside the model's block loop: then gathered)."""
+        counts = None if self.streams is None else self.streams.token_counts
+        if counts is None:
+            return None
+        npt = self.num_prefix_tokens
+        # The prefix keys travel with domain rank 0's slab.
+        return tuple(counts), (counts[0] + npt, *counts[1:])
 
     @staticmethod
     def _check_masks(name: str, attn_mask, is_causal) -> None:
@@ -618,7 +639,14 @@ class _ShardedViTMixin:
         if len(dims) == 1:
             start.append(0)
             size.append(grid[1])
-        return TokenGrid(grid, tuple(start), tuple(size))
+        # Every rank's patch count (gathered facts), so that the attention layers need not
+        # gather their shapes again: one synchronisation per forward instead of one per layer.
+        per_axis = [[-(-n // patch[k]) if pad else n // patch[k] for n in lay.sizes] for k, lay in enumerate(layouts)]
+        if len(dims) == 1:
+            counts = tuple(h * grid[1] for h in per_axis[0])
+        else:
+            counts = tuple(h * w for h in per_axis[0] for w in per_axis[1])
+        return TokenGrid(grid, tuple(start), tuple(size), counts)
 
     def _patch_tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """``(B, h_local, w_local, C)`` patch embeddings of this rank's slab."""
@@ -663,6 +691,7 @@ class _ShardedViTMixin:
         self.streams.positions = torch.cat(
             [torch.arange(npt, device=x.device), npt + grid.token_index(x.device)]
         )
+        self.streams.token_counts = grid.counts or None
         y = self._patch_tokens(x, grid)
         y = y.reshape(y.shape[0], -1, y.shape[-1])
         pos_prefix, pos = self._local_pos_embed(grid)
@@ -823,6 +852,7 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
             x = checkpoint_seq(self.blocks, x)
         else:
             x = self.blocks(x)
+        self.streams.token_counts = None  # a recomputation in backward gathers its shapes again
         return self.norm(x)
 
     def forward_intermediates(
@@ -850,6 +880,7 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
             x = checkpoint(blk, x) if self.grad_checkpointing else blk(x)
             if i in take_indices:
                 inter.append(self.norm(x) if norm else x)
+        self.streams.token_counts = None
         inter, prefix = self._format_intermediates(inter, grid, output_fmt)
         if output_dict:
             out = {"image_intermediates": inter}
@@ -944,6 +975,7 @@ class ShardedEva(_ShardedViTMixin, Eva):
                 x = blk(x, rope=r)
             if take_indices is not None and i in take_indices:
                 inter.append(self.norm(x) if norm else x)
+        self.streams.token_counts = None  # a recomputation in backward gathers its shapes again
         return x, inter
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
