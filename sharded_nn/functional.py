@@ -308,7 +308,7 @@ def _plan(
 
 def _check_dropout(what: str, drop_rows, dropout) -> None:
     """Dropout options must agree on every rank; raised on every rank alike (gathered facts)."""
-    if len(set(r[:5] for r in drop_rows)) != 1:
+    if len({r[:5] for r in drop_rows}) != 1:
         raise ShardingError(
             f"{what}: ranks disagree on the dropout options; (dropout_p bits, seed given, seed, q_positions "
             f"given, k_positions given) per rank: {[r[:5] for r in drop_rows]}. Pass the same dropout_p and "

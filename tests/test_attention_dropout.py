@@ -56,13 +56,15 @@ def _check(domain, cases, kind, pieces=None, permute=False):
             ref.backward(grad)
             local = [_local(cfg, m, t.detach(), 2).requires_grad_() for t in (q, k, v)]
             pad_local = _local(cfg, m, pad, 1) if pad is not None else None
-            pos = dict(q_positions=_local(cfg, m, perm, 0), k_positions=_local(cfg, m, perm, 0)) if permute else {}
+            pos = {}
+            if permute:
+                pos = {"q_positions": _local(cfg, m, perm, 0), "k_positions": _local(cfg, m, perm, 0)}
             out = fn(
                 *local, m, cfg.causal, cfg.scale, key_padding_mask=pad_local, layout=cfg.layout,
                 dropout_p=P_DROP, dropout_seed=SEED, **pos,
             )
             out.backward(_local(cfg, m, grad, 2))
-            tol = dict(atol=1e-10, rtol=1e-10)
+            tol = {"atol": 1e-10, "rtol": 1e-10}
             torch.testing.assert_close(_unshard(cfg, m, out.detach(), 2), ref.detach(), **tol, msg=lambda s: f"{cfg}: {s}")
             for name, loc, leaf in zip("qkv", local, leaves):
                 torch.testing.assert_close(
@@ -208,7 +210,7 @@ def _reference_forward(attn, seed: int, p: float):
     """timm attention forward with the mask law on timm's token indices (the single-device model)."""
 
     def forward(self, x, *args, rope=None, **kwargs):
-        b, n, c = x.shape
+        b, n, _ = x.shape
         if hasattr(self, "q_bias") and getattr(self, "q_bias", None) is not None:
             qkv = torch.nn.functional.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
         else:
