@@ -22,23 +22,108 @@ All kernels take ``(B, H, Lq, D)`` queries and ``(B, Hkv, Lk, D)`` keys/values (
 multiple of Hkv), a ``(B, Lk)`` uint8 padding mask (nonzero = ignore) or None, and ``diag``:
 the block is the causal diagonal (the query run and the key run are the same tokens, so the
 causal mask is top-left aligned).
+
+Attention dropout (``drop``, a ``BlockDropout``) is position-keyed: whether the probability of
+(batch b, query head h, query i, key j) is dropped is a hash of a seed and the *global*
+``(b, h, i, j)`` (``dropout_keep``), so every rank computes the same mask for the same pair
+without communication, and backward regenerates it instead of storing it. Kept probabilities
+are scaled by ``1 / (1 - p)``, as ``F.scaled_dot_product_attention(dropout_p=p)`` does; the
+log-sum-exp is that of the undropped scores, so block results merge exactly as without dropout.
+Blocks with dropout always take the blocked math path (the fused kernels draw their own bits).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .errors import ShardingWarning
 
-__all__ = ["acc_dtype", "block_backward", "block_forward", "merge"]
+__all__ = ["BlockDropout", "acc_dtype", "block_backward", "block_forward", "dropout_keep", "merge"]
 
 #: The aten namespace, looked up through this name so that tests can stand in for the CUDA ops.
 _aten = torch.ops.aten
 #: Query rows per tile in the blocked math path: bounds its score matrix to tile x block.
 _Q_TILE = 1024
+#: With dropout, a tile's mask is built from int64 hashes: at most this many elements per tile.
+_DROP_TILE_NUMEL = 1 << 22
+
+
+# --------------------------------------------------------------------------- dropout mask law
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor | int):
+    """A bijection of 32-bit values held in int64 (xorshift-multiply rounds, as in lowbias32).
+
+    The multipliers are below 2**31, so every product of a 32-bit value stays below 2**63:
+    no signed overflow, the same bits on every device.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & _M32
+    return x ^ (x >> 15)
+
+
+def dropout_keep(
+    seed: int,
+    p: float,
+    batch: torch.Tensor,
+    heads: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+) -> torch.Tensor:
+    """The attention-dropout mask law: ``(B, H, Lq, Lk)`` bool, True where a probability is kept.
+
+    Entry ``(b, h, i, j)`` depends only on ``seed`` and the global indices ``batch[b]``,
+    ``heads[h]`` (query head), ``q_pos[i]`` and ``k_pos[j]`` (global token positions, below
+    2**32): a 32-bit hash ``u`` of them, dropped when ``u < round(p * 2**32)``, i.e. with
+    probability p (to 2**-32). Different (b, h, i, j) give independent-looking bits; the same
+    ones give the same bit on every rank and in backward.
+
+    Args:
+        seed: any integer (the low 64 bits are used); one seed per attention call and step.
+        p: drop probability in [0, 1).
+        batch, heads, q_pos, k_pos: 1-d int64 index tensors, on the device of the result.
+    """
+    seed = int(seed) & ((1 << 64) - 1)
+    s0, s1 = seed & _M32, seed >> 32
+    thresh = round(p * (1 << 32))
+    key_bh = _mix32(_mix32(_mix32(s0 ^ 0x6A09E667) ^ (batch & _M32))[:, None] ^ (heads & _M32)[None, :])
+    rows = _mix32(key_bh[:, :, None] ^ (q_pos & _M32)[None, None, :])
+    cols = _mix32(((k_pos & _M32) ^ s1) ^ 0x3C6EF372)
+    return _mix32(rows[..., None] ^ cols) >= thresh
+
+
+@dataclass(frozen=True)
+class BlockDropout:
+    """Attention dropout of one block: probability ``p``, ``seed`` and the global indices of the
+    block's batch items, query heads, query rows and keys (see ``dropout_keep``)."""
+
+    p: float
+    seed: int
+    batch: torch.Tensor
+    heads: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+    def scale(self, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(B, H, r1 - r0, Lk)`` multipliers of query rows ``r0:r1``: 0 or ``1 / (1 - p)``."""
+        keep = dropout_keep(self.seed, self.p, self.batch, self.heads, self.q_pos[r0:r1], self.k_pos)
+        return keep.to(dtype) * (1.0 / (1.0 - self.p))
+
+
+def _tile_rows(q: torch.Tensor, n_keys: int, drop: BlockDropout | None) -> int:
+    if drop is None:
+        return _Q_TILE
+    return max(1, min(_Q_TILE, _DROP_TILE_NUMEL // max(1, q.shape[0] * q.shape[1] * n_keys)))
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,34 +176,48 @@ def _scores(q, k, bias, scale, diag, row0, acc):
     return s
 
 
-def _math_forward(q, k, v, bias, scale, diag):
+def _math_forward(q, k, v, bias, scale, diag, drop: BlockDropout | None = None):
     acc = acc_dtype(q.dtype)
     n = q.shape[2]
     out = torch.empty((*q.shape[:3], v.shape[3]), dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    for i in range(0, n, _Q_TILE):
-        s = _scores(q[:, :, i : i + _Q_TILE], k, bias, scale, diag, i, acc)
+    tile = _tile_rows(q, k.shape[2], drop)
+    for i in range(0, n, tile):
+        s = _scores(q[:, :, i : i + tile], k, bias, scale, diag, i, acc)
         tile_lse = torch.logsumexp(s, -1)
         p = torch.exp(s - torch.where(torch.isinf(tile_lse), 0.0, tile_lse)[..., None])
-        out[:, :, i : i + _Q_TILE] = torch.matmul(p, v.to(acc))
-        lse[:, :, i : i + _Q_TILE] = tile_lse
+        if drop is not None:
+            # Dropout acts on the normalised probabilities; the lse stays that of all scores.
+            p = p * drop.scale(i, i + p.shape[2], acc)
+        out[:, :, i : i + tile] = torch.matmul(p, v.to(acc))
+        lse[:, :, i : i + tile] = tile_lse
     return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, bias, scale, diag):
+def _math_backward(dout, q, k, v, out, lse, bias, scale, diag, drop: BlockDropout | None = None):
     acc = acc_dtype(q.dtype)
     kf, vf = k.to(acc), v.to(acc)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for i in range(0, q.shape[2], _Q_TILE):
-        sl = slice(i, i + _Q_TILE)
+    tile = _tile_rows(q, k.shape[2], drop)
+    for i in range(0, q.shape[2], tile):
+        sl = slice(i, i + tile)
         qt, dot = q[:, :, sl].to(acc), dout[:, :, sl].to(acc)
         s = _scores(qt, kf, bias, scale, diag, i, acc)
         p = torch.exp(s - lse[:, :, sl, None].to(acc))
+        # delta_i = sum_j P_ij dP_ij = dout_i . out_i also with dropout, because ``out`` is the
+        # final (dropped) output: out_i = sum_j P_ij Z_ij v_j and dP_ij = Z_ij dout_i . v_j.
         delta = (dot * out[:, :, sl].to(acc)).sum(-1, keepdim=True)
-        dv += torch.matmul(p.transpose(-1, -2), dot)
-        ds = p * (torch.matmul(dot, vf.transpose(-1, -2)) - delta) * scale
+        dp = torch.matmul(dot, vf.transpose(-1, -2))
+        if drop is not None:
+            z = drop.scale(i, i + p.shape[2], acc)
+            dv += torch.matmul((p * z).transpose(-1, -2), dot)
+            dp = dp * z
+            del z
+        else:
+            dv += torch.matmul(p.transpose(-1, -2), dot)
+        ds = p * (dp - delta) * scale
         dq[:, :, sl] = torch.matmul(ds, kf)
         dk += torch.matmul(ds.transpose(-1, -2), qt)
     return dq, dk, dv
@@ -246,16 +345,20 @@ def _fused(q: torch.Tensor, v: torch.Tensor, pad, diag: bool) -> tuple[Callable,
 # --------------------------------------------------------------------------- dispatch
 
 
-def block_forward(q, k, v, pad, scale: float, diag: bool):
+def block_forward(q, k, v, pad, scale: float, diag: bool, drop: BlockDropout | None = None):
     """Attention of a query run over one key block: ``(out, lse)`` in the accumulation dtype.
 
     Rows whose keys are all padded get lse = -inf and out = 0, so that merging ignores them.
+    ``drop``: position-keyed attention dropout of this block (None: none); ``lse`` is that of
+    the undropped scores.
     """
     acc = acc_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    fused = _fused(q, v, pad, diag)
-    if fused is not None:
+    fused = None if drop is not None else _fused(q, v, pad, diag)
+    if drop is not None:
+        out, lse = _math_forward(q, k, v, _additive(pad, q.dtype), scale, diag, drop)
+    elif fused is not None:
         out, lse = fused[0](q, k, v, pad, scale, diag)
     elif _use_cpu_flash(q, v):
         out, lse = _cpu_forward(q, k, v, pad, scale, diag)
@@ -271,12 +374,17 @@ def block_forward(q, k, v, pad, scale: float, diag: bool):
     return out, lse
 
 
-def block_backward(dout, q, k, v, out, lse, pad, scale: float, diag: bool):
-    """Gradients ``(dq, dk, dv)`` of one block pair from the final output and lse."""
+def block_backward(dout, q, k, v, out, lse, pad, scale: float, diag: bool, drop: BlockDropout | None = None):
+    """Gradients ``(dq, dk, dv)`` of one block pair from the final output and lse.
+
+    ``drop``: the block's dropout, as in forward (its mask is regenerated, not stored).
+    """
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
-    fused = _fused(q, v, pad, diag)
-    if fused is not None:
+    fused = None if drop is not None else _fused(q, v, pad, diag)
+    if drop is not None:
+        dq, dk, dv = _math_backward(dout, q, ke, ve, out, lse, _additive(pad, q.dtype), scale, diag, drop)
+    elif fused is not None:
         dq, dk, dv = fused[1](dout, q, ke, ve, out, lse, pad, scale, diag)
     elif _use_cpu_flash(q, v):
         dq, dk, dv = _cpu_backward(dout, q, ke, ve, out, lse, pad, scale, diag)

@@ -18,6 +18,8 @@ are served from here too; they live beside their modules in ``sharded_nn.layers`
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.autograd.function import once_differentiable
 
-from .attention_kernels import acc_dtype, block_backward, block_forward, merge
+from .attention_kernels import BlockDropout, acc_dtype, block_backward, block_forward, merge
 from .comm.all_to_all import heads_to_seq, seq_to_heads
 from .comm.collectives import all_gather_uneven
 from .comm.peers import AxisPeers, domain_peers
@@ -158,6 +160,8 @@ class _Plan:
     has_mask: bool
     groups: int  # query heads per key/value head
     chunks: tuple[_Chunk, ...]  # one when P == 1: nothing travels, so nothing is cut
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
 
 def _segments(lens: tuple[int, ...], layout: str, what: str) -> tuple[tuple[_Segment, ...], ...]:
@@ -183,7 +187,51 @@ def _segments(lens: tuple[int, ...], layout: str, what: str) -> tuple[tuple[_Seg
     return tuple(out)
 
 
-def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what) -> _Plan:
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _dropout_facts(q, k, dropout_p, dropout_seed, q_positions, k_positions) -> tuple[int, ...]:
+    """Dropout options as integers that must agree on every rank (the seed too: the mask law is
+    global), plus whether this rank's position tensors are valid."""
+    seed = 0 if dropout_seed is None else int(dropout_seed) % (1 << 63)
+
+    def ok(pos, n):
+        return pos is None or (
+            isinstance(pos, torch.Tensor) and pos.dim() == 1 and pos.shape[0] == n and pos.dtype == torch.int64
+        )
+
+    valid = ok(q_positions, q.shape[2] if q.dim() == 4 else -1) and ok(k_positions, k.shape[2] if k.dim() == 4 else -1)
+    return (
+        _float_bits(dropout_p), int(dropout_seed is not None), seed,
+        int(q_positions is not None), int(k_positions is not None), int(valid),
+    )
+
+
+def _rows_from_lengths(ring: AxisPeers, row: tuple[int, ...], seq_lens, what: str) -> list[tuple[int, ...]]:
+    """Every rank's facts from this rank's and the caller's gathered lengths (no collective)."""
+    q_lens, k_lens = (tuple(int(n) for n in lens) for lens in seq_lens)
+    me = ring.index
+    if len(q_lens) != ring.size or len(k_lens) != ring.size or (row[2], row[6], row[10]) != (
+        q_lens[me], k_lens[me], k_lens[me]
+    ):
+        # Only a caller bug gets here, and only this rank can see it: the lengths are gathered facts.
+        raise ShardingError(
+            f"{what}: seq_lens={seq_lens} (per-rank query and key lengths of {ring.size} ranks) do not match "
+            f"this rank's (rank {me}) q, k, v lengths {(row[2], row[6], row[10])}. Pass the lengths gathered "
+            "from every rank, or seq_lens=None."
+        )
+    out = []
+    for r in range(ring.size):
+        other = list(row)
+        other[2], other[6], other[10] = q_lens[r], k_lens[r], k_lens[r]
+        out.append(tuple(other))
+    return out
+
+
+def _plan(
+    q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, None, None, None), seq_lens=None
+) -> _Plan:
     if layout not in _LAYOUTS:
         raise ValueError(f"{what}: layout must be one of {_LAYOUTS}, got {layout!r}.")
     ring = domain_peers(mesh)
@@ -197,14 +245,20 @@ def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what) -> _Plan:
         ndims == (4, 4, 4) and mask_shape == (q.shape[0], k.shape[2]) and mask.dtype == torch.bool
     )
     facts = (*four[0], *four[1], *four[2], mask is not None, mask_ok)
-    rows = gather_ints((*facts, *ndims), ring)
+    drop_facts = _dropout_facts(q, k, *dropout)
+    if seq_lens is None:
+        rows = gather_ints((*facts, *drop_facts, *ndims), ring)
+    else:
+        rows = _rows_from_lengths(ring, (*facts, *drop_facts, *ndims), seq_lens, what)
     bad = [(r, tuple(row[-3:])) for r, row in enumerate(rows) if tuple(row[-3:]) != (4, 4, 4)]
     if bad:
         raise ShardingError(
             f"{what}: q, k and v must be 4-d (B, H, L_local, D) on every rank; (rank, (q, k, v) ndims) "
             f"of the ranks that differ: {bad}."
         )
-    rows = [tuple(row[:-3]) for row in rows]
+    drop_rows = [tuple(row[len(facts) : len(facts) + len(drop_facts)]) for row in rows]
+    rows = [tuple(row[: len(facts)]) for row in rows]
+    _check_dropout(what, drop_rows, dropout)
     # Unsharded facts must agree on every rank; all ranks see the same rows and raise together.
     keep = [i for i in range(len(facts) - 1) if i not in (2, 6, 10)]
     if len({tuple(r[i] for i in keep) for r in rows}) != 1:
@@ -246,7 +300,34 @@ def _plan(q, k, v, mask, mesh, is_causal, scale, layout, what) -> _Plan:
     # From gathered facts only, so that every rank cuts its blocks the same way.
     target = min(_RING_CHUNKS, b * hk * max(k_lens) * d // max(_MIN_CHUNK_NUMEL, 1)) if ring.size > 1 else 1
     chunks = _chunks(b, hk, target)
-    return _Plan(ring, scale, bool(is_causal), q_lens, k_lens, q_segs, k_segs, mask is not None, hq // hk, chunks)
+    p, seed = float(dropout[0]), 0 if dropout[1] is None else int(dropout[1]) % (1 << 63)
+    return _Plan(
+        ring, scale, bool(is_causal), q_lens, k_lens, q_segs, k_segs, mask is not None, hq // hk, chunks, p, seed
+    )
+
+
+def _check_dropout(what: str, drop_rows, dropout) -> None:
+    """Dropout options must agree on every rank; raised on every rank alike (gathered facts)."""
+    if len({r[:5] for r in drop_rows}) != 1:
+        raise ShardingError(
+            f"{what}: ranks disagree on the dropout options; (dropout_p bits, seed given, seed, q_positions "
+            f"given, k_positions given) per rank: {[r[:5] for r in drop_rows]}. Pass the same dropout_p and "
+            "dropout_seed on every rank (the mask law is keyed on global positions)."
+        )
+    bad = [r for r, row in enumerate(drop_rows) if not row[5]]
+    if bad:
+        raise ShardingError(
+            f"{what}: q_positions / k_positions must be 1-d int64 tensors with one entry per local query / key "
+            f"token; ranks {bad} pass something else."
+        )
+    p = struct.unpack("<d", struct.pack("<q", drop_rows[0][0]))[0]
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{what}: dropout_p must be in [0, 1), got {p}.")
+    if p > 0 and not drop_rows[0][1]:
+        raise ValueError(
+            f"{what}: dropout_p={p} needs dropout_seed (an int, the same on every rank): the mask is keyed on "
+            "global positions and the seed, so that every rank draws its part of one mask."
+        )
 
 
 def _pairs(plan: _Plan, src: int):
@@ -268,6 +349,47 @@ def _pairs(plan: _Plan, src: int):
                 yield qs, ks, False
             else:
                 yield qs, ks, True
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+@dataclass(frozen=True)
+class _Drop:
+    """Attention dropout of one call: law, this rank's query positions, every rank's key positions."""
+
+    p: float
+    seed: int
+    q_pos: torch.Tensor
+    k_pos: tuple[torch.Tensor, ...]  # by ring coordinate
+
+    def block(self, c: _Chunk, groups: int, qs: _Segment, src: int, ks: _Segment, device) -> BlockDropout:
+        return BlockDropout(
+            self.p, self.seed,
+            torch.arange(c.b0, c.b1, device=device),
+            torch.arange(c.h0 * groups, c.h1 * groups, device=device),
+            self.q_pos[qs.offset : qs.offset + qs.length],
+            self.k_pos[src][ks.offset : ks.offset + ks.length],
+        )
+
+
+def _segment_positions(segs: tuple[_Segment, ...], device) -> torch.Tensor:
+    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segs])
+
+
+def _dropout_setup(plan: _Plan, q, q_positions, k_positions) -> _Drop | None:
+    """Global positions for the mask: given ones (keys gathered once), else the layout's."""
+    if plan.dropout_p == 0.0:
+        return None
+    ring, dev = plan.ring, q.device
+    q_pos = q_positions.to(dev) if q_positions is not None else _segment_positions(plan.q_segs[ring.index], dev)
+    if k_positions is None:
+        k_pos = tuple(_segment_positions(segs, dev) for segs in plan.k_segs)
+    elif ring.size == 1:
+        k_pos = (k_positions.to(dev),)
+    else:
+        k_pos = tuple(all_gather_uneven(k_positions.to(dev), ring.group, [(n,) for n in plan.k_lens]))
+    return _Drop(plan.dropout_p, plan.dropout_seed, q_pos, k_pos)
 
 
 # --------------------------------------------------------------------------- ring attention
@@ -353,7 +475,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, pad, plan: _Plan, tag: int):  # noqa: D102
+    def forward(ctx, q, k, v, pad, plan: _Plan, tag: int, drop: _Drop | None):  # noqa: D102
         g = plan.groups
         acc = acc_dtype(q.dtype)
         n = q.shape[2]
@@ -367,8 +489,9 @@ class _RingAttention(torch.autograd.Function):
             fresh = True  # nothing written to this chunk's output rows yet
             for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV):
                 for qs, ks, diag in _pairs(plan, src):
+                    bd = None if drop is None else drop.block(c, g, qs, src, ks, q.device)
                     o_b, l_b = block_forward(
-                        _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag
+                        _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag, bd
                     )
                     if fresh and _whole(qs, n):
                         if oc is None:  # one chunk: the kernel's result is the accumulator
@@ -388,7 +511,7 @@ class _RingAttention(torch.autograd.Function):
             if out is None:
                 out, lse = oc, lc
         out_q = out.to(q.dtype)
-        ctx.plan, ctx.tag = plan, tag
+        ctx.plan, ctx.tag, ctx.drop = plan, tag, drop
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out_q, lse)
         return out_q, lse
@@ -421,10 +544,12 @@ class _RingAttention(torch.autograd.Function):
             for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV):
                 dkc = dvc = None
                 for qs, ks, diag in _pairs(plan, src):
+                    # The same block mask as in forward, regenerated from the seed and positions.
+                    bd = None if ctx.drop is None else ctx.drop.block(c, g, qs, src, ks, q.device)
                     dq_b, dk_b, dv_b = block_backward(
                         _sl(doc, qs).contiguous(), _sl(qc, qs), _sl(kb, ks), _sl(vb, ks),
                         _sl(oc, qs).contiguous(), _sl(lc, qs).contiguous(),
-                        _sl_mask(mb, ks), plan.scale, diag,
+                        _sl_mask(mb, ks), plan.scale, diag, bd,
                     )
                     dqc = _accumulate(dqc, qs, dq_b, qc.shape, acc)
                     dkc = _accumulate(dkc, ks, dk_b, kb.shape, acc)
@@ -457,7 +582,7 @@ class _RingAttention(torch.autograd.Function):
                 dq = dqc
         if dkv_hop is not None:
             dkv_hop.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -471,6 +596,11 @@ def ring_attention(
     key_padding_mask: torch.Tensor | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ):
     """Exact attention over a sequence sharded on the domain axis, by passing K/V around a ring.
 
@@ -497,17 +627,39 @@ def ring_attention(
             ignored (``nn.MultiheadAttention``'s convention). A query whose keys are all padding
             gets zeros.
         layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring).
-        return_lse: also return the ``(B, H, Lq_local)`` log-sum-exp of the scores.
+        return_lse: also return the ``(B, H, Lq_local)`` log-sum-exp of the scores (of the
+            undropped scores when dropout is on).
+        dropout_p: attention dropout probability (apply it in training only, as torch's
+            ``dropout_p``): each probability is dropped with probability p, kept ones are scaled
+            by ``1 / (1 - p)``. The mask is position-keyed (``attention_kernels.dropout_keep``):
+            entry (b, h, i, j) is a hash of ``dropout_seed`` and the global batch index, query
+            head, query position i and key position j, so the ranks need not share random
+            numbers and backward regenerates the mask. Same law as torch's dropout, not the same
+            bits. Blocks with dropout run on the blocked math path.
+        dropout_seed: the mask's seed, the same on every rank; draw a new one per step (and
+            per layer). Required when ``dropout_p > 0``.
+        q_positions, k_positions: int64 ``(Lq_local,)`` / ``(Lk_local,)`` global positions of
+            this rank's query / key tokens in the mask law (default: their positions in the
+            global sequence of ``layout``). The key positions are all-gathered once per call.
+        seq_lens: ``(q_lens, k_lens)``, every rank's local query and key lengths, for a caller
+            that has already gathered them (a model gathers its token layout once per forward):
+            the call then skips its one small all-gather of the shapes, which is also a
+            synchronisation of the ranks. The other facts (batch, heads, head dims, mask
+            presence, dropout options) are then taken as agreed, not checked across ranks.
 
     Raises:
-        ShardingError: inconsistent shapes across ranks, a zigzag layout with the wrong lengths,
-            or causal attention with different q and k layouts (on every rank alike).
+        ShardingError: inconsistent shapes or dropout options across ranks, a zigzag layout
+            with the wrong lengths, or causal attention with different q and k layouts (on
+            every rank alike).
+        ValueError: ``dropout_p`` outside [0, 1), or without ``dropout_seed`` (every rank).
     """
-    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention")
+    dropout = (dropout_p, dropout_seed, q_positions, k_positions)
+    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention", dropout, seq_lens)
     pad = key_padding_mask.to(torch.uint8).contiguous() if key_padding_mask is not None else None
+    drop = _dropout_setup(plan, q, q_positions, k_positions)
     # Reserved by every rank in program order, also for its backward (see comm/peers.py).
     tag = plan.ring.next_tags(_RING_TAGS)
-    out, lse = _RingAttention.apply(q, k, v, pad, plan, tag)
+    out, lse = _RingAttention.apply(q, k, v, pad, plan, tag, drop)
     return (out, lse) if return_lse else out
 
 
@@ -524,6 +676,11 @@ def ulysses_attention(
     *,
     key_padding_mask: torch.Tensor | None = None,
     layout: str = "contiguous",
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sharded sequence by all-to-all to head sharding and back.
 
@@ -531,13 +688,17 @@ def ulysses_attention(
     all heads into the full sequence of H/P heads, local ``F.scaled_dot_product_attention``
     runs on it, and a second all-to-all returns the sequence slabs; backward mirrors them. Memory
     per rank is O(L x H/P x D) plus what the local attention kernel needs. The key padding mask
-    is all-gathered (B x L flags).
+    is all-gathered (B x L flags). Dropout options as ``ring_attention`` (the same mask law: a
+    rank attends with whole heads over the full sequence and keys the mask on the global head
+    index and positions; the positions are all-gathered once per call); with dropout the local
+    attention runs on the blocked math kernel. ``seq_lens`` as ``ring_attention``.
 
     Raises:
         ShardingError: when the query or key/value heads are not divisible by the number of
             domain ranks (on every rank alike), or as ``ring_attention``.
     """
-    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ulysses_attention")
+    dropout = (dropout_p, dropout_seed, q_positions, k_positions)
+    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ulysses_attention", dropout, seq_lens)
     p = plan.ring.size
     hq, hk = q.shape[1], k.shape[1]
     if hq % p or hk % p:
@@ -550,11 +711,13 @@ def ulysses_attention(
     qh = seq_to_heads(q, ring, plan.q_lens)
     kh = seq_to_heads(k, ring, plan.k_lens)
     vh = seq_to_heads(v, ring, plan.k_lens)
-    mask = None
+    mask = flags = None
     if key_padding_mask is not None:
         shapes = [(q.shape[0], n) for n in plan.k_lens]
         pads = all_gather_uneven(key_padding_mask.to(torch.uint8), ring.group, shapes) if p > 1 else [key_padding_mask]
-        mask = ~torch.cat(pads, 1).bool()[:, None, None, :]
+        flags = torch.cat([t.to(torch.uint8) for t in pads], 1)
+        mask = ~flags.bool()[:, None, None, :]
+    drop = _ulysses_dropout(plan, q, q_positions, k_positions)
     order = None
     if is_causal and layout == "zigzag" and p > 1:
         # Tokens arrive in rank order; causal masking needs global order.
@@ -564,6 +727,14 @@ def ulysses_attention(
         natural = torch.argsort(order)
         qh, kh, vh = qh[:, :, natural], kh[:, :, natural], vh[:, :, natural]
         mask = mask[..., natural] if mask is not None else None
+        flags = flags[:, natural] if flags is not None else None
+        if drop is not None:
+            drop = BlockDropout(drop.p, drop.seed, drop.batch, drop.heads, drop.q_pos[natural], drop.k_pos[natural])
+    if drop is not None:
+        oh = _LocalAttention.apply(qh, kh, vh, flags, plan.scale, bool(is_causal), drop)
+        if order is not None:
+            oh = oh[:, :, order]
+        return heads_to_seq(oh.contiguous(), ring, plan.q_lens)
     causal_flag = is_causal
     if is_causal and mask is not None:
         # Padding and causality combined need an explicit (L, L) mask; without padding the
@@ -577,3 +748,50 @@ def ulysses_attention(
     if order is not None:
         oh = oh[:, :, order]
     return heads_to_seq(oh.contiguous(), ring, plan.q_lens)
+
+
+def _ulysses_dropout(plan: _Plan, q, q_positions, k_positions) -> BlockDropout | None:
+    """The dropout of this rank's head group over the full sequence (tokens in rank order)."""
+    if plan.dropout_p == 0.0:
+        return None
+    ring, dev = plan.ring, q.device
+
+    def every_rank(pos, lens, segs):
+        if pos is None:
+            return torch.cat([_segment_positions(sg, dev) for sg in segs])
+        if ring.size == 1:
+            return pos.to(dev)
+        return torch.cat(all_gather_uneven(pos.to(dev), ring.group, [(n,) for n in lens]))
+
+    hp = q.shape[1] // ring.size
+    return BlockDropout(
+        plan.dropout_p, plan.dropout_seed,
+        torch.arange(q.shape[0], device=dev),
+        torch.arange(ring.index * hp, (ring.index + 1) * hp, device=dev),
+        every_rank(q_positions, plan.q_lens, plan.q_segs),
+        every_rank(k_positions, plan.k_lens, plan.k_segs),
+    )
+
+
+class _LocalAttention(torch.autograd.Function):
+    """Attention with position-keyed dropout on one rank's full sequence (Ulysses' local step):
+    the blocked math kernel forward, its mask regenerated in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pad, scale: float, causal: bool, drop: BlockDropout):  # noqa: D102
+        out, lse = block_forward(q, k, v, pad, scale, causal, drop)
+        out = out.to(q.dtype)
+        ctx.scale, ctx.causal, ctx.drop, ctx.has_pad = scale, causal, drop, pad is not None
+        ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):  # noqa: D102
+        q, k, v, pad, out, lse = ctx.saved_tensors
+        pad = pad if ctx.has_pad else None
+        if pad is not None:
+            # A query with no visible key (lse = -inf, output 0) gets zero gradients.
+            lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, pad, ctx.scale, ctx.causal, ctx.drop)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

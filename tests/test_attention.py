@@ -499,3 +499,34 @@ def _ring_with_broken_kernel(world):
 
 def test_ring_attention_broken_kernel(run):
     assert run(2, _ring_with_broken_kernel, 2) == [True, True]
+
+
+def _seq_lens_given(world):
+    """Lengths gathered by the caller: the same result without the per-call gather, and lengths
+    that do not fit the tensors raise (here on every rank: the list has the wrong size)."""
+    m = mesh(world)
+    cfg = Cfg(sizes=UNEVEN[world], mask=True, kv_heads=2)
+    q, k, v, pad, _ = cfg.tensors()
+    local = [_local(cfg, m, t, 2) for t in (q, k, v)]
+    pad_local = _local(cfg, m, pad, 1)
+    lens = (UNEVEN[world], UNEVEN[world])
+    same = []
+    for fn in (snf.ring_attention, snf.ulysses_attention):
+        if fn is snf.ulysses_attention and cfg.heads % world:
+            continue
+        a = fn(*local, m, key_padding_mask=pad_local)
+        b = fn(*local, m, key_padding_mask=pad_local, seq_lens=lens)
+        same.append(torch.equal(a, b))
+    try:
+        snf.ring_attention(*local, m, seq_lens=(lens[0][:-1], lens[1][:-1]))
+        err = None
+    except snn.ShardingError as e:
+        err = str(e)
+    return same, err
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_seq_lens_skip_the_gather(run, world):
+    for same, err in run(world, _seq_lens_given, world):
+        assert same and all(same)
+        assert err is not None and "do not match" in err

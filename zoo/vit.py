@@ -53,8 +53,16 @@ Sharding contract
   prefix tokens' and pooled features' masks from the shared one, so replicated values stay
   identical. "Same" therefore means the same distribution as timm, not the same random numbers
   as a single-device run. The generators are seeded from ``seed`` (default: domain rank 0's
-  ``torch.initial_seed()``, plus the data-parallel index). Attention dropout, patch dropout and
-  rotary-coordinate augmentation in training are refused (``ShardingNotImplementedError``).
+  ``torch.initial_seed()``, plus the data-parallel index). Attention dropout is position-keyed:
+  each training forward of each attention layer draws one seed from the shared generator, and
+  the probability of (sample b, head h, query token i, key token j) is dropped when a hash of
+  that seed and (b, h, i, j) falls below p (``sharded_nn.attention_kernels.dropout_keep``), i
+  and j being timm's token indices (prefix tokens first, then patches row-major over the global
+  grid). Every rank thus computes its part of one mask, backward regenerates it, and the result
+  is exactly single-device attention under that mask: the law of timm's
+  ``F.scaled_dot_product_attention(dropout_p=p)`` (independent Bernoulli drops, kept values
+  scaled by ``1 / (1 - p)``), not its random bits. Patch dropout and rotary-coordinate
+  augmentation in training are refused (``ShardingNotImplementedError``).
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from timm.models.vision_transformer import Attention, Block, ResPostBlock, Visio
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from sharded_nn.attention_kernels import BlockDropout
 from sharded_nn.comm import all_gather_grid, all_reduce_sum, domain_peers, gather_ints, gather_layouts
 from sharded_nn.errors import ShardingError, ShardingNotImplementedError
 from sharded_nn.functional import ring_attention, ulysses_attention
@@ -98,11 +107,14 @@ class TokenGrid:
         grid: global patch grid ``(H_patches, W_patches)``.
         start: this rank's first patch ``(h0, w0)``.
         size: this rank's patches ``(h_local, w_local)``.
+        counts: every domain rank's number of patch tokens, by ring coordinate (the domain axes
+            flattened row-major, as the attention ring runs); empty when not known.
     """
 
     grid: tuple[int, int]
     start: tuple[int, int]
     size: tuple[int, int]
+    counts: tuple[int, ...] = ()
 
     @property
     def num_local(self) -> int:
@@ -142,6 +154,12 @@ class _Streams:
     def __init__(self, seed: int, rank: int) -> None:
         self.seed, self.rank = int(seed), int(rank)
         self._gens: dict[tuple[str, str], torch.Generator] = {}
+        #: timm token indices of this rank's tokens in the current forward (set by the model for
+        #: the attention-dropout mask law; None outside a model forward).
+        self.positions: torch.Tensor | None = None
+        #: Every domain rank's patch-token count while the model runs its blocks (None otherwise):
+        #: the attention layers pass it on as gathered lengths instead of gathering per layer.
+        self.token_counts: tuple[int, ...] | None = None
 
     def _gen(self, kind: str, device: torch.device) -> torch.Generator:
         key = (kind, str(device))
@@ -158,6 +176,10 @@ class _Streams:
 
     def local(self, device: torch.device) -> torch.Generator:
         return self._gen("local", device)
+
+    def dropout_seed(self) -> int:
+        """A fresh seed for one attention-dropout mask, the same on every domain rank."""
+        return int(torch.randint(0, 1 << 62, (1,), generator=self.shared(torch.device("cpu"))).item())
 
     def __deepcopy__(self, memo) -> _Streams:
         return _Streams(self.seed, self.rank)
@@ -244,15 +266,21 @@ def _agree_seed(mesh: DeviceMesh, seed: int | None) -> tuple[int, int]:
 # --------------------------------------------------------------------------- attention
 
 
-def _partial_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _partial_attention(q, k, v, scale: float, drop: BlockDropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over the keys ``k`` and its log-sum-exp (float32 for halves)."""
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     lse = torch.logsumexp(s, -1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)), lse
+    probs = torch.exp(s - lse[..., None])
+    if drop is not None:
+        # Dropout on the normalised probabilities; the lse (and so the merge) is unchanged.
+        probs = probs * drop.scale(0, q.shape[2], acc)
+    return torch.matmul(probs, v.to(acc)), lse
 
 
-def replicated_query_attention(q, k, v, mesh: DeviceMesh, scale: float) -> torch.Tensor:
+def replicated_query_attention(
+    q, k, v, mesh: DeviceMesh, scale: float, *, drop: BlockDropout | None = None
+) -> torch.Tensor:
     """Attention of replicated queries over the keys of all domain ranks; bit-identical on every rank.
 
     Args:
@@ -260,12 +288,14 @@ def replicated_query_attention(q, k, v, mesh: DeviceMesh, scale: float) -> torch
         k, v: ``(B, H, Lk_local, D)``, this rank's keys and values (each key on one rank only).
         mesh: mesh with domain axes.
         scale: score scale.
+        drop: attention dropout of these queries over this rank's keys (position-keyed, so the
+            same mask on every rank); None for none.
 
     Each rank attends over its own keys; the partial outputs and log-sum-exps are all-gathered
     (one collective, whose backward sums the gradients over the ranks) and merged in domain-rank
     order, so every rank computes the same bits.
     """
-    out, lse = _partial_attention(q, k, v, scale)
+    out, lse = _partial_attention(q, k, v, scale, drop)
     group = domain_group(mesh)
     p = dist.get_world_size(group)
     if p == 1:
@@ -277,36 +307,108 @@ def replicated_query_attention(q, k, v, mesh: DeviceMesh, scale: float) -> torch
     return (weights[..., None] * outs).sum(0).to(v.dtype)
 
 
-def prefix_self_attention(q, k, v, num_prefix: int, mesh: DeviceMesh, attention: str, scale: float) -> torch.Tensor:
+def prefix_self_attention(
+    q,
+    k,
+    v,
+    num_prefix: int,
+    mesh: DeviceMesh,
+    attention: str,
+    scale: float,
+    *,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    positions: torch.Tensor | None = None,
+    seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> torch.Tensor:
     """Exact self-attention of ``[prefix, local patches]`` token slabs (the prefix replicated).
 
     The prefix keys/values count once (they join domain rank 0's slab); patch queries go through
-    ring or Ulysses attention, prefix queries through ``replicated_query_attention``.
+    ring or Ulysses attention, prefix queries through ``replicated_query_attention``. With
+    ``dropout_p > 0`` the mask is keyed on ``dropout_seed`` and ``positions`` (the global token
+    indices of this rank's ``[prefix, patches]`` tokens, required then). ``seq_lens``: every
+    rank's (patch query, key) lengths, already gathered (see ``ring_attention``).
     """
     fn = _ATTENTION[attention]
+    drop = {"seq_lens": seq_lens}
+    if dropout_p > 0:
+        drop.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
     if num_prefix == 0:
-        return fn(q, k, v, mesh, False, scale)
+        if dropout_p > 0:
+            drop.update(q_positions=positions, k_positions=positions)
+        return fn(q, k, v, mesh, False, scale, **drop)
     first = dist.get_rank(domain_group(mesh)) == 0
+    k_pos = positions
     if not first:
         k, v = k[:, :, num_prefix:], v[:, :, num_prefix:]
-    out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale)
-    out_prefix = replicated_query_attention(q[:, :, :num_prefix], k, v, mesh, scale)
+        k_pos = None if positions is None else positions[num_prefix:]
+    if dropout_p > 0:
+        drop.update(q_positions=positions[num_prefix:], k_positions=k_pos)
+    out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
+    prefix_drop = None
+    if dropout_p > 0:
+        dev = q.device
+        prefix_drop = BlockDropout(
+            dropout_p, dropout_seed, torch.arange(q.shape[0], device=dev), torch.arange(q.shape[1], device=dev),
+            positions[:num_prefix].to(dev), k_pos.to(dev),
+        )
+    out_prefix = replicated_query_attention(q[:, :, :num_prefix], k, v, mesh, scale, drop=prefix_drop)
     return torch.cat([out_prefix.to(out_patch.dtype), out_patch], 2)
+
+
+def _fallback_positions(n_local: int, num_prefix: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Token positions of an attention layer called outside a model forward: the prefix, then
+    the patch tokens of the ranks in domain order (one tiny all-gather of the lengths)."""
+    ring = domain_peers(mesh)
+    lens = [r[0] for r in gather_ints([n_local - num_prefix], ring)]
+    start = num_prefix + sum(lens[: ring.index])
+    return torch.cat([torch.arange(num_prefix), torch.arange(start, start + n_local - num_prefix)])
 
 
 class _AttentionOptions:
     """Sharding options shared by the sharded attention classes below."""
 
+    #: The model's random streams (set by the model; dropout seeds and token positions).
+    streams: _Streams | None = None
+    #: The seed of the attention-dropout mask of the last training forward (None: no dropout), so
+    #: that a run can reproduce its masks (``attention_kernels.dropout_keep``).
+    dropout_seed: int | None = None
+
     def _set_sharding(self, mesh: DeviceMesh, num_prefix_tokens: int, attention: str) -> None:
         self.mesh, self.num_prefix_tokens, self.attention = mesh, num_prefix_tokens, attention
 
-    def _check_attn_drop(self) -> None:
-        if self.training and self.attn_drop.p > 0:
-            raise ShardingNotImplementedError(
-                f"{type(self).__name__}: attention dropout (attn_drop={self.attn_drop.p}) in training is not "
-                "supported by the sharded attention kernels yet. Build the model with attn_drop_rate=0 "
-                "(timm's default) or call .eval()."
+    def _attend(self, q, k, v) -> torch.Tensor:
+        """``prefix_self_attention`` with this layer's dropout in training (a fresh mask seed)."""
+        p = self.attn_drop.p if self.training else 0.0
+        seq_lens = self._seq_lens()
+        if p == 0.0:
+            self.dropout_seed = None
+            return prefix_self_attention(
+                q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale, seq_lens=seq_lens
             )
+        if self.streams is None:
+            raise ShardingNotImplementedError(
+                f"{type(self).__name__}: attention dropout in training needs the random streams of a converted "
+                "model (snn.convert(model, mesh) or zoo.create_model); call .eval() or set attn_drop.p = 0."
+            )
+        self.dropout_seed = self.streams.dropout_seed()
+        positions = self.streams.positions
+        if positions is None or positions.shape[0] != q.shape[2]:
+            positions = _fallback_positions(q.shape[2], self.num_prefix_tokens, self.mesh)
+        return prefix_self_attention(
+            q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale,
+            dropout_p=p, dropout_seed=self.dropout_seed, positions=positions.to(q.device), seq_lens=seq_lens,
+        )
+
+    def _seq_lens(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(query, key) lengths of every rank for the patch-query attention, from the layout the
+        model gathered for this forward (None outside the model's block loop: then gathered)."""
+        counts = None if self.streams is None else self.streams.token_counts
+        if counts is None:
+            return None
+        npt = self.num_prefix_tokens
+        # The prefix keys travel with domain rank 0's slab.
+        return tuple(counts), (counts[0] + npt, *counts[1:])
 
     @staticmethod
     def _check_masks(name: str, attn_mask, is_causal) -> None:
@@ -331,13 +433,12 @@ class ShardedViTAttention(_AttentionOptions, Attention):
 
     def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:  # noqa: D102
         self._check_masks(type(self).__name__, attn_mask, is_causal)
-        self._check_attn_drop()
         b, n, _ = x.shape
         gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        x = prefix_self_attention(q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale)
+        x = self._attend(q, k, v)
         x = x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
         x = self.norm(x)
         if gate is not None:
@@ -360,7 +461,6 @@ class ShardedEvaAttention(_AttentionOptions, EvaAttention):
         from timm.layers import apply_rot_embed_cat
 
         self._check_masks(type(self).__name__, attn_mask, is_causal)
-        self._check_attn_drop()
         b, n, c = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         if self.qkv is not None:
@@ -384,7 +484,7 @@ class ShardedEvaAttention(_AttentionOptions, EvaAttention):
             half = getattr(self, "rotate_half", False)
             q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
             k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
-        x = prefix_self_attention(q, k, v, self.num_prefix_tokens, self.mesh, self.attention, self.scale)
+        x = self._attend(q, k, v)
         x = x.transpose(1, 2).reshape(b, n, c)
         x = self.norm(x)
         if gate is not None:
@@ -465,10 +565,14 @@ class _ShardedViTMixin:
         npt = self.num_prefix_tokens
         for blk in self.blocks:
             blk.attn = self._sharded_attention(blk.attn, mesh, attention)
+            blk.attn.streams = self.streams
         replicated = ("attn_pool", "head_drop", "fc_norm", "head")
         for mname, m in list(self.named_modules()):
             if not mname:
                 continue
+            parent = self.get_submodule(mname.rpartition(".")[0]) if "." in mname else self
+            if mname.endswith(".attn_drop") and isinstance(parent, _AttentionOptions):
+                continue  # attention dropout is position-keyed inside the attention (see the module doc)
             in_head = mname.split(".")[0] in replicated
             if type(m) is DropPath:
                 _set_child(self, mname, SharedDropPath(m.drop_prob, m.scale_by_keep, self.streams))
@@ -535,7 +639,14 @@ class _ShardedViTMixin:
         if len(dims) == 1:
             start.append(0)
             size.append(grid[1])
-        return TokenGrid(grid, tuple(start), tuple(size))
+        # Every rank's patch count (gathered facts), so that the attention layers need not
+        # gather their shapes again: one synchronisation per forward instead of one per layer.
+        per_axis = [[-(-n // patch[k]) if pad else n // patch[k] for n in lay.sizes] for k, lay in enumerate(layouts)]
+        if len(dims) == 1:
+            counts = tuple(h * grid[1] for h in per_axis[0])
+        else:
+            counts = tuple(h * w for h in per_axis[0] for w in per_axis[1])
+        return TokenGrid(grid, tuple(start), tuple(size), counts)
 
     def _patch_tokens(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
         """``(B, h_local, w_local, C)`` patch embeddings of this rank's slab."""
@@ -575,6 +686,12 @@ class _ShardedViTMixin:
     def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, TokenGrid]:
         """``[prefix, local patches]`` tokens with position embeddings, as timm's ``_pos_embed``."""
         grid = self._token_grid(x)
+        npt = self.num_prefix_tokens
+        # timm's token indices of this rank's tokens: the key of the attention-dropout mask law.
+        self.streams.positions = torch.cat(
+            [torch.arange(npt, device=x.device), npt + grid.token_index(x.device)]
+        )
+        self.streams.token_counts = grid.counts or None
         y = self._patch_tokens(x, grid)
         y = y.reshape(y.shape[0], -1, y.shape[-1])
         pos_prefix, pos = self._local_pos_embed(grid)
@@ -601,11 +718,13 @@ class _ShardedViTMixin:
                 "build the model with patch_drop_rate=0 or call .eval()."
             )
         if self.grad_checkpointing and any(
-            isinstance(m, (SharedDropPath, TokenDropout, SharedDropout)) for m in self.modules()
+            isinstance(m, (SharedDropPath, TokenDropout, SharedDropout))
+            or (isinstance(m, _AttentionOptions) and m.attn_drop.p > 0)
+            for m in self.modules()
         ):
             raise ShardingNotImplementedError(
-                f"{name}: gradient checkpointing with drop-path or dropout in training would redraw different "
-                "masks in the recomputation. Disable one of them."
+                f"{name}: gradient checkpointing with drop-path or dropout (attention dropout too) in training "
+                "would redraw different masks in the recomputation. Disable one of them."
             )
 
     # ---- pooling (replicated results)
@@ -733,6 +852,7 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
             x = checkpoint_seq(self.blocks, x)
         else:
             x = self.blocks(x)
+        self.streams.token_counts = None  # a recomputation in backward gathers its shapes again
         return self.norm(x)
 
     def forward_intermediates(
@@ -760,6 +880,7 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
             x = checkpoint(blk, x) if self.grad_checkpointing else blk(x)
             if i in take_indices:
                 inter.append(self.norm(x) if norm else x)
+        self.streams.token_counts = None
         inter, prefix = self._format_intermediates(inter, grid, output_fmt)
         if output_dict:
             out = {"image_intermediates": inter}
@@ -854,6 +975,7 @@ class ShardedEva(_ShardedViTMixin, Eva):
                 x = blk(x, rope=r)
             if take_indices is not None and i in take_indices:
                 inter.append(self.norm(x) if norm else x)
+        self.streams.token_counts = None  # a recomputation in backward gathers its shapes again
         return x, inter
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
