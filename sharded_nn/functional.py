@@ -232,8 +232,6 @@ def _rows_from_lengths(ring: AxisPeers, row: tuple[int, ...], seq_lens, what: st
 def _plan(
     q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, None, None, None), seq_lens=None
 ) -> _Plan:
-    if layout not in _LAYOUTS:
-        raise ValueError(f"{what}: layout must be one of {_LAYOUTS}, got {layout!r}.")
     ring = domain_peers(mesh)
     # The number of dims is a gathered fact too: a 3-d tensor on one rank alone must raise on
     # every rank, not on that rank while the others wait in the gather.
@@ -246,10 +244,17 @@ def _plan(
     )
     facts = (*four[0], *four[1], *four[2], mask is not None, mask_ok)
     drop_facts = _dropout_facts(q, k, *dropout)
+    # Options that change the result must agree too: a rank calling with another is_causal,
+    # scale or layout would silently mix two different attentions. An invalid layout is a
+    # gathered fact as well, so that every rank raises for it.
+    call_facts = (
+        int(bool(is_causal)), int(scale is not None), 0 if scale is None else _float_bits(scale),
+        _LAYOUTS.index(layout) if layout in _LAYOUTS else -1,
+    )  # fmt: skip
     if seq_lens is None:
-        rows = gather_ints((*facts, *drop_facts, *ndims), ring)
+        rows = gather_ints((*facts, *drop_facts, *call_facts, *ndims), ring)
     else:
-        rows = _rows_from_lengths(ring, (*facts, *drop_facts, *ndims), seq_lens, what)
+        rows = _rows_from_lengths(ring, (*facts, *drop_facts, *call_facts, *ndims), seq_lens, what)
     bad = [(r, tuple(row[-3:])) for r, row in enumerate(rows) if tuple(row[-3:]) != (4, 4, 4)]
     if bad:
         raise ShardingError(
@@ -257,6 +262,18 @@ def _plan(
             f"of the ranks that differ: {bad}."
         )
     drop_rows = [tuple(row[len(facts) : len(facts) + len(drop_facts)]) for row in rows]
+    n0 = len(facts) + len(drop_facts)
+    call_rows = [tuple(row[n0 : n0 + len(call_facts)]) for row in rows]
+    if any(r[3] < 0 for r in call_rows):
+        bad = [i for i, r in enumerate(call_rows) if r[3] < 0]
+        raise ValueError(f"{what}: layout must be one of {_LAYOUTS}; ranks {bad} pass something else.")
+    if len(set(call_rows)) != 1:
+        raise ShardingError(
+            f"{what}: ranks disagree on is_causal, scale or layout; (is_causal, scale given, layout) per rank: "
+            f"{[(bool(r[0]), bool(r[1]), _LAYOUTS[r[3]]) for r in call_rows]}"
+            f"{' (the scales differ)' if len({r[2] for r in call_rows}) > 1 else ''}. Every rank must call "
+            "the attention alike: pass the same is_causal, scale and layout on every rank."
+        )
     rows = [tuple(row[: len(facts)]) for row in rows]
     _check_dropout(what, drop_rows, dropout)
     # Unsharded facts must agree on every rank; all ranks see the same rows and raise together.
@@ -279,9 +296,15 @@ def _plan(
     q_lens = tuple(r[2] for r in rows)
     k_lens = tuple(r[6] for r in rows)
     if any(r[10] != r[6] for r in rows):
-        raise ShardingError(f"{what}: k and v hold different lengths: {k_lens} vs {tuple(r[10] for r in rows)}.")
+        raise ShardingError(
+            f"{what}: k and v hold different lengths: {k_lens} vs {tuple(r[10] for r in rows)}. Pass k and v "
+            "slabs of the same length (shard both alike)."
+        )
     if min(q_lens + k_lens) == 0:
-        raise ShardingError(f"{what}: every rank needs a non-empty slab, got q {q_lens}, k {k_lens}.")
+        raise ShardingError(
+            f"{what}: every rank needs a non-empty slab, got q {q_lens}, k {k_lens} (an empty slab). Use fewer "
+            "ranks or a longer sequence, and cut the slabs with snn.shard / snn.local_slices."
+        )
     if not all(r[13] for r in rows):
         bad = [i for i, r in enumerate(rows) if not r[13]]
         mine = f"{mask.dtype} {mask_shape}" if mask is not None else "None"

@@ -235,7 +235,8 @@ def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int]
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     # Shapes first: they are validated on every rank alike, before any local check could make
     # one rank raise alone.
-    layouts = gather_layouts(x_local.shape, mesh, dims, what="gather")
+    # Empty slabs are fine: a deep stage can leave a rank without rows (issue 10 item 6).
+    layouts = gather_layouts(x_local.shape, mesh, dims, what="gather", allow_empty=True)
     dims = normalize_dims(dims, x_local.dim(), "gather")
     # Only the axes that shard a gathered dim take part: over the other domain axes the slab is
     # a replica, whose gradient must stay this replica's share (summing over those axes too

@@ -74,9 +74,10 @@ def _misaligned(r, tmp):
 
 
 def _empty(r, tmp):
+    # Grid layers carry empty slabs through (a deep stage on many ranks); attention cannot.
     m = _m()
-    x = _grid((1, 4, 3, 6))
-    return lambda: _conv(m)(x if r == 0 else x[:, :, :0])
+    q = torch.randn(1, 2, 4 if r == 0 else 0, 8, dtype=D)
+    return lambda: snn.functional.ring_attention(q, q, q, m)
 
 
 def _dtype(r, tmp):
@@ -234,10 +235,10 @@ def _parallelize_mode(r, tmp):
     return lambda: snn.parallelize(nn.Conv2d(4, 4, 3), _m(), mode="zero3")
 
 
-def _upsample_outputs(r, tmp):
+def _causal_one_rank(r, tmp):
     m = _m()
-    x = _grid((1, 2, 3, 4))
-    return lambda: snn.interpolate(snn.shard(x, m), m, size=(1, 4), mode="nearest")
+    q = torch.randn(1, 2, 5, 4, dtype=D, generator=torch.Generator().manual_seed(r))
+    return lambda: snn.functional.ring_attention(q, q, q, m, is_causal=(r == 0))
 
 
 def _zoo_unknown(r, tmp):
@@ -250,7 +251,7 @@ CATALOGUE: dict[str, Misuse] = {
     "misaligned-slab": Misuse("a slab starts off the alignment (strided conv, rank 1 starts at 5, stride 2)",
                               "ShardingError", r"needs every slab to start at a multiple of 2",
                               r"Shard the input with align", _misaligned),
-    "empty-slab": Misuse("a rank holds an empty slab", "ShardingError", r"empty slab", r"fewer ranks", _empty),
+    "empty-slab": Misuse("a rank holds an empty sequence slab (ring attention)", "ShardingError", r"empty slab", r"fewer ranks", _empty),
     "dtype-one-rank": Misuse("another dtype on one rank", "ShardingError", r"disagree on dtype",
                              r"must call the layer alike", _dtype),
     "channels-one-rank": Misuse("another channel count on one rank", "ShardingError",
@@ -306,8 +307,9 @@ CATALOGUE: dict[str, Misuse] = {
                                 r"timm model name.*check the spelling", _zoo_unknown),
     "parallelize-mode": Misuse("parallelize with an unknown mode", "ValueError", r"mode must be", r"'ddp' or 'fsdp'",
                                _parallelize_mode),
-    "upsample-no-outputs": Misuse("an interpolate size that leaves a rank without outputs", "ShardingError",
-                                  r"leaves some rank without outputs", r"Use fewer ranks", _upsample_outputs),
+    "attention-causal-one-rank": Misuse("ring attention with is_causal on one rank only", "ShardingError",
+                                        r"disagree on is_causal, scale or layout",
+                                        r"pass the same is_causal, scale and layout", _causal_one_rank),
 }
 
 

@@ -75,3 +75,22 @@ def test_timm_norm_act_matches_single_device(run, world, kind):
         for name, errs in run(world, _compare, kind, train, 11):
             assert name.startswith("Sharded"), name
             assert max(errs.values()) < 1e-12, (kind, train, errs)
+
+
+def _errors(kind: str):
+    m = mesh(dist.get_world_size())
+    layer = snn.convert(_layer(kind).train(), m, strict=True)
+    c = 6 if dist.get_rank() == 0 else 5  # another channel count on one rank
+    x = torch.randn(2, c, 4, 5, dtype=torch.float64)
+    try:
+        layer(x)
+    except Exception as e:  # noqa: BLE001 - reported for comparison across ranks
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["bn_act", "gn_act"])
+def test_errors_raise_alike(run, kind):
+    res = run(2, _errors, kind)
+    assert res[0] is not None and res[0][0] == "ShardingError", res
+    assert res[0] == res[1]

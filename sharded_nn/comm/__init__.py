@@ -5,7 +5,7 @@ from layouts; this package moves the bytes.
 """
 
 from .collectives import all_gather_grid, all_gather_uneven, all_reduce_max, all_reduce_sum, scatter_uneven
-from .halo import HaloHandle, HaloSpec, halo_cat, halo_exchange
+from .halo import HaloGather, HaloHandle, HaloSpec, halo_cat, halo_exchange, halo_gather, halo_scatter
 from .peers import AxisPeers, axis_peers, comm_device, domain_peers
 from .sizes import gather_layouts, layouts_from_shapes, metadata_group
 
@@ -16,6 +16,7 @@ from .peers import AxisRing, axis_ring, domain_ring  # noqa: E402
 __all__ = [
     "AxisPeers",
     "AxisRing",
+    "HaloGather",
     "HaloHandle",
     "HaloSpec",
     "all_gather_grid",
@@ -30,6 +31,8 @@ __all__ = [
     "gather_layouts",
     "halo_cat",
     "halo_exchange",
+    "halo_gather",
+    "halo_scatter",
     "layouts_from_shapes",
     "metadata_group",
     "scatter_uneven",

@@ -55,7 +55,7 @@ from .pool import (
     ShardedMaxPool2d,
     ShardedMaxPool3d,
 )
-from .transformer import ShardedTransformerEncoder, ShardedTransformerEncoderLayer  # noqa: F401 - registers them
+from .transformer import ShardedTransformerEncoder, ShardedTransformerEncoderLayer
 from .unpool import ShardedMaxUnpool1d, ShardedMaxUnpool2d, ShardedMaxUnpool3d
 from .upsample import ShardedUpsample, ShardedUpsamplingBilinear2d, ShardedUpsamplingNearest2d
 
@@ -109,6 +109,8 @@ __all__ = [
     "ShardedZeroPad1d",
     "ShardedZeroPad2d",
     "ShardedZeroPad3d",
+    "ShardedTransformerEncoder",
+    "ShardedTransformerEncoderLayer",
     "UlyssesAttention",
 ]
 
