@@ -400,6 +400,7 @@ class _LayerHooks:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         state = mode.states.get(x) if x is not None else None
         if self.kind == "sharded" and not getattr(module, "_guard_inside", False):
+            module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
             _check_layer_input(mode, module, state)
         stack.append(state)
         if self.kind == "reviewed" or not getattr(module, "_guard_inside", False):
@@ -460,6 +461,13 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
         )
     if state is UNKNOWN:
         mode.fail(type(module).__name__, "the sharded layer received a tensor whose layout the guard lost", "", module=module)
+    if not dims and isinstance(module, nn.LayerNorm):
+        # Nothing sharded among its normalised dims: plain LayerNorm over trailing (channel) dims.
+        k = len(module.normalized_shape)
+        if any(d is not None and d >= _ndim_hint(module) - k for d in state):
+            mode.fail(type(module).__name__, f"it normalises over trailing dims that include a sharded dim "
+                      f"({mode.describe(state)})", "pass dims=... to shard the LayerNorm", module=module)
+        return
     expected = tuple(dims) + (None,) * (len(state) - len(dims))
     if tuple(state) != expected:
         mode.fail(
@@ -468,6 +476,10 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
             "pass dims=... (convert's dims or a plan entry) matching the tensor's layout",
             module=module,
         )
+
+
+def _ndim_hint(module: nn.Module) -> int:
+    return module.__dict__.get("_snn_guard_ndim", 0)
 
 
 def _layer_output_state(module: nn.Module, state):
@@ -525,8 +537,8 @@ class _GuardMode(TorchFunctionMode):
         names = self.guard.names
         mod_label, src = "", ""
         frame = sys._getframe(1)
-        torch_dir = os.path.dirname(torch.__file__)
-        here = os.path.dirname(__file__)
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        here = os.path.dirname(__file__) + os.sep
         while frame is not None:
             fname = frame.f_code.co_filename
             if not src and not fname.startswith(torch_dir) and not fname.startswith(here):
@@ -1392,6 +1404,21 @@ class _GuardMode(TorchFunctionMode):
     def _passthrough_plain_sizes(self, func, base, args, kwargs, st):
         found: list = []
         _walk((args[1:], kwargs), found)
+        x = args[0]
+        size = _arg(args, kwargs, 1, "size") if base != "pad" else None
+        if st is None and base != "pad" and isinstance(size, (list, tuple)) and len(size) == x.dim() - 2:
+            # A map of one position per sharded dim (ASPP's pooled branch) resized to a slab's
+            # local size is uniform along it: the slab of the same map resized to the global size.
+            tags = {i: v for i, v in enumerate(size) if isinstance(v, LocalLength)}
+            if tags and all(x.shape[2 + i] == 1 for i in tags) and not any(
+                _is_tagged(v) for i, v in enumerate(size) if i not in tags
+            ):
+                out = func(*args, **kwargs)
+                state = [None] * len(self.guard.axes)
+                for i, v in tags.items():
+                    state[v.axis] = 2 + i
+                self._set(out, tuple(state))
+                return out
         if any(isinstance(v, LocalLength) for v in found) and st is None:
             self.fail(f"`{base}`", "it resizes a tensor that is not a slab to a slab's local size (e.g. a position "
                       "embedding), which means different global positions on each rank", "")
