@@ -70,7 +70,7 @@ MODELS = {
     "tv/fcn_resnet50": (_tv("fcn_resnet50", aux_loss=False, weights_backbone=None), (1, 3, 64, 40), "torchvision seg"),
     "tv/deeplabv3_resnet50": (_tv("deeplabv3_resnet50", aux_loss=False, weights_backbone=None), (1, 3, 64, 40),
                               "torchvision seg"),
-    "tv/lraspp_mobilenet_v3_large": (_tv("lraspp_mobilenet_v3_large", weights_backbone=None), (1, 3, 64, 40),
+    "tv/lraspp_mobilenet_v3_large": (_tv("lraspp_mobilenet_v3_large", weights_backbone=None), (1, 3, 128, 32),
                                      "torchvision seg"),
     "timm/efficientnet_b0": (_timm("efficientnet_b0"), (1, 3, 64, 32), "timm CNN"),
     "timm/mobilenetv3_small_100": (_timm("mobilenetv3_small_100"), (1, 3, 64, 32), "timm CNN"),

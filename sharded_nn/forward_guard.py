@@ -55,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .errors import ShardingError
 from .mesh import domain_axes
 
-__all__ = ["ForwardGuard", "LocalDerived", "LocalLength", "guard_active", "install"]
+__all__ = ["ForwardGuard", "LocalDerived", "LocalLength", "guard_active", "install", "mark_reviewed"]
 
 #: A tensor whose layout the guard could not follow (a reshape it cannot map, a call it routes
 #: but whose result it cannot describe). Pointwise work on it is fine; mixing raises.
@@ -252,7 +252,7 @@ def _classify(func) -> tuple[str, str, bool]:
         "conv_transpose2d": "conv", "conv_transpose3d": "conv", "batch_norm": "batch_norm",
         "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
-        "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy_": "copy",
+        "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
         "embedding": "plain_only",
     }  # fmt: skip
     if base in simple:
@@ -342,14 +342,17 @@ class ForwardGuard:
         self.refresh(model)
 
     def refresh(self, model: nn.Module) -> None:
-        """Re-read the module names (after the tree changed)."""
+        """Re-read the module names (for error messages; a deep copy has new module ids)."""
         self.names = {id(m): n or "<root>" for n, m in model.named_modules()}
+        self._root_id = id(model)
 
     # -- hooks ---------------------------------------------------------------------------------
 
     def root_pre(self, module: nn.Module, args, kwargs):
         if torch.compiler.is_compiling() or guard_active():
             return None
+        if self._root_id != id(module):
+            self.refresh(module)
         mode = _GuardMode(self)
         states = mode.states
         for t in [*args, *kwargs.values()]:
@@ -1602,6 +1605,18 @@ def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
 
 # ------------------------------------------------------------------------------- install
 
+#: Module classes whose own forward is reviewed by their authors (exact on slabs in every
+#: decomposition, with their own tests): the guard does not look inside them, and their output
+#: keeps their input's layout. ``mark_reviewed`` adds to it.
+REVIEWED: set[type] = set()
+
+
+def mark_reviewed(cls: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator: the guard trusts ``cls.forward`` (like ``plan={name: None}`` for every instance)."""
+    REVIEWED.add(cls)
+    return cls
+
+
 
 def install(model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str]) -> None:
     """Install the guard on ``model`` (the converted root): hooks on the root, sharded layers, reviewed modules.
@@ -1621,7 +1636,7 @@ def install(model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: se
     for name, m in model.named_modules():
         if m is model:
             continue
-        kind = "sharded" if type(m) in sharded else ("reviewed" if name in reviewed_set else None)
+        kind = "sharded" if type(m) in sharded else ("reviewed" if name in reviewed_set or type(m) in REVIEWED else None)
         if kind is None:
             continue
         hooks = _LayerHooks(kind)

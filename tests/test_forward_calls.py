@@ -230,3 +230,25 @@ def _ambiguous(domain):
 def test_interpolate_ambiguous_size_is_refused(run):
     out = run(2, _ambiguous, 2)
     assert len(set(out)) == 1 and "could be a global size or this slab's local size" in out[0], out
+
+
+def _twice_and_copied(domain):
+    m = mesh(domain)
+    model = snn.convert(Reviewed().double(), m)
+    model = snn.convert(model, m)  # converting twice installs the guard once
+    hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    copied = copy.deepcopy(model)  # a deep copy keeps a working guard, with its own module names
+    x = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    try:
+        copied(snn.shard(x, m))
+    except snn.ShardingError as e:
+        return hooks, str(e)
+    return hooks, "no error"
+
+
+def test_guard_installed_once_and_survives_deepcopy(run):
+    out = run(2, _twice_and_copied, 2)
+    assert len(set(out)) == 1, out
+    hooks, msg = out[0]
+    assert hooks == (1, 1), hooks
+    assert "`flip` in module 'inner' (Hazards)" in msg, msg
