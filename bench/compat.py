@@ -81,7 +81,6 @@ MODELS = {
     "timm/ghostnet_100": (_timm("ghostnet_100"), (1, 3, 64, 32), "timm CNN"),
     "timm/rexnet_100": (_timm("rexnet_100"), (1, 3, 64, 32), "timm CNN"),
     "timm/mobilevit_xxs": (_timm("mobilevit_xxs"), (1, 3, 64, 64), "timm hybrid"),
-    "timm/coat_lite_tiny": (_timm("coat_lite_tiny", img_size=64), (1, 3, 64, 64), "timm hybrid"),
     "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
                                   features=(4, 4, 8, 8, 8, 4)), (1, 1, 64, 32), "MONAI 2-D"),
     "monai/AttentionUnet-2d": (_monai("AttentionUnet", spatial_dims=2, in_channels=1, out_channels=2,
@@ -90,7 +89,7 @@ MODELS = {
                                   depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)), (1, 1, 64, 64), "MONAI 2-D"),
     "monai/UNet-3d": (_monai("UNet", spatial_dims=3, in_channels=1, out_channels=1, channels=(4, 8, 16),
                              strides=(2, 2), num_res_units=1, norm="batch"), (1, 1, 16, 12, 8), "MONAI 3-D"),
-    "monai/SegResNet-3d": (_monai("SegResNet", spatial_dims=3, in_channels=1, out_channels=2, init_filters=4,
+    "monai/SegResNet-3d": (_monai("SegResNet", spatial_dims=3, in_channels=1, out_channels=2, init_filters=8,
                                   blocks_down=(1, 1, 1), blocks_up=(1, 1)), (1, 1, 16, 12, 8), "MONAI 3-D"),
     "monai/DynUNet-3d": (_monai("DynUNet", spatial_dims=3, in_channels=1, out_channels=2, kernel_size=(3, 3, 3),
                                 strides=(1, 2, 2), upsample_kernel_size=(2, 2), filters=(4, 8, 16)),
@@ -140,7 +139,13 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
     ref = make().double().eval()
     randomise_norms(ref)
     dims = (2,)
-    align = snn.alignment(ref, dims=dims)[0]
+    try:
+        align = snn.alignment(ref, dims=dims)[0]
+    except ValueError as e:  # alignment's shape-only forward failed: fall back to the model's stride
+        align = 32
+        note = f"snn.alignment failed ({str(e)[:80]}...); align 32 used"
+    else:
+        note = ""
     if align > 256:
         return {"model": name, "family": family, "shape": list(shape), "align": align, "status": "skipped",
                 "reason": f"snn.alignment(model) = {align} rows: too large an input for this table"}
@@ -149,7 +154,7 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
     shape = (*shape[:2], h * size_scale, *shape[3:])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
-    out = {"model": name, "family": family, "shape": list(shape), "align": align}
+    out = {"model": name, "family": family, "shape": list(shape), "align": align, "note": note}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

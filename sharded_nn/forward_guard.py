@@ -581,6 +581,10 @@ class _GuardMode(TorchFunctionMode):
         tagged = any(_is_tagged(v) for v in found)
         if not stateful and not tagged:
             return func(*args, **kwargs)
+        if _called_from_library():
+            # sharded_nn's own functions (reductions, functional, gather) called in a model's
+            # forward take slabs by contract; their internals must not be rerouted.
+            return func(*args, **kwargs)
         kind, base, inplace = _classify_cached(func)
         handler = getattr(self, f"_h_{kind}", None)
         if handler is None:
@@ -1517,6 +1521,18 @@ class _GuardMode(TorchFunctionMode):
         out = mod(x)
         self._set(out, _layer_output_state(mod, st) if base.startswith("adaptive") else st)
         return out
+
+
+_LIB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _called_from_library() -> bool:
+    """Whether the torch call was made by sharded_nn's own code (not the model's)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_LIB_DIR)
 
 
 def _full_slice(i, length: int) -> bool:
