@@ -221,7 +221,7 @@ def _overhead(name: str, size: int, reps: int) -> dict:
     ref = make().eval()
     guarded = snn.convert(copy.deepcopy(ref), mesh)
     plain = snn.convert(copy.deepcopy(ref), mesh, guard=False)
-    x = snn.shard(torch.randn(1, shape[1], size, size), mesh)
+    x = snn.shard(torch.randn(1, shape[1], size, size), mesh, align=snn.alignment(ref, dims=(2,))[0])
     times = {"guard": [], "no_guard": []}
     with torch.no_grad():
         for m in (guarded, plain):
