@@ -27,7 +27,13 @@ the tensors a layer receives, so it uses this documented policy:
 Hazards are named in a ``ShardingWarning`` (a ``ShardingNotImplementedError`` with
 ``strict=True``); ``plan={"<name>": None}`` marks a layer reviewed. In timm modules, the children
 registered after a global pool (the classifier head: norm, flatten, fc) act on the pooled,
-replicated features and are not reported. Functional calls inside a custom ``forward`` cannot be seen from here.
+replicated features and are not reported.
+
+Functional calls inside a model's own ``forward`` (``F.interpolate``, ``x.mean((2, 3))``,
+``torch.roll``, a ``view`` into windows) cannot be seen from the module tree: ``convert`` installs
+the *forward guard* (``sharded_nn.forward_guard``) on the converted root, which computes such
+calls exactly when they run or raises a ``ShardingError`` naming the call, the module and the
+source line. ``guard=False`` turns it off (the model then runs unchecked).
 """
 
 from __future__ import annotations
@@ -243,6 +249,11 @@ def _plan_entry(name: str, plan: Mapping[str, Any] | None) -> tuple[str | None, 
     return None, {}
 
 
+#: How deep inside ``convert`` calls we are: sharded classes call ``convert`` on their children
+#: from ``from_module``; only the outermost call installs the forward guard.
+_DEPTH = [0]
+
+
 def _load_model_families() -> None:
     """Import the zoo, whose model families register sharded classes (timm's ViT, Eva, ...).
 
@@ -253,6 +264,16 @@ def _load_model_families() -> None:
     import importlib
 
     importlib.import_module("sharded_nn.zoo")
+    from .layers.squeeze_excite import register_loaded
+
+    register_loaded()
+    # The zoo UNet's attention block flattens a slab into tokens in a rank-local order (W
+    # sharded, 2-D meshes), which the guard cannot map; its ring attention is unmasked, so the
+    # result does not depend on the order (zoo/unet.py's docstring and tests).
+    from .forward_guard import mark_reviewed
+    from .zoo.unet import AttentionBlock  # noqa: E402 - sharded_nn.zoo is importable here, just imported
+
+    mark_reviewed(AttentionBlock)
 
 
 def convert(
@@ -262,6 +283,7 @@ def convert(
     plan: Mapping[str, Mapping[str, Any] | None] | None = None,
     dims: int | Sequence[int] | None = None,
     strict: bool = False,
+    guard: bool = True,
 ) -> nn.Module:
     """Swap every registered layer of ``model`` (in place) for its sharded class; return the model.
 
@@ -279,6 +301,12 @@ def convert(
             the hazard check compares with. Default: each layer's own default, which is
             ``default_dims(mesh)`` (the first spatial dims) for grid layers.
         strict: raise instead of warning when some layer would compute a wrong answer on slabs.
+        guard: install the forward guard on the returned model (see the module docstring and
+            ``sharded_nn.forward_guard``): position-mixing calls in the model's own ``forward``
+            are computed exactly or refused with a ``ShardingError``. The tensor inputs of the
+            root are taken as slabs along ``dims`` (default: the dims the swapped layers share,
+            else ``default_dims(mesh)``). Modules marked reviewed with ``plan={name: None}`` run
+            unchecked. ``False``: no guard (the model's own calls run unchecked on slabs).
 
     Returns:
         The converted model. State-dict keys are unchanged; converting twice changes nothing.
@@ -287,6 +315,14 @@ def convert(
         ShardingNotImplementedError: with ``strict=True``, listing the layers that act on a
             sharded dim and have no sharded class.
     """
+    _DEPTH[0] += 1
+    try:
+        return _convert(model, mesh, plan=plan, dims=dims, strict=strict, guard=guard)
+    finally:
+        _DEPTH[0] -= 1
+
+
+def _convert(model, mesh, *, plan, dims, strict, guard):
     domain_axes(mesh)  # a clear error now for a mesh without a domain axis
     _load_model_families()
     if not isinstance(model, nn.Module):
@@ -297,6 +333,7 @@ def convert(
     done = sharded_classes()
     replaced: dict[str, nn.Module] = {}
     reviewed: list[str] = []  # prefixes of subtrees not to check (plan None, pooled features)
+    plan_none: list[str] = []  # modules the user marked reviewed: the guard leaves them unchecked
     checked: list[tuple[str, nn.Module, tuple[int, ...] | str]] = []
     glob_hits: dict[str, list[str]] = {g: [] for g in plan or {}}
     glob_used: set[str] = set()
@@ -310,6 +347,7 @@ def convert(
             continue  # inside a module that was just replaced: its own class handles its children
         if options is None:
             reviewed.append(name)
+            plan_none.append(name)
             continue
         sharded_cls = registered(type(module))
         if sharded_cls is not None:
@@ -363,7 +401,7 @@ def convert(
                 f"convert: plan glob {glob!r} matches no module of the model; check the name against "
                 "model.named_modules() (the root is '').",
                 ShardingWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         elif glob not in glob_used:
             warnings.warn(
@@ -371,7 +409,7 @@ def convert(
                 f"not swapped ({', '.join(n or '<root>' for n in names[:8])}{', ...' if len(names) > 8 else ''}): "
                 "the options are ignored. Point it at registered layers, or use None to mark modules reviewed.",
                 ShardingWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     if hazards:
         msg = (
@@ -383,5 +421,27 @@ def convert(
         )
         if strict:
             raise ShardingNotImplementedError(msg)
-        warnings.warn(msg, ShardingWarning, stacklevel=2)
+        warnings.warn(msg, ShardingWarning, stacklevel=3)
+    if guard and _DEPTH[0] == 1 and type(model) not in done and "" not in plan_none:
+        from .forward_guard import install
+
+        layer_dims = {
+            tuple(d) if not isinstance(d, int) else (d,)
+            for m in model.modules()
+            if type(m) in done and (d := getattr(m, "dims", None)) is not None and not getattr(m, "_guard_inside", False)
+        }
+        # Grid layers say how the root's grid input is sharded; token layers (attention, dims (1,))
+        # act on tensors the model makes from it.
+        layer_dims = {d for d in layer_dims if d and all(k >= 2 for k in d)} or layer_dims
+        if dims is not None:
+            root_dims = dims
+        elif len(layer_dims) == 1:
+            root_dims = next(iter(layer_dims))
+        else:
+            root_dims = default_dims(mesh)
+        install(model, mesh, root_dims, set(done), plan_none)
+    elif not guard:
+        from .forward_guard import uninstall
+
+        uninstall(model)
     return model

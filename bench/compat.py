@@ -1,0 +1,270 @@
+"""Compatibility table: popular models converted as a new user would, at P=2, float64, eval mode.
+
+For each model: build it single-device (no pretrained weights), randomise every norm layer's
+running statistics and affine parameters (so that no zero-initialised branch hides an error),
+convert a copy with ``snn.convert(model, mesh)``, run it on slabs of H (aligned with
+``snn.alignment``) and compare the gathered output with the single-device output. Outcomes:
+
+- ``exact``: max abs error <= 1e-9 (relative to the output's scale);
+- ``refused``: a ``ShardingError`` / ``ShardingNotImplementedError`` on every rank, with its reason;
+- ``WRONG``: the model ran and the output differs (a silently wrong answer: must never happen);
+- ``error``: any other exception (a crash, not silent, but worth a look).
+
+Usage: ``python -m bench.compat [--models a,b] [--out bench/compat.md]`` (a few minutes on 2 CPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+
+def _tv(name, **kw):
+    def make():
+        import torchvision.models as tvm
+        import torchvision.models.segmentation as tvs
+
+        fn = getattr(tvm, name, None) or getattr(tvs, name)
+        return fn(weights=None, **kw)
+
+    return make
+
+
+def _timm(name, **kw):
+    def make():
+        import timm
+
+        return timm.create_model(name, pretrained=False, **kw)
+
+    return make
+
+
+def _monai(name, **kw):
+    def make():
+        from monai.networks import nets
+
+        return getattr(nets, name)(**kw)
+
+    return make
+
+
+#: name -> (builder, input shape (N, C, H, W[, D]), family)
+MODELS = {
+    "tv/resnet18": (_tv("resnet18"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/mobilenet_v3_small": (_tv("mobilenet_v3_small"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/efficientnet_b0": (_tv("efficientnet_b0"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/regnet_y_400mf": (_tv("regnet_y_400mf"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/densenet121": (_tv("densenet121"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/shufflenet_v2_x0_5": (_tv("shufflenet_v2_x0_5"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/squeezenet1_1": (_tv("squeezenet1_1"), (1, 3, 64, 32), "torchvision cls"),
+    "tv/convnext_tiny": (_tv("convnext_tiny"), (1, 3, 192, 32), "torchvision cls"),
+    "tv/swin_t": (_tv("swin_t"), (1, 3, 64, 64), "torchvision cls"),
+    "tv/fcn_resnet50": (_tv("fcn_resnet50", aux_loss=False, weights_backbone=None), (1, 3, 64, 40), "torchvision seg"),
+    "tv/deeplabv3_resnet50": (_tv("deeplabv3_resnet50", aux_loss=False, weights_backbone=None), (1, 3, 64, 40),
+                              "torchvision seg"),
+    "tv/lraspp_mobilenet_v3_large": (_tv("lraspp_mobilenet_v3_large", weights_backbone=None), (1, 3, 128, 32),
+                                     "torchvision seg"),
+    "timm/efficientnet_b0": (_timm("efficientnet_b0"), (1, 3, 64, 32), "timm CNN"),
+    "timm/mobilenetv3_small_100": (_timm("mobilenetv3_small_100"), (1, 3, 64, 32), "timm CNN"),
+    "timm/regnety_002": (_timm("regnety_002"), (1, 3, 64, 32), "timm CNN"),
+    "timm/ecaresnet26t": (_timm("ecaresnet26t"), (1, 3, 64, 32), "timm CNN"),
+    "timm/resnest14d": (_timm("resnest14d"), (1, 3, 64, 32), "timm CNN"),
+    "timm/convnext_atto": (_timm("convnext_atto"), (1, 3, 192, 32), "timm CNN"),
+    "timm/ghostnet_100": (_timm("ghostnet_100"), (1, 3, 64, 32), "timm CNN"),
+    "timm/rexnet_100": (_timm("rexnet_100"), (1, 3, 64, 32), "timm CNN"),
+    "timm/mobilevit_xxs": (_timm("mobilevit_xxs"), (1, 3, 64, 64), "timm hybrid"),
+    "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
+                                  features=(4, 4, 8, 8, 8, 4)), (1, 1, 64, 32), "MONAI 2-D"),
+    "monai/AttentionUnet-2d": (_monai("AttentionUnet", spatial_dims=2, in_channels=1, out_channels=2,
+                                      channels=(4, 8, 16), strides=(2, 2)), (1, 1, 32, 24), "MONAI 2-D"),
+    "monai/SwinUNETR-2d": (_monai("SwinUNETR", in_channels=1, out_channels=2, feature_size=12, spatial_dims=2,
+                                  depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)), (1, 1, 64, 64), "MONAI 2-D"),
+    "monai/UNet-3d": (_monai("UNet", spatial_dims=3, in_channels=1, out_channels=1, channels=(4, 8, 16),
+                             strides=(2, 2), num_res_units=1, norm="batch"), (1, 1, 16, 12, 8), "MONAI 3-D"),
+    "monai/SegResNet-3d": (_monai("SegResNet", spatial_dims=3, in_channels=1, out_channels=2, init_filters=8,
+                                  blocks_down=(1, 1, 1), blocks_up=(1, 1)), (1, 1, 16, 12, 8), "MONAI 3-D"),
+    "monai/DynUNet-3d": (_monai("DynUNet", spatial_dims=3, in_channels=1, out_channels=2, kernel_size=(3, 3, 3),
+                                strides=(1, 2, 2), upsample_kernel_size=(2, 2), filters=(4, 8, 16)),
+                         (1, 1, 16, 12, 8), "MONAI 3-D"),
+}  # fmt: skip
+
+
+def randomise_norms(model: nn.Module, seed: int = 0) -> None:
+    """Random running statistics and affine parameters for every norm layer (no hidden branch)."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        for name in ("running_mean", "running_var"):
+            buf = getattr(m, name, None)
+            if isinstance(buf, torch.Tensor) and buf.is_floating_point():
+                with torch.no_grad():
+                    r = torch.rand(buf.shape, generator=gen, dtype=buf.dtype)
+                    buf.copy_(0.5 + r if name == "running_var" else (r - 0.5) * 0.2)
+        if "Norm" in type(m).__name__ or "norm" in type(m).__name__:
+            for name in ("weight", "bias"):
+                p = getattr(m, name, None)
+                if isinstance(p, nn.Parameter):
+                    with torch.no_grad():
+                        r = torch.rand(p.shape, generator=gen, dtype=p.dtype)
+                        p.copy_(0.5 + r if name == "weight" else (r - 0.5) * 0.2)
+        for name, p in m.named_parameters(recurse=False):  # zero-initialised scales (layer scale, gammas)
+            if p.numel() and bool((p == 0).all()) and "bias" not in name:
+                with torch.no_grad():
+                    p.copy_(0.5 + torch.rand(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _outputs(y):
+    if isinstance(y, torch.Tensor):
+        return [y]
+    if isinstance(y, dict):
+        return [v for v in y.values() if isinstance(v, torch.Tensor)]
+    if isinstance(y, (list, tuple)):
+        return [v for v in y if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _check_one(name: str, size_scale: int = 1) -> dict:
+    import sharded_nn as snn
+
+    make, shape, family = MODELS[name]
+    mesh = snn.init_mesh(domain=2, device_type="cpu")
+    torch.manual_seed(0)
+    ref = make().double().eval()
+    randomise_norms(ref)
+    dims = (2,)
+    try:
+        align = snn.alignment(ref, dims=dims)[0]
+    except ValueError as e:  # alignment's shape-only forward failed: fall back to the model's stride
+        align = 32
+        note = f"snn.alignment failed ({str(e)[:80]}...); align 32 used"
+    else:
+        note = ""
+    if align > 256:
+        return {"model": name, "family": family, "shape": list(shape), "align": align, "status": "skipped",
+                "reason": f"snn.alignment(model) = {align} rows: too large an input for this table"}
+    h = max(shape[2], 4 * align)  # deep 5x5 stages need slabs of >= 2 rows at 1/32
+    h = -(-h // align) * align
+    shape = (*shape[:2], h * size_scale, *shape[3:])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    out = {"model": name, "family": family, "shape": list(shape), "align": align, "note": note}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = snn.convert(copy.deepcopy(ref), mesh)
+        out["warnings"] = [str(w.message)[:300] for w in caught if "Sharding" in type(w.message).__name__]
+        with torch.no_grad():
+            y_ref = _outputs(ref(x))
+            x_local = snn.shard(x, mesh, dims=dims, align=align)
+            y_loc = _outputs(model(x_local))
+            err, scale = 0.0, 0.0
+            for a, b in zip(y_loc, y_ref):
+                full = a if tuple(a.shape) == tuple(b.shape) and a.dim() < 3 else snn.gather(a, mesh, dims=dims)
+                if tuple(full.shape) != tuple(b.shape):
+                    raise RuntimeError(f"output shape {tuple(full.shape)} != reference {tuple(b.shape)}")
+                err = max(err, (full - b).abs().max().item())
+                scale = max(scale, b.abs().max().item())
+        rel = err / max(scale, 1e-30)
+        out.update(status="exact" if rel <= 1e-9 else "WRONG", max_abs_err=err, rel_err=rel)
+    except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
+        out.update(status="refused", reason=f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - recorded, not hidden
+        out.update(status="error", reason=f"{type(e).__name__}: {e}")
+    return out
+
+
+def run_model(name: str, timeout: float) -> dict:
+    import sharded_nn as snn
+
+    t0 = time.perf_counter()
+    try:
+        res = snn.launch(_check_one, 2, name, timeout=timeout, device_type="cpu", threads=1)
+    except Exception as e:  # noqa: BLE001 - a hang or a rank-asymmetric failure
+        res = {"model": name, "family": MODELS[name][2], "status": "error", "reason": f"{type(e).__name__}: {e}"}
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def _short(reason: str, n: int = 160) -> str:
+    first = reason.replace("\n", " ").replace("|", "/")
+    return first if len(first) <= n else first[: n - 3] + "..."
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | family | input | outcome | max abs error / reason |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        what = (
+            f"{r['max_abs_err']:.1e}" if r["status"] in ("exact", "WRONG") else _short(r.get("reason", ""))
+        )
+        shape = "x".join(str(s) for s in r.get("shape", [])[2:])
+        lines.append(f"| {r['model']} | {r['family']} | {shape} | {r['status']} | {what} |")
+    counts = {s: sum(r["status"] == s for r in results) for s in ("exact", "refused", "WRONG", "error", "skipped")}
+    lines.append("")
+    lines.append(", ".join(f"{k}: {v}" for k, v in counts.items()) + f" (of {len(results)})")
+    return "\n".join(lines)
+
+
+def _overhead(name: str, size: int, reps: int) -> dict:
+    """Per-forward time of the converted model with and without the forward guard (same run)."""
+    import sharded_nn as snn
+
+    make, shape, _ = MODELS[name]
+    mesh = snn.init_mesh(domain=2, device_type="cpu")
+    torch.manual_seed(0)
+    ref = make().eval()
+    guarded = snn.convert(copy.deepcopy(ref), mesh)
+    plain = snn.convert(copy.deepcopy(ref), mesh, guard=False)
+    x = snn.shard(torch.randn(1, shape[1], size, size), mesh, align=snn.alignment(ref, dims=(2,))[0])
+    times = {"guard": [], "no_guard": []}
+    with torch.no_grad():
+        for m in (guarded, plain):
+            m(x)  # warm-up
+        for _ in range(reps):  # interleaved, so that drift hits both alike
+            for key, m in (("guard", guarded), ("no_guard", plain)):
+                t0 = time.perf_counter()
+                m(x)
+                times[key].append(time.perf_counter() - t0)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"model": name, "size": size, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+            "overhead_ms": 1e3 * (med["guard"] - med["no_guard"]), "ratio": med["guard"] / med["no_guard"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--out", default="bench/compat.md")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--overhead", default="", help="model name: time the guard's per-forward overhead instead")
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    if args.overhead:
+        import sharded_nn as snn
+
+        print(json.dumps(snn.launch(_overhead, 2, args.overhead, args.size, args.reps, device_type="cpu", threads=1)))
+        return 0
+    names = [n for n in args.models.split(",") if n] or list(MODELS)
+    results = []
+    for name in names:
+        r = run_model(name, args.timeout)
+        print(json.dumps({k: v for k, v in r.items() if k != "warnings"})[:400], flush=True)
+        results.append(r)
+    md = table(results)
+    print(md)
+    with open(args.out, "w") as f:
+        f.write(md + "\n")
+    with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    return 1 if any(r["status"] == "WRONG" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+del math

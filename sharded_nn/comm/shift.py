@@ -1,0 +1,66 @@
+"""Periodic shift along a sharded dim: ``torch.roll`` of the global tensor, from slabs.
+
+Rolling the global tensor by ``s`` along a sharded dim is, for each rank, a periodic halo of
+``s`` positions from its left neighbour (or ``G - s`` from its right one, whichever is shorter)
+followed by a crop back to the slab's size: point-to-point between neighbours only, autograd-
+aware through ``halo_cat`` (the gradient of the halo returns to its owner).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .halo import HaloSpec, halo_cat
+from .peers import axis_peers
+from .sizes import gather_layouts
+
+__all__ = ["periodic_shift"]
+
+
+def periodic_shift(
+    x: torch.Tensor,
+    shift: int,
+    dim: int,
+    mesh: DeviceMesh,
+    dims: tuple[int, ...],
+    *,
+    what: str = "periodic_shift",
+) -> torch.Tensor:
+    """This rank's slab of ``torch.roll(x_full, shift, dim)``, where ``dim`` is sharded.
+
+    Args:
+        x: this rank's slab.
+        shift: the roll along ``dim`` (any integer, as ``torch.roll``; the same on every rank).
+        dim: the sharded dim to roll along; must be in ``dims``.
+        mesh: mesh with domain axes.
+        dims: the sharded dims of ``x``, ``dims[k]`` sharded by the k-th domain axis.
+        what: the caller's name, for messages.
+
+    Raises:
+        ShardingError: (on every rank alike) when the shift needs more positions than a
+            neighbour's slab holds; use fewer ranks.
+    """
+    from ..mesh import domain_axes
+
+    dim = dim % x.dim()
+    k = list(dims).index(dim)
+    layout = gather_layouts(x.shape, mesh, dims, what=what)[k]
+    ring = axis_peers(mesh, domain_axes(mesh)[k])
+    s = shift % layout.size
+    if s == 0:
+        return x
+    if ring.size == 1:
+        return torch.roll(x, s, dim)
+    p = layout.parts
+    n = x.shape[dim]
+    if s <= layout.size - s:
+        # out[i] = in[i - s]: the last s positions of the left neighbour, then our first n - s.
+        spec = HaloSpec(dim, (s,) * p, (0,) * p, periodic=True)
+        spec.check(layout.sizes, what)
+        return halo_cat(x, spec, ring).narrow(dim, 0, n)
+    w = layout.size - s
+    # out[i] = in[i + w]: our last n - w positions, then the first w of the right neighbour.
+    spec = HaloSpec(dim, (0,) * p, (w,) * p, periodic=True)
+    spec.check(layout.sizes, what)
+    return halo_cat(x, spec, ring).narrow(dim, w, n)

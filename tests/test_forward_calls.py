@@ -1,0 +1,254 @@
+"""The forward guard: position-mixing calls inside a converted model's own ``forward``.
+
+Each hazard is called on slabs (uneven where the model allows) at P = 2 and 3: either the
+converted model equals the single-device one (forward, input and parameter gradients, float64),
+or every rank raises the same ``ShardingError`` naming the call, the module and the source line.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sharded_nn as snn
+from sharded_nn.forward_guard import guard_active
+
+from .harness import mesh
+from .reference import check_against_reference
+
+
+class Hazards(nn.Module):
+    """A model whose own forward calls one position-mixing op, chosen by ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        k = self.kind
+        if k == "interpolate_local_size":
+            s = F.interpolate(F.avg_pool2d(h, 2), size=h.shape[2:], mode="bilinear", align_corners=False)
+            h = h + s
+        elif k == "interpolate_scale":
+            h = F.interpolate(h, scale_factor=2, mode="nearest")
+        elif k == "pad":
+            h = F.pad(h, (1, 2, 2, 1), mode="replicate")
+        elif k == "pad_circular":
+            h = F.pad(h, (0, 0, 1, 1), mode="circular")
+        elif k == "max_pool":
+            h = F.max_pool2d(h, 3, stride=2, padding=1)
+        elif k == "avg_pool":
+            h = F.avg_pool2d(h, 2)
+        elif k == "adaptive_pool":
+            h = h * torch.sigmoid(F.adaptive_avg_pool2d(h, 1))
+        elif k == "mean":  # squeeze-excite
+            h = h * torch.sigmoid(h.mean((2, 3), keepdim=True))
+        elif k == "sum":
+            h = h - h.sum(dim=(2, 3), keepdim=True) / 100
+        elif k == "amax":
+            h = h / (1 + torch.amax(h, dim=(1, 2), keepdim=True).abs())
+        elif k == "max_all":
+            h = h - h.max()
+        elif k == "roll":
+            h = torch.roll(h, shifts=(2, -1), dims=(2, 3))
+        elif k == "roll_back":
+            h = torch.roll(h, -3, 2)  # a halo of 3 from the right neighbour
+        elif k == "window_partition":
+            n, c, hh, ww = h.shape
+            w = h.permute(0, 2, 3, 1).reshape(n, hh // 2, 2, ww // 2, 2, c)
+            w = w.permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)  # windows: attention inside each
+            a = torch.softmax(w @ w.transpose(1, 2), dim=-1) @ w
+            h = a.reshape(n, hh // 2, ww // 2, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(n, c, hh, ww)
+        elif k == "window_partition_batched":  # batch 2: windows of both samples merge in dim 0
+            n, c, hh, ww = h.shape
+            w = h.permute(0, 2, 3, 1).reshape(n, hh // 2, 2, ww // 2, 2, c)
+            w = w.permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)
+            h = (torch.softmax(w @ w.transpose(1, 2), dim=-1) @ w).reshape(n, c, hh, ww)
+        elif k == "cat_split":
+            a, b = torch.split(h, 2, dim=1)
+            h = torch.cat([b, a, a * b], dim=1)[:, :4]
+        elif k == "cat_sharded":
+            h = torch.cat([h, h], dim=2)[:, :, : h.shape[2]]
+        elif k == "flip":
+            h = torch.flip(h, dims=(2,))
+        elif k == "std":
+            h = h / h.std(dim=(2, 3), keepdim=True)
+        elif k == "position_grid":
+            ys = torch.linspace(-1, 1, h.shape[2], dtype=h.dtype)
+            h = h + ys.view(1, 1, -1, 1)
+        elif k == "slice_rows":
+            h = h[:, :, 1:]
+        elif k == "stride_rows":
+            h = h[:, :, ::2]
+        elif k == "crop_noop":
+            h = h[:, :, : h.shape[2], 1:]
+        elif k == "attention_tokens":
+            t = h.flatten(2).transpose(1, 2)  # (N, L, C): L sharded
+            h = F.scaled_dot_product_attention(t, t, t).transpose(1, 2).reshape(h.shape)
+        elif k == "item_of_sum":  # a routed sum is replicated: reading it is fine
+            h = h * float(h.sum())
+        elif k == "tolist":
+            h = h * h.mean(1).sum(0).tolist()[0][0]
+        else:
+            raise AssertionError(k)
+        return self.head(h)
+
+
+EXACT = [
+    "interpolate_local_size", "interpolate_scale", "pad", "pad_circular", "max_pool", "avg_pool",
+    "adaptive_pool", "mean", "sum", "amax", "max_all", "roll", "roll_back", "window_partition", "cat_split",
+    "crop_noop", "item_of_sum",
+]  # fmt: skip
+REFUSED = {
+    "window_partition_batched": "matmul|softmax|layout",
+    "cat_sharded": "concatenates slabs along sharded dim 2",
+    "flip": "`flip`",
+    "std": "`std`",
+    "position_grid": "`linspace`",
+    "slice_rows": "slice 1:None:None along sharded dim 2",
+    "stride_rows": "slice",
+    "attention_tokens": "scaled_dot_product_attention",
+    "tolist": "reads the values",
+}
+
+
+def _exact(kind: str, domain: int, sizes, shape):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Hazards(kind).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    errs = check_against_reference(ref, x, m, sharded=model, sizes=sizes)
+    return max(errs.values())
+
+
+def _refused(kind: str, domain: int, sizes, shape):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Hazards(kind).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    r = m.get_local_rank("domain")
+    x_local = x.narrow(2, sum(sizes[:r]), sizes[r]).clone()
+    try:
+        model(x_local)
+    except snn.ShardingError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+# Uneven, even-sized slabs (window and pool factors of 2 divide every slab).
+_SIZES = {2: (6, 4), 3: (6, 4, 4)}
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("kind", EXACT)
+def test_hazard_is_exact(run, kind, domain):
+    sizes = _SIZES[domain]
+    errs = run(domain, _exact, kind, domain, sizes, (2 if "window" not in kind else 1, 2, sum(sizes), 6))
+    assert max(errs) < 1e-10
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+def test_hazard_is_refused_on_every_rank(run, kind, domain):
+    sizes = _SIZES[domain]
+    out = run(domain, _refused, kind, domain, sizes, (2, 2, sum(sizes), 6))
+    assert len(set(out)) == 1, out  # the same error on every rank
+    name, msg = out[0]
+    assert name == "ShardingError", out[0]
+    import re
+
+    assert re.search(REFUSED[kind], msg), msg
+    assert "module '<root>' (Hazards)" in msg and "test_forward_calls.py" in msg, msg
+
+
+# --------------------------------------------------------------------------------------------
+# The guard's own contract
+
+
+def _guard_off(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Hazards("mean").double()
+    x = torch.randn(2, 2, 10, 6, dtype=torch.float64)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True, guard=False)
+    with torch.no_grad():
+        y = snn.gather(model(snn.shard(x, m)), m)
+    return (y - ref(x)).abs().max().item(), guard_active()
+
+
+def test_guard_false_runs_unchecked(run):
+    # The opt-out really is unchecked: the per-slab mean is wrong (documented).
+    out = run(2, _guard_off, 2)
+    assert all(e > 1e-6 and not active for e, active in out), out
+
+
+class Reviewed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Hazards("flip")
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _reviewed(domain):
+    m = mesh(domain)
+    model = snn.convert(Reviewed().double(), m, plan={"inner": None})
+    x = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    model(snn.shard(x, m))  # reviewed by the user: unchecked, no error
+    return True
+
+
+def test_plan_none_marks_module_reviewed(run):
+    assert all(run(2, _reviewed, 2))
+
+
+def _ambiguous(domain):
+    class Up(nn.Module):
+        def forward(self, x):
+            return F.interpolate(x, size=(8, 4))  # a constant size: global, or equal to local?
+
+    m = mesh(domain)
+    model = snn.convert(Up(), m)
+    x = torch.randn(1, 1, 8, 4, dtype=torch.float64)
+    try:
+        model(snn.shard(x, m))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_interpolate_ambiguous_size_is_refused(run):
+    out = run(2, _ambiguous, 2)
+    assert len(set(out)) == 1 and "could be a global size or this slab's local size" in out[0], out
+
+
+def _twice_and_copied(domain):
+    m = mesh(domain)
+    model = snn.convert(Reviewed().double(), m)
+    model = snn.convert(model, m)  # converting twice installs the guard once
+    hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    copied = copy.deepcopy(model)  # a deep copy keeps a working guard, with its own module names
+    x = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    try:
+        copied(snn.shard(x, m))
+    except snn.ShardingError as e:
+        return hooks, str(e)
+    return hooks, "no error"
+
+
+def test_guard_installed_once_and_survives_deepcopy(run):
+    out = run(2, _twice_and_copied, 2)
+    assert len(set(out)) == 1, out
+    hooks, msg = out[0]
+    assert hooks == (1, 1), hooks
+    assert "`flip` in module 'inner' (Hazards)" in msg, msg
