@@ -26,7 +26,6 @@ from fractions import Fraction
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 
 from .registry import registered
 
@@ -51,6 +50,73 @@ def _strides(module: nn.Module) -> tuple[int, ...] | None:
             return (stride,) * (n or 3)  # pools accept ints for every dim
         return tuple(stride)
     return None
+
+
+_MODULE_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+@contextmanager
+def _on_meta(model: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer on the meta device for the block, restored by module after it.
+
+    Swapped module by module (not by name, as ``torch.func.functional_call`` does): a module
+    registered under two parents (MONAI's DynUNet shares its up-sampling blocks) is then
+    restored like any other, and tied tensors stay tied (one meta tensor per original).
+    """
+    memo: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in memo:
+            m = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(m, t.requires_grad) if isinstance(t, nn.Parameter) else m
+        return memo[id(t)]
+
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    try:
+        for m, params, buffers in saved:
+            m._parameters.update({k: meta(v) for k, v in params.items()})
+            m._buffers.update({k: meta(v) for k, v in buffers.items()})
+        yield
+    finally:
+        for m, params, buffers in saved:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+
+
+@contextmanager
+def _attributes_restored(model: nn.Module) -> Iterator[None]:
+    """Undo what a forward writes into the modules' own attributes (not parameters or buffers).
+
+    Some models keep tensors of the last forward in attributes (MONAI's DynUNet fills a list of
+    deep-supervision heads that its skip layers share); after the shape-only probe those would
+    be meta tensors and break the next real forward. Lists and dicts are restored in place, so
+    objects that several modules share stay shared.
+    """
+    saved = []
+    for m in model.modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_REGISTRIES}
+        contents = {k: (list(v) if isinstance(v, list) else dict(v)) for k, v in attrs.items()
+                    if isinstance(v, (list, dict)) and not k.startswith("_")}  # fmt: skip
+        saved.append((m, attrs, contents))
+    try:
+        yield
+    finally:
+        for m, attrs, contents in saved:
+            for k in [k for k in vars(m) if k not in _MODULE_REGISTRIES and k not in attrs]:
+                delattr(m, k)
+            for k, v in attrs.items():
+                m.__dict__[k] = v
+            for k, items in contents.items():
+                obj = attrs[k]
+                if isinstance(obj, list):
+                    obj[:] = items
+                else:
+                    obj.clear()
+                    obj.update(items)
 
 
 @contextmanager
@@ -130,14 +196,13 @@ def alignment(
                 factor = Fraction(shape[d], x.shape[d]) * strides[i]
                 needs[d] = math.lcm(needs[d], math.ceil(factor))
 
-    meta = {name: torch.empty_like(t, device="meta") for name, t in model.named_parameters()}
-    meta.update({name: torch.empty_like(t, device="meta") for name, t in model.named_buffers()})
-    dtype = next((t.dtype for t in meta.values() if t.is_floating_point()), torch.get_default_dtype())
+    floats = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.get_default_dtype()
     x = torch.empty(shape, dtype=dtype, device="meta")
     handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
     try:
-        with torch.no_grad(), _torch_forwards(model):
-            functional_call(model, meta, (x,), strict=False, tie_weights=True)
+        with torch.no_grad(), _torch_forwards(model), _attributes_restored(model), _on_meta(model):
+            model(x)
     except Exception as e:  # noqa: BLE001 - any failure of the probe pass means "tell us the shape"
         raise ValueError(
             f"alignment: the shape-only forward of {type(model).__name__} on a meta tensor of shape {shape} "

@@ -267,13 +267,6 @@ def _load_model_families() -> None:
     from .layers.squeeze_excite import register_loaded
 
     register_loaded()
-    # The zoo UNet's attention block flattens a slab into tokens in a rank-local order (W
-    # sharded, 2-D meshes), which the guard cannot map; its ring attention is unmasked, so the
-    # result does not depend on the order (zoo/unet.py's docstring and tests).
-    from .forward_guard import mark_reviewed
-    from .zoo.unet import AttentionBlock  # noqa: E402 - sharded_nn.zoo is importable here, just imported
-
-    mark_reviewed(AttentionBlock)
 
 
 def convert(
@@ -430,9 +423,11 @@ def _convert(model, mesh, *, plan, dims, strict, guard):
             for m in model.modules()
             if type(m) in done and (d := getattr(m, "dims", None)) is not None and not getattr(m, "_guard_inside", False)
         }
+        # Layers that shard no dim (a LayerNorm over channels) say nothing about the layout.
+        layer_dims = {d for d in layer_dims if d}
         # Grid layers say how the root's grid input is sharded; token layers (attention, dims (1,))
         # act on tensors the model makes from it.
-        layer_dims = {d for d in layer_dims if d and all(k >= 2 for k in d)} or layer_dims
+        layer_dims = {d for d in layer_dims if all(k >= 2 for k in d)} or layer_dims
         if dims is not None:
             root_dims = dims
         elif len(layer_dims) == 1:

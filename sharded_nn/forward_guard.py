@@ -1527,12 +1527,27 @@ _LIB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
+#: sharded_nn files that *run models* (the demo, the command line, launch's workers, checkpoints):
+#: a model called from them is user code like any other, not a library function.
+_MODEL_RUNNERS = frozenset(
+    _LIB_DIR + name for name in ("demo.py", "cli.py", "__main__.py", "launch.py", "checkpoint.py", "parallel.py")
+)
+
+
 def _called_from_library() -> bool:
-    """Whether the torch call was made by sharded_nn's own code (not the model's)."""
+    """Whether the torch call was made by sharded_nn's own code (not the model's).
+
+    torch's own frames are skipped (a torch module's forward calling ``F.gelu``), so the first
+    other frame decides; the files that run models do not count as library code, or a plain
+    torch model called by the demo would pass through unchecked.
+    """
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_LIB_DIR)
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename
+    return name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS
 
 
 def _full_slice(i, length: int) -> bool:

@@ -84,3 +84,40 @@ def _converted(domain):
 
 def test_converted_models_give_the_same_alignment(run):
     assert run(2, _converted, 2) == [((4, 4), 32)] * 2
+
+
+class _KeepsLastOutput(nn.Module):
+    """Stores its last output in an attribute and a shared list, and shares a child module."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Conv2d(2, 2, 3, stride=2, padding=1)
+        self.again = self.down  # the same module under two names
+        self.history: list[torch.Tensor] = [torch.zeros(1)]
+
+    def forward(self, x):
+        y = self.again(self.down(x))
+        self.last = y
+        self.history[0] = y
+        return y
+
+
+def test_probe_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    m = _KeepsLastOutput()
+    x = torch.randn(1, 2, 16, 8)
+    y0 = m(x)
+    assert snn.alignment(m, 2) == 4
+    # No meta tensor left behind in parameters, buffers or attributes; the model still runs.
+    assert all(t.device.type == "cpu" for t in (*m.parameters(), *m.buffers(), m.last, m.history[0]))
+    assert torch.equal(m(x), y0)
+
+
+def test_monai_dynunet_runs_after_alignment():
+    nets = pytest.importorskip("monai.networks.nets")
+    m = nets.DynUNet(spatial_dims=3, in_channels=1, out_channels=2, kernel_size=(3, 3, 3), strides=(1, 2, 2),
+                     upsample_kernel_size=(2, 2), filters=(4, 8, 16)).eval()  # fmt: skip
+    x = torch.randn(1, 1, 16, 12, 8)
+    y0 = m(x)
+    assert snn.alignment(m, 2) == 4
+    assert torch.equal(m(x), y0)

@@ -243,13 +243,13 @@ def _timm_layers():
     assert len(acts) >= 10  # GELU, SiLU/Swish, HardSwish, QuickGELU, Mish, ... and the *Me ones
     channel_norms = [norm.LayerNorm2d(4), norm.RmsNorm2d(4), norm.LayerNorm(6), norm.RmsNorm(6)]
     _no_warning(snn.convert, _seq(nn.Conv2d(4, 4, 3), *acts, *channel_norms, norm_act.LayerNormAct2d(4)), m)
-    # Batch statistics over positions: a hazard in training, pointwise in eval (running stats).
+    # Statistics over positions: timm's norm(+act) classes have sharded classes of their own
+    # (layers/timm_norm_act.py), swapped in training and eval alike, with no warning.
     bn = _seq(nn.Conv2d(4, 4, 3), norm_act.BatchNormAct2d(4))
-    with pytest.warns(snn.ShardingWarning, match=r"1 \(BatchNormAct2d\)"):
-        snn.convert(bn, m)
+    assert isinstance(_no_warning(snn.convert, bn, m)[1], snn.layers.ShardedBatchNormAct2d)
     _no_warning(snn.convert, bn.eval(), m)
-    with pytest.warns(snn.ShardingWarning, match=r"1 \(GroupNormAct\)"):
-        snn.convert(_seq(nn.Conv2d(4, 4, 3), norm_act.GroupNormAct(4, 2)), m)
+    gn = _no_warning(snn.convert, _seq(nn.Conv2d(4, 4, 3), norm_act.GroupNormAct(4, 2)), m)
+    assert isinstance(gn[1], snn.layers.ShardedGroupNormAct)
 
     # ConvNeXt: every GELU and LayerNorm2d is pointwise, the convs and the global pool are
     # swapped, the head after the pool runs on replicated features: nothing to report, and

@@ -209,4 +209,4 @@ def _interp(domain):
 @pytest.mark.parametrize("domain", [2, 3])
 def test_functional_interpolate_in_forward_needs_a_registered_block(run, domain):
     errs = run(domain, _interp, domain)
-    assert all(e > 1e-3 for e in errs), errs  # the hazard is real (issue 14 will detect it)
+    assert all(e > 1e-3 for e in errs), errs  # the hazard is real: a module marked reviewed (plan None) runs unchecked by the forward guard

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from sharded_nn.comm import axis_peers, gather_layouts
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
+from sharded_nn.forward_guard import mark_reviewed
 from sharded_nn.layers.base import ShardedMixin
 from sharded_nn.layers.padding import pad as sharded_pad
 from sharded_nn.layers.window import Window, extend, plan_window
@@ -339,6 +340,7 @@ class ResBlock(nn.Module):
         return self.shortcut(x) + h
 
 
+@mark_reviewed  # its row-major token order is rank-local on W or 2-D meshes; unmasked attention ignores order
 class AttentionBlock(nn.Module):
     """Self-attention over all grid positions: norm, multi-head attention over tokens, residual.
 
