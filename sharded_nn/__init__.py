@@ -23,6 +23,7 @@ from .parallel import parallelize
 from .planner import plan_memory
 from .points import PointCloudPartition
 from .registry import register
+from .reshard import reshard
 from .sharding import batch_slice, default_dims, gather, local_slices, shard
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "points",
     "reductions",
     "register",
+    "reshard",
     "shard",
     *_layers.__all__,
 ]

@@ -85,7 +85,7 @@ def batch_slice(mesh: DeviceMesh, batch_size: int) -> slice:
 
 
 def local_slices(
-    global_shape: Sequence[int],
+    global_shape: Sequence[int] | torch.Tensor,
     mesh: DeviceMesh,
     *,
     dims: int | Sequence[int] | None = None,
@@ -94,12 +94,20 @@ def local_slices(
 ) -> tuple[slice, ...]:
     """Index slices of this rank's slab: ``x[local_slices(x.shape, mesh)] == shard(x, mesh)``.
 
-    Pure arithmetic, no communication, so a data loader can read just its slab from disk.
-    ``dims`` and ``align`` as for ``shard`` (default dims: ``default_dims(mesh)``).
+    Given a shape: pure arithmetic, no communication, so a data loader can read just its slab
+    from disk. ``dims`` and ``align`` as for ``shard`` (default dims: ``default_dims(mesh)``).
     ``batch_dim`` (e.g. 0): also cut that dim of a global batch by the data axis, as
     ``batch_slice`` does (on a data x domain mesh each rank then gets its replica's samples and
     its domain slab of each); default ``None``, the dim is left whole.
+
+    Given a *slab* (a tensor, e.g. a model output whose layout drifted from the balanced one):
+    the global slices this rank's slab covers, from its actual layout (one tiny all-gather of
+    the local shapes: call it on every rank; ``align`` and ``batch_dim`` do not apply). Cut the
+    matching target with ``target_full[local_slices(y_local, mesh, dims=dims)]``, or rebalance
+    the slab with ``snn.reshard``.
     """
+    if isinstance(global_shape, torch.Tensor):
+        return _slab_slices(global_shape, mesh, dims, batch_dim)
     dims = normalize_dims(default_dims(mesh) if dims is None else dims, len(global_shape), "local_slices")
     layouts = global_layouts(global_shape, mesh, dims, align)
     idx = [slice(None)] * len(global_shape)
@@ -110,6 +118,19 @@ def local_slices(
         if b in dims:
             raise ShardingError(f"local_slices: batch_dim={batch_dim} is also a sharded dim of dims={dims}.")
         idx[b] = batch_slice(mesh, global_shape[b])
+    return tuple(idx)
+
+
+def _slab_slices(x: torch.Tensor, mesh: DeviceMesh, dims, batch_dim) -> tuple[slice, ...]:
+    if batch_dim is not None:
+        raise ValueError(
+            "local_slices: batch_dim applies to a global shape; a slab's slices follow from its layout alone."
+        )
+    dims = normalize_dims(default_dims(mesh) if dims is None else dims, x.dim(), "local_slices")
+    layouts = gather_layouts(x.shape, mesh, dims, what="local_slices", allow_empty=True)
+    idx = [slice(None)] * x.dim()
+    for d, a, lay in zip(dims, domain_axes(mesh), layouts):
+        idx[d] = lay.slice(mesh.get_local_rank(a))
     return tuple(idx)
 
 
