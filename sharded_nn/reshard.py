@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import axis_peers, gather_layouts
 from .comm.rebalance import move_rows
 from .layout import Layout
-from .mesh import default_dims, domain_axes
-from .sharding import _per_dim, normalize_dims
+from .mesh import domain_axes
+from .sharding import _per_dim, resolve_layout
 
 __all__ = ["reshard"]
 
@@ -28,7 +28,7 @@ def reshard(
     x: torch.Tensor,
     mesh: DeviceMesh,
     dims: int | Sequence[int] | None = None,
-    align: int | Sequence[int] = 1,
+    align: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """This rank's slab of the same global tensor, in the balanced layout ``local_slices`` cuts.
 
@@ -37,7 +37,8 @@ def reshard(
             balanced ones; slabs may be empty).
         mesh: mesh with domain axes; ``dims[k]`` is sharded by the k-th domain axis.
         dims: the sharded dims; default ``default_dims(mesh)``.
-        align: the alignment of the new layout (int or one per dim), as for ``shard``.
+        align: the alignment of the new layout (int or one per dim), as for ``shard`` (default: the
+            alignment stated with ``set_layout`` for these dims, else 1).
 
     Returns:
         ``x_full[local_slices(x_full.shape, mesh, dims=dims, align=align)]``; ``x`` itself when the
@@ -51,7 +52,7 @@ def reshard(
         ShardingError: (on every rank alike) when the ranks' shapes do not form a slab layout, or
             the balanced layout would leave a rank empty.
     """
-    dims = normalize_dims(default_dims(mesh) if dims is None else dims, x.dim(), "reshard")
+    dims, align = resolve_layout(mesh, dims, align, x.shape, "reshard")
     aligns = _per_dim(align, len(dims), "align")
     layouts = gather_layouts(x.shape, mesh, dims, what="reshard", allow_empty=True)
     axes = domain_axes(mesh)
