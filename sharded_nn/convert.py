@@ -468,7 +468,12 @@ def _record_context(model: nn.Module, mesh: DeviceMesh, dims: tuple[int, ...] | 
         layer_dims = {d for d in layer_dims if d and all(k >= 2 for k in d)} or layer_dims
         dims = next(iter(layer_dims)) if len(layer_dims) == 1 else tuple(default_dims(mesh))
     align = None
-    if dims and all(d >= 2 for d in dims):
+    # A model converted before carries the forward guard, whose hooks must not see the probe
+    # forward: keep the alignment recorded then.
+    earlier = [c for m in model.modules() if isinstance(c := m.__dict__.get(CONTEXT_ATTR), ModuleContext)]
+    if model.__dict__.get("_snn_guard_handles"):
+        align = next((c.align for c in earlier if c.dims == tuple(dims)), None)
+    elif dims and all(d >= 2 for d in dims):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

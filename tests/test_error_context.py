@@ -108,3 +108,19 @@ def test_mse_loss_says_what_differs(run, kind):
         assert "split differently" in msg and "snn.reshard(pred, mesh, dims=(2,))" in msg
     else:
         assert "pred has size 28 and target 30" in msg and "does not have the target's size" in msg
+
+
+def _reconverted():
+    m = mesh(torch.distributed.get_world_size())
+    model = snn.convert(snn.convert(Net().double(), m), m)  # the second convert sees the guard
+    try:
+        model(snn.shard(torch.randn(1, 1, 60, dtype=torch.float64), m, dims=(2,), align=2))
+    except snn.ShardingError as e:
+        return str(e)
+    return None
+
+
+def test_converting_twice_keeps_the_record(run):
+    msgs = run(2, _reconverted)
+    assert len(set(msgs)) == 1 and "in module 'layers.1' (ShardedConv1d) of Net" in msgs[0]
+    assert "the model input needs align=4" in msgs[0]
