@@ -18,11 +18,12 @@ from .launch import launch
 from .layers import *  # noqa: F403 - every sharded layer, re-exported (the list lives in layers/__init__.py)
 from .layers.upsample import interpolate
 from .layout import Layout
-from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh
+from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh, set_layout, stated_layout
 from .parallel import parallelize
 from .planner import plan_memory
 from .points import PointCloudPartition
 from .registry import register
+from .reshard import reshard
 from .sharding import batch_slice, default_dims, gather, local_slices, shard
 
 __version__ = "0.1.0"
@@ -54,7 +55,10 @@ __all__ = [
     "points",
     "reductions",
     "register",
+    "reshard",
+    "set_layout",
     "shard",
+    "stated_layout",
     *_layers.__all__,
 ]
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import ShardingNotImplementedError, ShardingWarning
+from .errors import CONTEXT_ATTR, ModuleContext, ShardingNotImplementedError, ShardingWarning
 from .mesh import domain_axes
 from .registry import registered, sharded_classes
 from .sharding import default_dims
@@ -415,6 +415,8 @@ def _convert(model, mesh, *, plan, dims, strict, guard):
         if strict:
             raise ShardingNotImplementedError(msg)
         warnings.warn(msg, ShardingWarning, stacklevel=3)
+    if _DEPTH[0] == 1:
+        _record_context(model, mesh, dims, done)
     if guard and _DEPTH[0] == 1 and type(model) not in done and "" not in plan_none:
         from .forward_guard import install
 
@@ -440,3 +442,41 @@ def _convert(model, mesh, *, plan, dims, strict, guard):
 
         uninstall(model)
     return model
+
+
+def _record_context(model: nn.Module, mesh: DeviceMesh, dims: tuple[int, ...] | None, done) -> None:
+    """Record on every sharded layer its qualified name and the model input's alignment.
+
+    ``ShardingError`` reads the record when a layer raises (``sharded_nn.errors``), so that the
+    message names the module and the model-level fix. The alignment is computed once here (a
+    shape-only forward on the meta device); it is optional information: any failure leaves it
+    unknown. Every fact is the same on every rank.
+    """
+    from .alignment import alignment
+
+    if dims is None:
+        layer_dims = {
+            (d,) if isinstance(d, int) else tuple(d)
+            for m in model.modules()
+            if type(m) in done and (d := getattr(m, "dims", None)) is not None
+        }
+        layer_dims = {d for d in layer_dims if d and all(k >= 2 for k in d)} or layer_dims
+        dims = next(iter(layer_dims)) if len(layer_dims) == 1 else tuple(default_dims(mesh))
+    align = None
+    # A model converted before carries the forward guard, whose hooks must not see the probe
+    # forward: keep the alignment recorded then.
+    earlier = [c for m in model.modules() if isinstance(c := m.__dict__.get(CONTEXT_ATTR), ModuleContext)]
+    if model.__dict__.get("_snn_guard_handles"):
+        align = next((c.align for c in earlier if c.dims == tuple(dims)), None)
+    elif dims and all(d >= 2 for d in dims):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = alignment(model, dims)
+            align = tuple(int(a) for a in got)
+        except Exception:  # noqa: BLE001 - optional information: the error message says it is unknown
+            align = None
+    root = type(model).__name__
+    for name, m in model.named_modules():
+        if type(m) in done:
+            m.__dict__[CONTEXT_ATTR] = ModuleContext(name, type(m).__name__, root, tuple(dims), align)

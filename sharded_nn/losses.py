@@ -245,14 +245,54 @@ def _check_same_shape(pred: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh
         row += shown + [-1] * (_SHOWN_NDIM - len(shown))
     rows = all_gather_stacked(torch.tensor(row, dtype=torch.int64, device=comm_device(group)), group).tolist()
     if any(r[0] for r in rows):
-        shapes = []
-        for r in rows:
-            p = tuple(r[3 : 3 + min(r[1], _SHOWN_NDIM)])
-            t = tuple(r[3 + _SHOWN_NDIM : 3 + _SHOWN_NDIM + min(r[2], _SHOWN_NDIM)])
-            shapes.append(f"{p} vs {t}")
-        bad = [i for i, r in enumerate(rows) if r[0]]
-        raise ValueError(
-            f"{what}: pred and target slabs must have the same shape on every rank, but they differ on "
-            f"domain rank(s) {bad}; (pred vs target) per domain rank: {shapes}. Shard both with the same "
-            "dims and align."
-        )
+        raise ValueError(_shape_mismatch_message(rows, what))
+
+
+def _shape_mismatch_message(rows: list[list[int]], what: str) -> str:
+    """Say which dims differ between pred and target, and whether the split or the size differs.
+
+    ``rows`` are every domain rank's ``[differs, ndim_pred, ndim_target, pred_shape..., target_shape...]``.
+    """
+    pred = [tuple(r[3 : 3 + min(r[1], _SHOWN_NDIM)]) for r in rows]
+    target = [tuple(r[3 + _SHOWN_NDIM : 3 + _SHOWN_NDIM + min(r[2], _SHOWN_NDIM)]) for r in rows]
+    bad = [i for i, r in enumerate(rows) if r[0]]
+    shapes = [f"{p} vs {t}" for p, t in zip(pred, target)]
+    head = (
+        f"{what}: pred and target slabs must have the same shape on every rank, but they differ on domain "
+        f"rank(s) {bad}; (pred vs target) per domain rank: {shapes}."
+    )
+    if len({(r[1], r[2]) for r in rows}) != 1 or rows[0][1] != rows[0][2]:
+        return f"{head} pred has {rows[0][1]} dims and target {rows[0][2]}: compute both for the same tensor layout."
+    details = []
+    for d in range(min(rows[0][1], _SHOWN_NDIM)):
+        p_sizes = [s[d] for s in pred]
+        t_sizes = [s[d] for s in target]
+        if p_sizes == t_sizes:
+            continue
+        if sum(p_sizes) == sum(t_sizes):
+            # Both cover the same global size: only the split differs. A model whose layers move
+            # rows between ranks (an explicit pad + unpadded conv) leaves a drifted layout.
+            details.append(
+                f"along dim {d} the slab sizes differ (pred {p_sizes}, target {t_sizes} by rank) while the "
+                "totals agree: the two are split differently. If the target was cut with snn.local_slices, the "
+                f"model's output layout drifted: rebalance pred with snn.reshard(pred, mesh, dims=({d},)) or cut "
+                f"the target with snn.local_slices(pred, mesh, dims=({d},))"
+            )
+        elif (len(set(p_sizes)) == 1) != (len(set(t_sizes)) == 1):
+            same, other = ("pred", "target") if len(set(p_sizes)) == 1 else ("target", "pred")
+            details.append(
+                f"along dim {d} {same} has the same size on every rank and {other} does not (pred {p_sizes}, "
+                f"target {t_sizes} by rank): Shard both with the same dims and align"
+            )
+        elif len(set(p_sizes)) == 1 and len(set(t_sizes)) == 1:
+            details.append(
+                f"along dim {d} pred has size {p_sizes[0]} and target {t_sizes[0]} on every rank: the model "
+                "output does not have the target's size"
+            )
+        else:
+            details.append(
+                f"along dim {d} the slab sizes differ (pred {p_sizes}, target {t_sizes} by rank) and so do the "
+                "global sizes: the model output does not have the target's size (e.g. a convolution without "
+                "padding shrinks the sharded dim)"
+            )
+    return f"{head} {'; '.join(details)}." if details else head

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -56,6 +57,8 @@ def init_mesh(
     *,
     device_type: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
+    dims: int | Sequence[int] | None = None,
+    align: int | Sequence[int] = 1,
 ) -> DeviceMesh:
     """Create a mesh with a data axis and one or more domain axes.
 
@@ -66,6 +69,8 @@ def init_mesh(
         data: data-parallel replicas. The mesh has a leading ``"data"`` axis when ``data > 1``.
         device_type: ``"cuda"`` or ``"cpu"``; defaults to CUDA when available.
         timeout: collective timeout, so that a failed rank ends the job with an error.
+        dims, align: state the layout once (``set_layout``): every call taking ``dims=None`` /
+            ``align=None`` then defaults to them. Without either, nothing is stated.
 
     Returns:
         A ``DeviceMesh`` of shape ``(data, *domain)`` (``data`` omitted when 1).
@@ -94,7 +99,10 @@ def init_mesh(
     shape = domain_shape
     if data > 1:
         names, shape = (DATA_AXIS, *names), (data, *domain_shape)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if dims is not None or align != 1:
+        set_layout(mesh, dims=dims, align=align)
+    return mesh
 
 
 def domain_axes(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -191,17 +199,22 @@ def mesh_cached(mesh: DeviceMesh, key: Any, make: Callable[[], _T]) -> _T:
     Keys must therefore be facts every rank shares (axis names, module configuration), never
     local shapes.
     """
-    mid = id(mesh)
-    entry = _STORE.get(mid)
-    if entry is None or entry[0]() is not mesh:
-        entry = (weakref.ref(mesh, lambda ref, mid=mid: _forget(mid, ref)), {})
-        _STORE[mid] = entry
-    store = entry[1]
+    store = _mesh_store(mesh)
     try:
         return store[key]
     except KeyError:
         value = store[key] = make()
         return value
+
+
+def _mesh_store(mesh: DeviceMesh) -> dict[Any, Any]:
+    """The per-mesh-object dict of ``mesh_cached`` and ``set_layout``."""
+    mid = id(mesh)
+    entry = _STORE.get(mid)
+    if entry is None or entry[0]() is not mesh:
+        entry = (weakref.ref(mesh, lambda ref, mid=mid: _forget(mid, ref)), {})
+        _STORE[mid] = entry
+    return entry[1]
 
 
 def _forget(mid: int, ref: weakref.ref) -> None:
@@ -211,11 +224,77 @@ def _forget(mid: int, ref: weakref.ref) -> None:
 
 
 def default_dims(mesh: DeviceMesh) -> tuple[int, ...]:
-    """The tensor dims the domain axes shard by default: the first spatial dims of ``(N, C, S0, ...)``.
+    """The tensor dims the domain axes shard by default.
 
-    One dim per domain axis, in order: ``(2,)`` for a 1-D domain, ``(2, 3)`` for a 2-D domain.
-    ``shard``, ``local_slices``, ``gather``, the reductions, ``convert`` and every grid layer use
-    this rule when ``dims`` is not given. Token tensors ``(B, L, C)`` and point tensors
-    ``(B, N, C)`` shard dim 1: pass ``dims=(1,)`` for them.
+    The dims stated with ``set_layout`` (or ``init_mesh(dims=...)``) for this mesh when stated;
+    otherwise the first spatial dims of ``(N, C, S0, ...)``, one per domain axis, in order:
+    ``(2,)`` for a 1-D domain, ``(2, 3)`` for a 2-D domain. ``shard``, ``local_slices``,
+    ``gather``, ``reshard``, the reductions, ``convert`` and every grid layer use this rule when
+    ``dims`` is not given. Token tensors ``(B, L, C)`` and point tensors ``(B, N, C)`` shard
+    dim 1: state ``dims=(1,)`` once, or pass it per call.
     """
+    stated = stated_layout(mesh)
+    if stated is not None:
+        return stated.dims
     return tuple(range(2, 2 + len(domain_axes(mesh))))
+
+
+@dataclass(frozen=True)
+class StatedLayout:
+    """The layout a program states once for a mesh (``set_layout``).
+
+    Attributes:
+        dims: the tensor dims the domain axes shard, ``dims[k]`` by the k-th domain axis.
+        align: every slab starts at a multiple of this, one value per dim.
+    """
+
+    dims: tuple[int, ...]
+    align: tuple[int, ...]
+
+
+def set_layout(
+    mesh: DeviceMesh, *, dims: int | Sequence[int] | None = None, align: int | Sequence[int] = 1
+) -> StatedLayout:
+    """State once which tensor dims ``mesh``'s domain axes shard, and the alignment of the slabs.
+
+    Every call that takes ``dims=None`` (``shard``, ``local_slices``, ``gather``, ``reshard``,
+    ``convert``, the reductions, every grid layer made afterwards) then defaults to these dims,
+    and ``shard``/``local_slices``/``reshard`` with ``align=None`` to this alignment, so a
+    program cannot shard on one axis and gather on another by forgetting an argument. A tensor
+    whose number of dims cannot carry the stated dims raises a ``ShardingError`` naming the
+    stated layout. Stored on the mesh object (dropped with it); call it alike on every rank.
+
+    Args:
+        mesh: the mesh (``init_mesh(..., dims=..., align=...)`` calls this for you).
+        dims: one tensor dim per domain axis at most (non-negative: counted from the front, as
+            for ``(N, C, S0, ...)`` grids; ``(1,)`` for tokens or points). Default: the first
+            spatial dims.
+        align: an int, or one value per dim (e.g. ``snn.alignment(model, dims)``).
+
+    Returns:
+        The stated layout.
+    """
+    axes = domain_axes(mesh)
+    dims_t = tuple(range(2, 2 + len(axes))) if dims is None else ((dims,) if isinstance(dims, int) else tuple(dims))
+    if not dims_t or len(dims_t) > len(axes) or any(d < 0 for d in dims_t) or len(set(dims_t)) != len(dims_t):
+        raise ValueError(
+            f"set_layout: dims must be 1..{len(axes)} distinct non-negative tensor dims (one per domain axis "
+            f"{axes}), got {dims!r}."
+        )
+    align_t = (align,) * len(dims_t) if isinstance(align, int) else tuple(int(a) for a in align)
+    if len(align_t) != len(dims_t) or any(a < 1 for a in align_t):
+        raise ValueError(f"set_layout: align must be >= 1, an int or one value per dim of {dims_t}; got {align!r}.")
+    stated = StatedLayout(dims_t, align_t)
+    _mesh_store(mesh)[_LAYOUT_KEY] = stated
+    return stated
+
+
+def stated_layout(mesh: DeviceMesh) -> StatedLayout | None:
+    """The layout stated for ``mesh`` with ``set_layout``, or ``None``."""
+    entry = _STORE.get(id(mesh))
+    if entry is None or entry[0]() is not mesh:
+        return None
+    return entry[1].get(_LAYOUT_KEY)
+
+
+_LAYOUT_KEY = ("stated_layout",)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import axis_size, data_axis, default_dims, domain_axes, domain_group, group_over
+from .mesh import axis_size, data_axis, default_dims, domain_axes, domain_group, group_over, stated_layout
 
 
 def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
@@ -32,6 +32,34 @@ def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int
     if len(set(out)) != len(out):
         raise ShardingError(f"{what}: dims {dims} repeat a dim.")
     return tuple(out)
+
+
+def resolve_layout(
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None,
+    align: int | Sequence[int] | None,
+    shape: Sequence[int],
+    what: str,
+) -> tuple[tuple[int, ...], int | tuple[int, ...]]:
+    """``(dims, align)`` with the defaults of the layout stated for ``mesh`` (``set_layout``).
+
+    ``dims=None``: the stated dims (else ``default_dims(mesh)``); ``align=None``: the stated
+    alignment when the dims are the stated ones, else 1. A tensor of too few dims for the
+    stated layout raises a ``ShardingError`` that names it.
+    """
+    stated = stated_layout(mesh)
+    if dims is None:
+        dims = default_dims(mesh)
+        if stated is not None and any(d >= len(shape) for d in dims):
+            raise ShardingError(
+                f"{what}: the layout stated for this mesh (snn.set_layout / init_mesh(dims=...)) shards dims "
+                f"{stated.dims}, but the tensor has {len(shape)} dims (shape {tuple(shape)}). Pass the tensor in "
+                "the stated layout, or dims=... for a tensor of another layout."
+            )
+    dims = normalize_dims(dims, len(shape), what)
+    if align is None:
+        align = stated.align if stated is not None and stated.dims == dims else 1
+    return dims, align
 
 
 def _per_dim(value: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
@@ -85,22 +113,30 @@ def batch_slice(mesh: DeviceMesh, batch_size: int) -> slice:
 
 
 def local_slices(
-    global_shape: Sequence[int],
+    global_shape: Sequence[int] | torch.Tensor,
     mesh: DeviceMesh,
     *,
     dims: int | Sequence[int] | None = None,
-    align: int | Sequence[int] = 1,
+    align: int | Sequence[int] | None = None,
     batch_dim: int | None = None,
 ) -> tuple[slice, ...]:
     """Index slices of this rank's slab: ``x[local_slices(x.shape, mesh)] == shard(x, mesh)``.
 
-    Pure arithmetic, no communication, so a data loader can read just its slab from disk.
-    ``dims`` and ``align`` as for ``shard`` (default dims: ``default_dims(mesh)``).
+    Given a shape: pure arithmetic, no communication, so a data loader can read just its slab
+    from disk. ``dims`` and ``align`` as for ``shard`` (default dims: ``default_dims(mesh)``).
     ``batch_dim`` (e.g. 0): also cut that dim of a global batch by the data axis, as
     ``batch_slice`` does (on a data x domain mesh each rank then gets its replica's samples and
     its domain slab of each); default ``None``, the dim is left whole.
+
+    Given a *slab* (a tensor, e.g. a model output whose layout drifted from the balanced one):
+    the global slices this rank's slab covers, from its actual layout (one tiny all-gather of
+    the local shapes: call it on every rank; ``align`` and ``batch_dim`` do not apply). Cut the
+    matching target with ``target_full[local_slices(y_local, mesh, dims=dims)]``, or rebalance
+    the slab with ``snn.reshard``.
     """
-    dims = normalize_dims(default_dims(mesh) if dims is None else dims, len(global_shape), "local_slices")
+    if isinstance(global_shape, torch.Tensor):
+        return _slab_slices(global_shape, mesh, dims, batch_dim)
+    dims, align = resolve_layout(mesh, dims, align, global_shape, "local_slices")
     layouts = global_layouts(global_shape, mesh, dims, align)
     idx = [slice(None)] * len(global_shape)
     for d, a, lay in zip(dims, domain_axes(mesh), layouts):
@@ -113,12 +149,25 @@ def local_slices(
     return tuple(idx)
 
 
+def _slab_slices(x: torch.Tensor, mesh: DeviceMesh, dims, batch_dim) -> tuple[slice, ...]:
+    if batch_dim is not None:
+        raise ValueError(
+            "local_slices: batch_dim applies to a global shape; a slab's slices follow from its layout alone."
+        )
+    dims, _ = resolve_layout(mesh, dims, 1, x.shape, "local_slices")
+    layouts = gather_layouts(x.shape, mesh, dims, what="local_slices", allow_empty=True)
+    idx = [slice(None)] * x.dim()
+    for d, a, lay in zip(dims, domain_axes(mesh), layouts):
+        idx[d] = lay.slice(mesh.get_local_rank(a))
+    return tuple(idx)
+
+
 def shard(
     x: torch.Tensor | None,
     mesh: DeviceMesh,
     *,
     dims: int | Sequence[int] | None = None,
-    align: int | Sequence[int] = 1,
+    align: int | Sequence[int] | None = None,
     src: int | None = None,
     batch_dim: int | None = None,
 ) -> torch.Tensor:
@@ -132,7 +181,8 @@ def shard(
         dims: tensor dims to shard; default ``default_dims(mesh)``, the first spatial dims (one
             per domain axis), as the grid layers shard them.
         align: every slab starts at a multiple of this (int or one per dim): the product of the
-            model's strides, or the ViT patch size.
+            model's strides, or the ViT patch size. Default: the alignment stated with
+            ``set_layout`` for these dims, else 1.
         src: domain rank that holds ``x``, or ``None`` when every rank holds it. The slabs are
             sent from the device the domain group communicates on (CUDA for NCCL, CPU for gloo),
             a fact every rank shares: a CPU ``x`` on an NCCL mesh is moved there on ``src``.
@@ -143,8 +193,6 @@ def shard(
         A contiguous tensor that owns its memory (it does not keep ``x`` alive). With ``src=r``
         it lives on the communication device of the domain group on every rank.
     """
-    if dims is None:
-        dims = default_dims(mesh)
     if src is None:
         if x is None:
             raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
@@ -172,7 +220,7 @@ def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
     if meta[0] is None:
         raise ValueError(f"shard: domain rank src={src} passed x=None; the src rank must pass the full tensor.")
     shape, dtype = meta[0]
-    dims = normalize_dims(dims, len(shape), "shard")
+    dims, align = resolve_layout(mesh, dims, align, shape, "shard")
     axes = domain_axes(mesh)
     layouts = global_layouts(shape, mesh, dims, align)
     device = comm_device(group)
@@ -231,7 +279,7 @@ def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int]
     gradient comes out P times too big.
     """
     if dims is None:
-        dims = default_dims(mesh)
+        dims, _ = resolve_layout(mesh, None, 1, x_local.shape, "gather")
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     # Shapes first: they are validated on every rank alike, before any local check could make
     # one rank raise alone.

@@ -44,3 +44,6 @@ __all__ += ["RingHandle", "gather_ints", "heads_to_seq", "ring_pass", "seq_to_he
 from .halo_add import halo_add
 
 __all__ += ["halo_add"]
+from .rebalance import move_rows
+
+__all__ += ["move_rows"]
