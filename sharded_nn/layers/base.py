@@ -303,6 +303,11 @@ class ShardedMixin:
         self.mesh = mesh
         self.dims = dims
         self.mesh_axes = axes[: len(dims)]
+        # One rank along every sharded dim (P=1): nothing to exchange or agree on. Decided from
+        # the mesh, which every rank shares, so the ranks of a mesh with other axes (data) take
+        # the same branch. Layers whose every collective runs over these axes use it to call the
+        # torch layer itself.
+        self._local_only = all(axis_size(mesh, a) == 1 for a in self.mesh_axes)
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
         """One tensor dim per domain axis: the first spatial dims (``mesh.default_dims``)."""

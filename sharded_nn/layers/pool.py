@@ -59,6 +59,12 @@ class _ShardedPoolNd(ShardedMixin):
         dilation = getattr(self, "dilation", 1)
         return n(self.kernel_size), n(stride), n(self.padding), n(dilation)
 
+    def forward(self, x: torch.Tensor):  # noqa: D102
+        if self._local_only:
+            # P=1: the torch layer itself; nothing to exchange or agree on.
+            return super(ShardedMixin, self).forward(x)
+        return self._sharded_forward(x)
+
     def _windows(self, sizes: Sequence[int]) -> list[Window]:
         """Per spatial dim; the right padding also covers the extra ``ceil_mode`` output."""
         out = []
@@ -99,7 +105,7 @@ class _ShardedPoolNd(ShardedMixin):
 
 class _ShardedMaxPoolNd(_ShardedPoolNd):
     @batched
-    def forward(self, x: torch.Tensor):  # noqa: D102
+    def _sharded_forward(self, x: torch.Tensor):
         n = self._spatial_dims
         ext, sizes, _, _, offsets, plans = self._extend(x, float("-inf"))
         k, s, _, d = self._opts()
@@ -125,7 +131,7 @@ class _ShardedMaxPoolNd(_ShardedPoolNd):
 
 class _ShardedAvgPoolNd(_ShardedPoolNd):
     @batched
-    def forward(self, x: torch.Tensor):  # noqa: D102
+    def _sharded_forward(self, x: torch.Tensor):
         n = self._spatial_dims
         ext, sizes, _, starts, _, plans = self._extend(x, 0.0)
         k, s, p, _ = self._opts()
