@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import axis_peers
+from ..comm.sizes import scope_declare
 from ..errors import ShardingError
 from ..layout import Layout
 from ..registry import register
@@ -158,6 +159,7 @@ class _ShardedConvNd(ShardedMixin):
 
     _sharding_options = ("dims", "overlap")
     _allow_empty = True
+    _scoped_agree = True  # the output layout is declared (scope_declare) once planned
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True) -> None:
         """See the module docstring; ``overlap`` computes the interior while halos travel."""
@@ -244,6 +246,8 @@ class _ShardedConvNd(ShardedMixin):
                 f"shape {agreed.global_shape(self.dims)}."
             )
         plans = self._plan(layouts)
+        # The output's layout, derived from the agreed input's: the next layer need not agree.
+        scope_declare(self.mesh, self.dims, x.dim(), [p.out for p in plans])
         mode = self.padding_mode
         rings = [axis_peers(self.mesh, axis) for axis in self.mesh_axes]
         pads = {2 + i: p for i, p in enumerate(self._pads()) if 2 + i not in self.dims}

@@ -114,6 +114,7 @@ class _ShardedNorm(ShardedMixin):
     # Empty slabs (a deep stage that left a rank without rows) add nothing to the statistics;
     # the global count is summed, so they are exact.
     _allow_empty = True
+    _scoped_agree = True  # the output keeps the input's layout
 
     def _check_channels(self, x: torch.Tensor, expected: int, agreed: Agreement, dims: Sequence[int]) -> None:
         # Dim 1 is unsharded, so after the agreement it is the same on every rank.
@@ -357,6 +358,8 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
     ``(B, L, C)`` or of channels-last grids), which ``convert`` treats as pointwise. Pass
     ``dims`` explicitly for token tensors (e.g. ``dims=(1,)`` for ``LayerNorm([L, C])``).
     """
+
+    _scoped_agree = True  # the output keeps the input's layout
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
         return () if len(self.normalized_shape) == 1 else super()._default_dims(mesh)

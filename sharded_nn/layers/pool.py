@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 
 from ..comm import axis_peers
+from ..comm.sizes import scope_declare
 from ..registry import register
 from .base import ShardedMixin, batched
 from .window import Window, crop_empty, extend, pad_unsharded, plan_window
@@ -52,6 +53,7 @@ class _ShardedPoolNd(ShardedMixin):
     """Window bookkeeping shared by the sharded max and average pools."""
 
     _allow_empty = True
+    _scoped_agree = True  # the output layout is declared (scope_declare) once planned
 
     def _opts(self) -> tuple[tuple[int, ...], ...]:
         n = _ntuple(self._spatial_dims)
@@ -88,6 +90,7 @@ class _ShardedPoolNd(ShardedMixin):
         windows = self._windows(sizes)
         # Every plan (and its validation) before any communication.
         plans = [plan_window(lay, windows[d - 2], d, mode="zeros", what=name) for lay, d in zip(layouts, self.dims)]
+        scope_declare(self.mesh, self.dims, x.dim(), [p.out for p in plans])
         starts = [0] * self._spatial_dims  # global position of the first local output
         offsets = [-w.pad_left for w in windows]  # global position of the extended slab's first element
         for lay, plan, d, axis in zip(layouts, plans, self.dims, self.mesh_axes):
