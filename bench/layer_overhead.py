@@ -6,10 +6,16 @@ computation itself is small enough for it to show.
 * ``nn.Conv2d(16, 16, 3, padding=1)`` on a ``1 x 16 x 64 x 64`` sample (forward only, under
   ``torch.no_grad()``, and forward + backward of a sum loss), one thread per rank
   (``OMP_NUM_THREADS=1``).
-* P=1: the plain torch layer, and the converted layer on a 1-rank mesh (sharding machinery with no
-  neighbour: what the layout agreement and the plan cost by themselves).
+* P=1: the plain torch layer, and the converted layer on a 1-rank mesh. With one rank along the
+  sharded dim there is nothing to exchange or agree on, so the sharded layer calls the torch
+  layer itself: what remains is one attribute test and one Python call frame (issue 16: within
+  10% of the plain layer).
 * P=2: the converted layer on a 2-rank mesh holding the same global sample (each rank 32 rows),
-  against the plain layer on one rank's slab (the local compute the sharded layer must do).
+  against the plain layer on one rank's slab (the local compute the sharded layer must do);
+  once on its own (it agrees on its input's layout: one small all-gather per call) and once
+  inside a ``layout_scope`` that already knows its input's layout (what each layer of a model
+  converted with ``enable_layout_scope`` pays after the first: no all-gather, only the halo
+  exchange with the neighbour).
 * ``gather_layouts`` alone: the layout agreement every sharded layer makes per call (one
   all-gather of a few integers on the domain group, or on its CPU side group on NCCL meshes),
   next to one all-reduce of a single integer on the same group (the latency floor of any
@@ -43,6 +49,7 @@ import torch.nn as nn  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sharded_nn as snn  # noqa: E402
 from sharded_nn.comm import gather_layouts  # noqa: E402
+from sharded_nn.comm.sizes import layout_scope  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int) -> float:
@@ -80,6 +87,10 @@ def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, flo
 
     out["plain fwd+bwd"] = _time(lambda: step(plain, x_loc), iters, warmup)
     out["sharded fwd+bwd"] = _time(lambda: step(sharded, x_loc), iters, warmup)
+    with layout_scope():  # the first call agrees and remembers the layout; the timed ones derive it
+        with torch.no_grad():
+            out["scoped fwd"] = _time(lambda: sharded(x_loc), iters, warmup)
+        out["scoped fwd+bwd"] = _time(lambda: step(sharded, x_loc), iters, warmup)
     out["gather_layouts"] = _time(lambda: gather_layouts(x_loc.shape, mesh, (2,), what="bench"), iters, warmup)
     # The floor for any agreement: one all-reduce of a single integer on the same group.
     one = torch.zeros(1, dtype=torch.int64)
@@ -97,13 +108,14 @@ def main() -> None:
     args = ap.parse_args()
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
-    print(f"{'P':>2} {'':>8} {'plain':>9} {'sharded':>9} {'ratio':>6}   gather_layouts  1-int all_reduce")
+    print(f"{'P':>2} {'':>8} {'plain':>9} {'sharded':>9} {'ratio':>6} {'scoped':>9} {'ratio':>6}"
+          "   gather_layouts  1-int all_reduce")
     for p in (1, 2):
         r = snn.launch(_measure, p, args.channels, args.size, args.iters, args.warmup, device_type="cpu", threads=1)
         for kind in ("fwd", "fwd+bwd"):
-            a, b = r[f"plain {kind}"], r[f"sharded {kind}"]
+            a, b, c = r[f"plain {kind}"], r[f"sharded {kind}"], r[f"scoped {kind}"]
             extra = f"   {r['gather_layouts'] * 1e6:14.0f}  {r['all_reduce'] * 1e6:16.0f}" if kind == "fwd" else ""
-            print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f}{extra}")
+            print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f} {c * 1e6:9.0f} {c / a:6.2f}{extra}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ CUDA stream nor blocks CUDA-graph capture of the layers' device work.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ def gather_layouts(
         ShardingError: when ranks disagree on unsharded dims or on the decomposition, when a slab
             is empty, or when there are more sharded dims than domain axes.
     """
+    scope_forget()  # the caller derives no layout from this one: forget what the scope knows
     meta = _layout_meta(mesh)
     axes = meta.axes
     if len(dims) > len(axes):
@@ -194,3 +196,149 @@ def layouts_from_shapes(
         layouts.append(layout)
     return tuple(layouts)
 
+
+
+# --------------------------------------------------------------------------------------------
+# Layout scope: layouts agreed at most once per forward, derived from layer to layer.
+#
+# Inside ``layout_scope()`` (entered around a whole model's forward, e.g. by
+# ``enable_layout_scope``), every layout that was agreed (a layer's input) or derived from an
+# agreed one (a layer's declared output) is remembered by the layer's mesh, sharded dims and
+# number of dims. A later layer whose input has a remembered layout finds it from its own local
+# sizes, without a collective.
+#
+# SPMD safety (DESIGN.md section 4). Whether a lookup hits must be the same on every rank. A
+# layout is answered only when it is *unambiguous*: no other remembered layout (same mesh, dims
+# and ndim) has the same local sizes at ANY coordinate. That is decided from the layouts
+# themselves, which every rank holds identically, so for an input whose layout is remembered
+# every rank finds exactly it, or every rank finds it ambiguous and agrees. An input whose layout
+# is *not* remembered would be unsafe (one rank's sizes could match a remembered layout while
+# another's do not), so every producer of a new layout on a sharded dim inside the scope either
+# declares it (``scope_declare``: convolutions, pools) or forgets the scope (``scope_forget``:
+# every agreement or ``gather_layouts`` that does not opt in). What remains is a new layout made
+# by plain code that changes a sharded dim between layers (slicing, ``F.interpolate``, a cat
+# along it): on a slab that is already a wrong answer (DESIGN.md section 4, "mixing that a
+# module walk cannot see"), refused by the forward guard, not by this cache.
+
+
+class _Scope:
+    """The layouts of one forward: per (mesh, dims, ndim), the remembered and the answerable ones."""
+
+    #: Remembered layouts per key; past this the scope stops remembering (a decision on shared facts).
+    MAX_LAYOUTS = 64
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.layouts: dict[tuple, list[tuple[Layout, ...]]] = {}
+        # Per key: this rank's local sizes along the dims -> the unambiguous layout they name.
+        self.answers: dict[tuple, dict[tuple[int, ...], tuple[Layout, ...]]] = {}
+
+    def clear(self) -> None:
+        self.layouts.clear()
+        self.answers.clear()
+
+
+_SCOPE = _Scope()
+
+
+class layout_scope:  # noqa: N801 - used like a function: ``with layout_scope():``
+    """Context in which agreed layouts are remembered and derived from layer to layer.
+
+    Re-entrant: nested scopes share the outermost one; it starts and ends empty. Outside any
+    scope (a layer used on its own) every layer agrees on its input as before.
+    """
+
+    def __enter__(self) -> layout_scope:
+        if _SCOPE.depth == 0:
+            _SCOPE.clear()
+        _SCOPE.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SCOPE.depth -= 1
+        if _SCOPE.depth == 0:
+            _SCOPE.clear()
+
+
+def enable_layout_scope(model: torch.nn.Module) -> torch.nn.Module:
+    """Run every forward of ``model`` inside a ``layout_scope`` (hooks on the root module).
+
+    The first sharded layer agrees on the model's input (so an input that differs between ranks
+    raises on every rank, as before); later layers derive their layouts. Returns ``model``.
+    Idempotent.
+    """
+    if getattr(model, "_snn_layout_scope", False):
+        return model
+
+    def enter(module, args):
+        if not torch.compiler.is_compiling():
+            layout_scope().__enter__()
+
+    def leave(module, args, output):
+        if not torch.compiler.is_compiling() and _SCOPE.depth > 0:
+            layout_scope().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    # always_call: the scope ends also when the forward raises.
+    model.register_forward_hook(leave, always_call=True)
+    model._snn_layout_scope = True
+    return model
+
+
+def scope_coords(mesh: DeviceMesh, n: int) -> list[tuple[int, ...]]:
+    """Every coordinate of the first ``n`` domain axes, row-major (the order of ``Agreement.shapes`` on a hit)."""
+    return list(itertools.product(*(range(k) for k in _layout_meta(mesh).axis_sizes[:n])))
+
+
+def _scope_active() -> bool:
+    return _SCOPE.depth > 0 and not torch.compiler.is_compiling()
+
+
+def _scope_key(mesh: DeviceMesh, dims: Sequence[int], ndim: int) -> tuple:
+    return (id(mesh), tuple(dims), ndim)
+
+
+def scope_lookup(mesh: DeviceMesh, dims: Sequence[int], shape: Sequence[int]) -> tuple[Layout, ...] | None:
+    """The remembered layouts of a tensor of local ``shape`` sharded along ``dims``; None: agree."""
+    if not _scope_active():
+        return None
+    answers = _SCOPE.answers.get(_scope_key(mesh, dims, len(shape)))
+    if not answers:
+        return None
+    return answers.get(tuple(shape[d] for d in dims))
+
+
+def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Sequence[Layout]) -> None:
+    """Remember ``layouts`` (agreed, or derived from agreed ones) for tensors sharded along ``dims``.
+
+    Every rank must call it with the same arguments at the same point (they are agreed facts).
+    """
+    if not _scope_active():
+        return
+    key = _scope_key(mesh, dims, ndim)
+    # Only the sizes matter (what ``layouts_from_shapes`` returns on an agreement).
+    layouts = tuple(Layout(lay.sizes) for lay in layouts)
+    known = _SCOPE.layouts.setdefault(key, [])
+    if layouts in known or len(known) >= _SCOPE.MAX_LAYOUTS:
+        return
+    known.append(layouts)
+    meta = _layout_meta(mesh)
+    # dims[k] is sharded by the k-th domain axis: local sizes at every coordinate of those axes.
+    mine = meta.coords[: len(dims)]
+    grid = list(itertools.product(*(range(n) for n in meta.axis_sizes[: len(dims)])))
+
+    def at(lays: tuple[Layout, ...], c: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(lay.sizes[i] for lay, i in zip(lays, c))
+
+    answers: dict[tuple[int, ...], tuple[Layout, ...]] = {}
+    for lays in known:
+        clash = any(other is not lays and any(at(other, c) == at(lays, c) for c in grid) for other in known)
+        if not clash:
+            answers[at(lays, mine)] = lays
+    _SCOPE.answers[key] = answers
+
+
+def scope_forget() -> None:
+    """Forget every remembered layout: a layer whose output layout is not declared has run."""
+    if _scope_active():
+        _SCOPE.clear()

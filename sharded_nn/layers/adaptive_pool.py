@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _ntuple
 
 from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_peers, halo_cat
+from ..comm.sizes import scope_forget
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
@@ -55,7 +56,10 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
     @batched
     def forward(self, x: torch.Tensor):  # noqa: D102
         n = self._spatial_dims
-        layouts = self._agree(x).layouts
+        # Answered by a layout scope where it can (the input is an ordinary slab), but the output
+        # (replicated, or new bins) is not declared: later layers agree again.
+        layouts = self._agree(x, scoped=True).layouts
+        scope_forget()
         # Averages of fp16/bf16 inputs are summed in float32 (as torch's adaptive average
         # accumulates) and rounded to the input dtype once, after every dim is pooled.
         in_dtype = x.dtype

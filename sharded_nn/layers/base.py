@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
+from ..comm.sizes import scope_coords, scope_declare, scope_forget, scope_lookup
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import axis_size, default_dims, domain_axes
@@ -160,6 +161,7 @@ def agree(
     local: Sequence[int] = (),
     requires_grad: bool | None = None,
     allow_empty: bool = False,
+    scoped: bool = False,
 ) -> Agreement:
     """Agree with the other domain ranks on the input: layouts, dtype, arguments; one all-gather.
 
@@ -180,6 +182,12 @@ def agree(
             ``x.requires_grad`` while grad mode is on.
         allow_empty: accept empty slabs (layers that carry an empty slab through, e.g. after a
             pooling that leaves a rank without outputs); otherwise they raise.
+        scoped: inside a ``comm.sizes.layout_scope`` (one model forward), answer from the
+            layouts agreed or declared earlier in it when they name ``x``'s layout unambiguously
+            (no collective; the number of dims and empty slabs are still checked, from those
+            layouts), and remember the agreed layouts otherwise. Only for callers with no
+            ``same`` or ``local`` facts, whose output layout is either ``x``'s or declared with
+            ``scope_declare``. Callers that do not opt in make the scope forget its layouts.
 
     Raises:
         ShardingError: ranks disagree on the number of dims, a ``same`` fact or an unsharded
@@ -188,6 +196,11 @@ def agree(
     """
     axes = domain_axes(mesh)
     shape = tuple(x.shape)
+    scoped = scoped and not same and not local
+    if scoped:
+        hit = scope_lookup(mesh, dims, shape)
+        if hit is not None:
+            return _scoped_agreement(hit, shape, mesh, dims, what, ndims, expected, allow_empty)
     if requires_grad is None:
         requires_grad = x.requires_grad
     grad = int(bool(requires_grad) and torch.is_grad_enabled())
@@ -215,7 +228,38 @@ def agree(
         shapes, coord_rows, [axis_size(mesh, a) for a in axes], dims, what=what, allow_empty=allow_empty
     )
     start = 1 + len(axes) + MAX_NDIM + len(flat)
+    if scoped:
+        scope_declare(mesh, dims, len(shape), layouts)
+    else:
+        scope_forget()  # this caller declares no output layout: later layers must agree again
     return Agreement(layouts, shapes, tuple(tuple(r[start:]) for r in rows))
+
+
+def _scoped_agreement(
+    layouts: tuple[Layout, ...],
+    shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    dims: Sequence[int],
+    what: str,
+    ndims: Collection[int] | None,
+    expected: str,
+    allow_empty: bool,
+) -> Agreement:
+    """The ``Agreement`` of an input whose layouts the scope remembers: the checks ``agree`` makes
+    that the layouts decide, on every rank alike. The dtype and ``requires_grad`` of a tensor made
+    by earlier layers of the same forward are the same on every rank (the same program ran)."""
+    if ndims is not None and len(shape) not in ndims:
+        raise ShardingError(f"{what}: expected {expected} input, got local shape {shape}.")
+    if not allow_empty:
+        for lay, d in zip(layouts, dims):
+            lay.require_nonempty(f"{what} along dim {d}")
+    shapes = []
+    for c in scope_coords(mesh, len(dims)):
+        s = list(shape)
+        for lay, d, i in zip(layouts, dims, c):
+            s[d] = lay.sizes[i]
+        shapes.append(tuple(s))
+    return Agreement(layouts, tuple(shapes), tuple(() for _ in shapes))
 
 
 def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str) -> None:
@@ -282,6 +326,9 @@ class ShardedMixin:
     _allow_empty: bool = False
     #: Keyword-only constructor options that configure the sharding (``_init_sharding``'s).
     _sharding_options: tuple[str, ...] = ("dims",)
+    #: Whether ``_agree`` may answer from a ``layout_scope`` (see ``agree``'s ``scoped``): for
+    #: layers whose output keeps the input's layout or is declared with ``scope_declare``.
+    _scoped_agree: bool = False
 
     def __init__(self, *args, mesh: DeviceMesh, **kwargs) -> None:
         options = {k: kwargs.pop(k) for k in self._sharding_options if k in kwargs}
@@ -303,6 +350,11 @@ class ShardedMixin:
         self.mesh = mesh
         self.dims = dims
         self.mesh_axes = axes[: len(dims)]
+        # One rank along every sharded dim (P=1): nothing to exchange or agree on. Decided from
+        # the mesh, which every rank shares, so the ranks of a mesh with other axes (data) take
+        # the same branch. Layers whose every collective runs over these axes use it to call the
+        # torch layer itself.
+        self._local_only = all(axis_size(mesh, a) == 1 for a in self.mesh_axes)
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
         """One tensor dim per domain axis: the first spatial dims (``mesh.default_dims``)."""
@@ -327,6 +379,7 @@ class ShardedMixin:
         kwargs.setdefault("ndims", (n + 2,))
         kwargs.setdefault("expected", f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
         kwargs.setdefault("allow_empty", self._allow_empty)
+        kwargs.setdefault("scoped", self._scoped_agree)
         return agree(x, self.mesh, kwargs.pop("dims", self.dims), what=type(self).__name__, **kwargs)
 
     @classmethod

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import axis_peers
+from ..comm.sizes import scope_declare
 from ..errors import ShardingError
 from ..layout import Layout
 from ..registry import register
@@ -158,6 +159,7 @@ class _ShardedConvNd(ShardedMixin):
 
     _sharding_options = ("dims", "overlap")
     _allow_empty = True
+    _scoped_agree = True  # the output layout is declared (scope_declare) once planned
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None, overlap: bool = True) -> None:
         """See the module docstring; ``overlap`` computes the interior while halos travel."""
@@ -193,8 +195,48 @@ class _ShardedConvNd(ShardedMixin):
             for lay, d in zip(layouts, self.dims)
         )
 
-    @batched
+    def _pointwise(self) -> bool:
+        """Whether every output position reads its own input position only (1x1, stride 1, no padding).
+
+        Such a convolution (the 1x1 convolutions of bottlenecks, inverted residuals and conv
+        MLPs) needs no halo, no layout and no alignment: each rank convolves its slab as the
+        torch layer does, with no communication, like any other pointwise layer (a Linear over
+        channels). A decision on the module's configuration alone, the same on every rank.
+        """
+        # Every spatial dim, not only the sharded ones: the empty-slab form below is a channel
+        # contraction.
+        return all(k == 1 for k in self.kernel_size) and all(s == 1 for s in self.stride) and all(
+            p == (0, 0) for p in self._pads()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self._local_only:
+            # P=1: the torch layer itself (its own padding modes included); nothing to agree on.
+            return self._conv_forward(x, self.weight, self.bias)
+        if self._pointwise():
+            return self._pointwise_forward(x)
+        return self._sharded_forward(x)
+
+    def _pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1 if x.dim() == self._spatial_dims + 2 else 0] != self.in_channels:
+            # Checked here (torch's message names no layer): dim 1 is unsharded, so an input with
+            # the wrong channels has them on every rank and every rank raises.
+            raise ShardingError(
+                f"{type(self).__name__}: expected {self.in_channels} input channels (dim 1), got local input "
+                f"shape {tuple(x.shape)}."
+            )
+        if x.numel() == 0 and x.dim() == self._spatial_dims + 2:
+            # An empty slab (a rank left without rows by a deep stage): torch's convolution
+            # refuses a zero-sized spatial dim, so contract the channels directly; the output and
+            # the (zero) weight gradient keep the layer's shapes on this rank too.
+            # (C_out, C_in/g, 1...) -> the dense (C_out, C_in) block-diagonal matrix of the groups.
+            w = torch.block_diag(*self.weight.reshape(self.groups, -1, self.in_channels // self.groups))
+            y = torch.einsum("nc...,oc->no...", x, w)
+            return y if self.bias is None else y + self.bias.reshape(1, -1, *([1] * self._spatial_dims))
+        return self._conv_forward(x, self.weight, self.bias)
+
+    @batched
+    def _sharded_forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self._spatial_dims
         agreed = self._agree(x)
         layouts = agreed.layouts
@@ -204,6 +246,8 @@ class _ShardedConvNd(ShardedMixin):
                 f"shape {agreed.global_shape(self.dims)}."
             )
         plans = self._plan(layouts)
+        # The output's layout, derived from the agreed input's: the next layer need not agree.
+        scope_declare(self.mesh, self.dims, x.dim(), [p.out for p in plans])
         mode = self.padding_mode
         rings = [axis_peers(self.mesh, axis) for axis in self.mesh_axes]
         pads = {2 + i: p for i, p in enumerate(self._pads()) if 2 + i not in self.dims}

@@ -17,7 +17,8 @@ Sharding contract:
         the global statistics exactly as the single-device layer does (unbiased variance over
         the global count, ``momentum``, ``num_batches_tracked``, ``momentum=None`` cumulative
         average), so they are identical on every rank. Eval mode with running statistics is
-        local: no communication.
+        local: no communication; BatchNorm then makes no agreement either (it is pointwise, as
+        torch's kernel computes it).
 
 Every layer starts with ``agree`` (a few integers: shapes, dtype), so a malformed input raises
 the same error on every rank before any statistic is exchanged.
@@ -113,6 +114,7 @@ class _ShardedNorm(ShardedMixin):
     # Empty slabs (a deep stage that left a rank without rows) add nothing to the statistics;
     # the global count is summed, so they are exact.
     _allow_empty = True
+    _scoped_agree = True  # the output keeps the input's layout
 
     def _check_channels(self, x: torch.Tensor, expected: int, agreed: Agreement, dims: Sequence[int]) -> None:
         # Dim 1 is unsharded, so after the agreement it is the same on every rank.
@@ -262,6 +264,11 @@ class _ShardedBatchNorm(_ShardedNorm):
         return group_over(self.mesh, axes) if axes else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if not self.training and self.running_mean is not None and self.running_var is not None:
+            # Eval with running statistics: a per-channel affine map, pointwise like an
+            # activation, so no agreement and no communication (a decision on module state,
+            # the same on every rank): torch's own kernel, exactly what one device computes.
+            return self._eval_forward(x)
         name = type(self).__name__
         # (N, C) input to BatchNorm1d has no spatial dim: nothing is sharded, shapes still agree.
         # (Computed from the local number of dims: ``agree`` checks first that all ranks share it.)
@@ -295,6 +302,17 @@ class _ShardedBatchNorm(_ShardedNorm):
                 self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(_unbiased(var, count).reshape(-1), alpha=factor)
         return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
+
+    def _eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() not in self._allowed_ndims or x.shape[1] != self.num_features:
+            # Checked here with the layer's name (torch's messages name none); the number of dims
+            # and the channels are unsharded facts, so a bad input raises on every rank.
+            expected = " or ".join(f"{d}-d" for d in self._allowed_ndims)
+            raise ShardingError(
+                f"{type(self).__name__}: expected a {expected} input with {self.num_features} channels (dim 1), "
+                f"got local shape {tuple(x.shape)}."
+            )
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
 
 
 @register(nn.BatchNorm1d)
@@ -340,6 +358,8 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
     ``(B, L, C)`` or of channels-last grids), which ``convert`` treats as pointwise. Pass
     ``dims`` explicitly for token tensors (e.g. ``dims=(1,)`` for ``LayerNorm([L, C])``).
     """
+
+    _scoped_agree = True  # the output keeps the input's layout
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
         return () if len(self.normalized_shape) == 1 else super()._default_dims(mesh)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 
 from ..comm import axis_peers
+from ..comm.sizes import scope_declare
 from ..registry import register
 from .base import ShardedMixin, batched
 from .window import Window, crop_empty, extend, pad_unsharded, plan_window
@@ -52,12 +53,19 @@ class _ShardedPoolNd(ShardedMixin):
     """Window bookkeeping shared by the sharded max and average pools."""
 
     _allow_empty = True
+    _scoped_agree = True  # the output layout is declared (scope_declare) once planned
 
     def _opts(self) -> tuple[tuple[int, ...], ...]:
         n = _ntuple(self._spatial_dims)
         stride = self.stride if self.stride is not None else self.kernel_size
         dilation = getattr(self, "dilation", 1)
         return n(self.kernel_size), n(stride), n(self.padding), n(dilation)
+
+    def forward(self, x: torch.Tensor):  # noqa: D102
+        if self._local_only:
+            # P=1: the torch layer itself; nothing to exchange or agree on.
+            return super(ShardedMixin, self).forward(x)
+        return self._sharded_forward(x)
 
     def _windows(self, sizes: Sequence[int]) -> list[Window]:
         """Per spatial dim; the right padding also covers the extra ``ceil_mode`` output."""
@@ -82,6 +90,7 @@ class _ShardedPoolNd(ShardedMixin):
         windows = self._windows(sizes)
         # Every plan (and its validation) before any communication.
         plans = [plan_window(lay, windows[d - 2], d, mode="zeros", what=name) for lay, d in zip(layouts, self.dims)]
+        scope_declare(self.mesh, self.dims, x.dim(), [p.out for p in plans])
         starts = [0] * self._spatial_dims  # global position of the first local output
         offsets = [-w.pad_left for w in windows]  # global position of the extended slab's first element
         for lay, plan, d, axis in zip(layouts, plans, self.dims, self.mesh_axes):
@@ -99,7 +108,7 @@ class _ShardedPoolNd(ShardedMixin):
 
 class _ShardedMaxPoolNd(_ShardedPoolNd):
     @batched
-    def forward(self, x: torch.Tensor):  # noqa: D102
+    def _sharded_forward(self, x: torch.Tensor):
         n = self._spatial_dims
         ext, sizes, _, _, offsets, plans = self._extend(x, float("-inf"))
         k, s, _, d = self._opts()
@@ -125,7 +134,7 @@ class _ShardedMaxPoolNd(_ShardedPoolNd):
 
 class _ShardedAvgPoolNd(_ShardedPoolNd):
     @batched
-    def forward(self, x: torch.Tensor):  # noqa: D102
+    def _sharded_forward(self, x: torch.Tensor):
         n = self._spatial_dims
         ext, sizes, _, starts, _, plans = self._extend(x, 0.0)
         k, s, p, _ = self._opts()
