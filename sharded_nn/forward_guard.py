@@ -79,41 +79,27 @@ class LocalDerived(int):
     def _wrap(self, v):
         return LocalDerived(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
-    def __add__(self, o):
-        return self._wrap(int.__add__(self, o))
-
-    def __radd__(self, o):
-        return self._wrap(int.__radd__(self, o))
-
-    def __sub__(self, o):
-        return self._wrap(int.__sub__(self, o))
-
-    def __rsub__(self, o):
-        return self._wrap(int.__rsub__(self, o))
-
-    def __mul__(self, o):
-        return self._wrap(int.__mul__(self, o))
-
-    def __rmul__(self, o):
-        return self._wrap(int.__rmul__(self, o))
-
-    def __floordiv__(self, o):
-        return self._wrap(int.__floordiv__(self, o))
-
-    def __rfloordiv__(self, o):
-        return self._wrap(int.__rfloordiv__(self, o))
-
-    def __mod__(self, o):
-        return self._wrap(int.__mod__(self, o))
-
-    def __rmod__(self, o):
-        return self._wrap(int.__rmod__(self, o))
-
     def __neg__(self):
         return LocalDerived(-int(self))
 
     def __repr__(self) -> str:
         return int.__repr__(self)
+
+
+def _tagged_binary(name: str):
+    op = getattr(int, name)
+
+    def method(self, o):
+        return self._wrap(op(self, o))
+
+    method.__name__ = name
+    return method
+
+
+# Arithmetic on a tagged size stays tagged (int's own operators, result re-wrapped).
+for _name in ('__add__', '__radd__', '__sub__', '__rsub__', '__mul__', '__rmul__', '__floordiv__', '__rfloordiv__', '__mod__', '__rmod__'):
+    setattr(LocalDerived, _name, _tagged_binary(_name))
+del _name
 
 
 class LocalLength(LocalDerived):
