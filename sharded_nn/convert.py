@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import CONTEXT_ATTR, ModuleContext, ShardingNotImplementedError, ShardingWarning
-from .mesh import domain_axes
+from .mesh import axis_size, domain_axes
 from .registry import registered, sharded_classes
 from .sharding import default_dims
 
@@ -277,6 +277,7 @@ def convert(
     dims: int | Sequence[int] | None = None,
     strict: bool = False,
     guard: bool = True,
+    layout_scope: bool = True,
 ) -> nn.Module:
     """Swap every registered layer of ``model`` (in place) for its sharded class; return the model.
 
@@ -300,6 +301,14 @@ def convert(
             root are taken as slabs along ``dims`` (default: the dims the swapped layers share,
             else ``default_dims(mesh)``). Modules marked reviewed with ``plan={name: None}`` run
             unchecked. ``False``: no guard (the model's own calls run unchecked on slabs).
+        layout_scope: run every forward of the returned model in a layout scope
+            (``comm.sizes.enable_layout_scope``): the first sharded layer agrees on the model's
+            input together with the model's entry facts (grad mode, autocast, input dtypes,
+            parameters, train/eval modes), and later layers derive their layouts instead of
+            agreeing per call (issue 16: one small all-gather per forward instead of one per
+            layer). Not installed on a single swapped layer (it agrees per call, as before) or
+            on a mesh with one domain rank (nothing is agreed). ``False``: every layer agrees
+            on its input per call.
 
     Returns:
         The converted model. State-dict keys are unchanged; converting twice changes nothing.
@@ -310,12 +319,12 @@ def convert(
     """
     _DEPTH[0] += 1
     try:
-        return _convert(model, mesh, plan=plan, dims=dims, strict=strict, guard=guard)
+        return _convert(model, mesh, plan=plan, dims=dims, strict=strict, guard=guard, layout_scope=layout_scope)
     finally:
         _DEPTH[0] -= 1
 
 
-def _convert(model, mesh, *, plan, dims, strict, guard):
+def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
     domain_axes(mesh)  # a clear error now for a mesh without a domain axis
     _load_model_families()
     if not isinstance(model, nn.Module):
@@ -417,31 +426,46 @@ def _convert(model, mesh, *, plan, dims, strict, guard):
         warnings.warn(msg, ShardingWarning, stacklevel=3)
     if _DEPTH[0] == 1:
         _record_context(model, mesh, dims, done)
-    if guard and _DEPTH[0] == 1 and type(model) not in done and "" not in plan_none:
-        from .forward_guard import install
+    if _DEPTH[0] == 1:
+        from .comm.sizes import ScopeHooks, disable_layout_scope, enable_layout_scope
 
-        layer_dims = {
-            tuple(d) if not isinstance(d, int) else (d,)
-            for m in model.modules()
-            if type(m) in done and (d := getattr(m, "dims", None)) is not None and not getattr(m, "_guard_inside", False)
-        }
-        # Layers that shard no dim (a LayerNorm over channels) say nothing about the layout.
-        layer_dims = {d for d in layer_dims if d}
-        # Grid layers say how the root's grid input is sharded; token layers (attention, dims (1,))
-        # act on tensors the model makes from it.
-        layer_dims = {d for d in layer_dims if all(k >= 2 for k in d)} or layer_dims
-        if dims is not None:
-            root_dims = dims
-        elif len(layer_dims) == 1:
-            root_dims = next(iter(layer_dims))
+        root_dims = _root_dims(model, mesh, dims, done)
+        # The domain size is a fact of the mesh, the same on every rank: P=1 agrees on nothing.
+        multi = any(axis_size(mesh, a) > 1 for a in domain_axes(mesh))
+        scope = layout_scope and multi and type(model) not in done
+        disable_layout_scope(model)  # hooks of an earlier enable_layout_scope: replaced below
+        if guard and type(model) not in done and "" not in plan_none:
+            from .forward_guard import install
+
+            # One pair of root hooks runs both the scope and the guard (scope first).
+            install(model, mesh, root_dims, set(done), plan_none, scope=ScopeHooks(root_dims) if scope else None)
         else:
-            root_dims = default_dims(mesh)
-        install(model, mesh, root_dims, set(done), plan_none)
-    elif not guard:
-        from .forward_guard import uninstall
+            if not guard:
+                from .forward_guard import uninstall
 
-        uninstall(model)
+                uninstall(model)
+            if scope:
+                enable_layout_scope(model, root_dims)
     return model
+
+
+def _root_dims(model: nn.Module, mesh: DeviceMesh, dims: tuple[int, ...] | None, done) -> tuple[int, ...]:
+    """The dims along which the root's tensor inputs are sharded (for the guard and the scope)."""
+    if dims is not None:
+        return tuple(dims)
+    layer_dims = {
+        tuple(d) if not isinstance(d, int) else (d,)
+        for m in model.modules()
+        if type(m) in done and (d := getattr(m, "dims", None)) is not None and not getattr(m, "_guard_inside", False)
+    }
+    # Layers that shard no dim (a LayerNorm over channels) say nothing about the layout.
+    layer_dims = {d for d in layer_dims if d}
+    # Grid layers say how the root's grid input is sharded; token layers (attention, dims (1,))
+    # act on tensors the model makes from it.
+    layer_dims = {d for d in layer_dims if all(k >= 2 for k in d)} or layer_dims
+    if len(layer_dims) == 1:
+        return next(iter(layer_dims))
+    return tuple(default_dims(mesh))
 
 
 def _record_context(model: nn.Module, mesh: DeviceMesh, dims: tuple[int, ...] | None, done) -> None:

@@ -318,7 +318,11 @@ class ForwardGuard:
             their forward runs unchecked, and their output keeps their input's layout.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], reviewed: Sequence[str] = ()):
+    def __init__(
+        self, model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], reviewed: Sequence[str] = (), scope=None
+    ):
+        # ``comm.sizes.ScopeHooks`` run from the root hooks below (one pair of root hooks for both).
+        self.scope = scope
         self.mesh = mesh
         self.axes = domain_axes(mesh)
         self.dims = tuple(dims)
@@ -335,6 +339,9 @@ class ForwardGuard:
     # -- hooks ---------------------------------------------------------------------------------
 
     def root_pre(self, module: nn.Module, args, kwargs):
+        if self.scope is not None:
+            # First, before the guard's mode sees any tensor access; paired with root_post.
+            self.scope.enter(module, args, kwargs)
         if torch.compiler.is_compiling() or guard_active():
             return None
         if self._root_id != id(module):
@@ -350,6 +357,8 @@ class ForwardGuard:
         return None
 
     def root_post(self, module: nn.Module, args, kwargs, output):
+        if self.scope is not None:
+            self.scope.leave(module, args, kwargs, output)
         mode = module.__dict__.pop("_snn_guard_mode", None)
         if mode is None:
             return None
@@ -1635,16 +1644,19 @@ def mark_reviewed(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 
-def install(model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str]) -> None:
+def install(
+    model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str], scope=None
+) -> None:
     """Install the guard on ``model`` (the converted root): hooks on the root, sharded layers, reviewed modules.
 
+    ``scope``: a ``comm.sizes.ScopeHooks`` that the root hooks run too (convert's layout scope).
     Re-installing replaces the earlier hooks (convert is idempotent).
     """
     old = model.__dict__.get("_snn_guard_handles")
     if old:
         for h in old:
             h.remove()
-    guard = ForwardGuard(model, mesh, dims, reviewed)
+    guard = ForwardGuard(model, mesh, dims, reviewed, scope)
     handles = [
         model.register_forward_pre_hook(guard.root_pre, with_kwargs=True),
         model.register_forward_hook(guard.root_post, with_kwargs=True, always_call=True),

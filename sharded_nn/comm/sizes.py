@@ -15,6 +15,7 @@ CUDA stream nor blocks CUDA-graph capture of the layers' device work.
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -232,6 +233,11 @@ class _Scope:
         self.layouts: dict[tuple, list[tuple[Layout, ...]]] = {}
         # Per key: this rank's local sizes along the dims -> the unambiguous layout they name.
         self.answers: dict[tuple, dict[tuple[int, ...], tuple[Layout, ...]]] = {}
+        # The model-entry facts (``entry_facts``) not yet checked across ranks: they travel with
+        # the next agreement (``scope_take_entry``); until then the scope answers nothing.
+        self.entry: dict[str, tuple[int, ...]] | None = None
+        # A forward whose layouts cannot all be derived (several slab inputs): remember nothing.
+        self.off = False
 
     def clear(self) -> None:
         self.layouts.clear()
@@ -246,11 +252,22 @@ class layout_scope:  # noqa: N801 - used like a function: ``with layout_scope():
 
     Re-entrant: nested scopes share the outermost one; it starts and ends empty. Outside any
     scope (a layer used on its own) every layer agrees on its input as before.
+
+    Args:
+        entry: facts every rank must share for the layers' per-call facts to be derivable (see
+            ``entry_facts``); checked across ranks by the first agreement of the scope, which
+            raises on every rank when they differ. None: nothing to check (the caller vouches).
+        derive: False makes the scope remember nothing (every layer agrees, as outside).
     """
+
+    def __init__(self, entry: dict[str, tuple[int, ...]] | None = None, derive: bool = True) -> None:
+        self._entry, self._derive = entry, derive
 
     def __enter__(self) -> layout_scope:
         if _SCOPE.depth == 0:
             _SCOPE.clear()
+            _SCOPE.entry = dict(self._entry) if self._entry else None
+            _SCOPE.off = not self._derive
         _SCOPE.depth += 1
         return self
 
@@ -258,31 +275,111 @@ class layout_scope:  # noqa: N801 - used like a function: ``with layout_scope():
         _SCOPE.depth -= 1
         if _SCOPE.depth == 0:
             _SCOPE.clear()
+            _SCOPE.entry, _SCOPE.off = None, False
 
 
-def enable_layout_scope(model: torch.nn.Module) -> torch.nn.Module:
-    """Run every forward of ``model`` inside a ``layout_scope`` (hooks on the root module).
+def _crc(obj) -> int:
+    """A digest of ``obj``'s repr that is the same in every process (``hash`` of str is salted)."""
+    return zlib.crc32(repr(obj).encode())
 
-    The first sharded layer agrees on the model's input (so an input that differs between ranks
-    raises on every rank, as before); later layers derive their layouts. Returns ``model``.
-    Idempotent.
+
+def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequence[int]) -> tuple[dict, int]:
+    """The facts at a model's entry from which every layer's per-call facts follow.
+
+    Inside a scope a layer that finds its input's layout does not gather the facts it would
+    agree on per call: its input's dtype, whether it takes part in backward, its unsharded
+    sizes. Running the same program on every rank (SPMD, DESIGN.md section 4), those are
+    functions of: grad mode and autocast state; every root tensor input's dtype,
+    ``requires_grad``, number of dims and unsharded leading sizes (the dims before the first
+    sharded one); every parameter's dtype and ``requires_grad``, every buffer's dtype and every
+    module's ``training`` flag. These are what this returns (digests of the per-tensor lists), to
+    be agreed once (``layout_scope(entry=...)``).
+
+    Returns:
+        ``(facts, slabs)``: the named facts, and the number of root tensor inputs that may be
+        slabs (at least ``min(dims) + 1`` dims).
     """
-    if getattr(model, "_snn_layout_scope", False):
-        return model
+    first = min(dims) if dims and min(dims) >= 0 else 0
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    inputs = [(str(t.dtype), t.requires_grad, t.dim(), tuple(t.shape[:first])) for t in tensors]
+    state = (
+        [m.training for m in model.modules()],
+        [(str(p.dtype), p.requires_grad, p.device.type) for p in model.parameters()],
+        [str(b.dtype) for b in model.buffers()],
+    )
+    autocast = tuple(
+        v for dev in ("cpu", "cuda") for v in (int(torch.is_autocast_enabled(dev)), _crc(torch.get_autocast_dtype(dev)))
+    )
+    facts = {
+        "grad mode": (int(torch.is_grad_enabled()),),
+        "autocast": autocast,
+        "model inputs (dtype, requires_grad, ndim, unsharded sizes)": (_crc(inputs),),
+        "module state (parameter dtypes and requires_grad, buffer dtypes, training flags)": (_crc(state),),
+    }
+    return facts, sum(t.dim() > first for t in tensors)
 
-    def enter(module, args):
-        if not torch.compiler.is_compiling():
-            layout_scope().__enter__()
 
-    def leave(module, args, output):
+class ScopeHooks:
+    """The root hooks that run a model's forward in a ``layout_scope`` (see ``enable_layout_scope``).
+
+    ``enter`` is a forward pre-hook (``with_kwargs=True``), ``leave`` a forward hook
+    (``with_kwargs=True, always_call=True``, so that the scope ends also when the forward
+    raises). The forward guard calls them from its own root hooks when both are installed.
+
+    Args:
+        dims: the sharded dims of the model's tensor inputs.
+    """
+
+    def __init__(self, dims: Sequence[int] | None = None) -> None:
+        self.dims = tuple(dims) if dims else (2,)
+
+    def enter(self, module: torch.nn.Module, args, kwargs) -> None:
+        if torch.compiler.is_compiling():
+            return
+        facts, slabs = entry_facts(module, args, kwargs, self.dims) if _SCOPE.depth == 0 else ({}, 1)
+        layout_scope(facts, derive=slabs <= 1).__enter__()
+
+    def leave(self, module: torch.nn.Module, args, kwargs, output) -> None:
         if not torch.compiler.is_compiling() and _SCOPE.depth > 0:
             layout_scope().__exit__(None, None, None)
 
-    model.register_forward_pre_hook(enter)
-    # always_call: the scope ends also when the forward raises.
-    model.register_forward_hook(leave, always_call=True)
-    model._snn_layout_scope = True
+
+def enable_layout_scope(model: torch.nn.Module, dims: Sequence[int] | None = None) -> torch.nn.Module:
+    """Run every forward of ``model`` inside a ``layout_scope`` (hooks on the root module).
+
+    The first sharded layer agrees on the model's input together with the model's entry facts
+    (``entry_facts``: an input, parameter or mode that differs between ranks raises on every
+    rank, as before, in that one all-gather); later layers derive their layouts. A forward with
+    more than one tensor input that may be a slab derives nothing (each input's layout would
+    need its own agreement): every layer agrees. ``dims``: the sharded dims of the model's
+    input (default ``(2,)``). ``convert`` installs the same hooks (``layout_scope=True``, inside
+    the forward guard's root hooks when the guard is on). Returns ``model``. Idempotent.
+    """
+    guard = model.__dict__.get("_snn_guard")
+    if model.__dict__.get("_snn_layout_scope_handles") or getattr(guard, "scope", None) is not None:
+        return model  # installed already (by convert: inside the forward guard's root hooks)
+    hooks = ScopeHooks(dims)
+    # prepend: the entry facts are read before other root hooks (a forward guard's mode) run.
+    model.__dict__["_snn_layout_scope_handles"] = (
+        model.register_forward_pre_hook(hooks.enter, with_kwargs=True, prepend=True),
+        model.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True),
+    )
     return model
+
+
+def disable_layout_scope(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``enable_layout_scope``: every layer of ``model`` agrees on its input per call."""
+    for h in model.__dict__.pop("_snn_layout_scope_handles", ()):
+        h.remove()
+    return model
+
+
+def scope_take_entry() -> dict[str, tuple[int, ...]]:
+    """The scope's unchecked entry facts, handed once to the agreement that will check them."""
+    if not _scope_active() or _SCOPE.entry is None:
+        return {}
+    entry, _SCOPE.entry = _SCOPE.entry, None
+    return entry
 
 
 def scope_coords(mesh: DeviceMesh, n: int) -> list[tuple[int, ...]]:
@@ -300,7 +397,7 @@ def _scope_key(mesh: DeviceMesh, dims: Sequence[int], ndim: int) -> tuple:
 
 def scope_lookup(mesh: DeviceMesh, dims: Sequence[int], shape: Sequence[int]) -> tuple[Layout, ...] | None:
     """The remembered layouts of a tensor of local ``shape`` sharded along ``dims``; None: agree."""
-    if not _scope_active():
+    if not _scope_active() or _SCOPE.entry is not None or _SCOPE.off:
         return None
     answers = _SCOPE.answers.get(_scope_key(mesh, dims, len(shape)))
     if not answers:
@@ -313,7 +410,7 @@ def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Seq
 
     Every rank must call it with the same arguments at the same point (they are agreed facts).
     """
-    if not _scope_active():
+    if not _scope_active() or _SCOPE.off:
         return
     key = _scope_key(mesh, dims, ndim)
     # Only the sizes matter (what ``layouts_from_shapes`` returns on an agreement).

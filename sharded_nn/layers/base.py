@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
-from ..comm.sizes import scope_coords, scope_declare, scope_forget, scope_lookup
+from ..comm.sizes import scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import axis_size, default_dims, domain_axes
@@ -205,6 +205,9 @@ def agree(
         requires_grad = x.requires_grad
     grad = int(bool(requires_grad) and torch.is_grad_enabled())
     facts = {"dtype": (dtype_code(x.dtype),), "requires_grad": (grad,), **(same or {})}
+    # The first agreement of a layout scope also checks the model's entry facts, from which the
+    # per-call facts of the layers that derive their layouts later follow (``entry_facts``).
+    facts.update({f"the model's {k} at its entry": v for k, v in scope_take_entry().items()})
     # Each row carries the rank's domain coordinates, so no assumption is made about how the
     # group orders its ranks; shapes are padded to a fixed width.
     coords = [mesh.get_local_rank(a) for a in axes]
@@ -268,10 +271,16 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
         got = [tuple(r[i : i + len(vals)]) for r in rows]
         if len(set(got)) != 1:
             shown = [dtype_name(g[0]) for g in got] if name == "dtype" else [g if len(g) > 1 else g[0] for g in got]
-            hint = (
-                " Every rank must run the same backward: set requires_grad alike on every rank."
-                if name == "requires_grad" else " Every rank must call the layer alike."
-            )
+            if name == "requires_grad":
+                hint = " Every rank must run the same backward: set requires_grad alike on every rank."
+            elif name.startswith("the model's"):
+                hint = (
+                    " Every rank must call the converted model alike: the same grad mode and autocast, "
+                    "inputs of the same dtypes, and the same parameters (dtype, requires_grad) and "
+                    "train/eval modes."
+                )
+            else:
+                hint = " Every rank must call the layer alike."
             raise ShardingError(f"{what}: the domain ranks disagree on {name}: {shown} (by rank).{hint}")
         i += len(vals)
 
