@@ -75,10 +75,15 @@ def gather_layouts(
     *,
     what: str = "sharded tensor",
     allow_empty: bool = False,
+    scoped: bool = False,
 ) -> tuple[Layout, ...]:
     """Gather every domain rank's local ``shape`` and return the layout of each sharded dim.
 
     ``allow_empty=True`` accepts empty slabs (layers that carry them through a deep stage).
+    ``scoped=True``: inside a ``layout_scope``, answer from the layouts agreed or declared earlier
+    in it when they name this one unambiguously (no collective), and remember the gathered
+    layouts otherwise; only for callers whose result keeps this layout or is declared with
+    ``scope_declare`` (as ``agree``'s ``scoped``). Other callers make the scope forget.
 
     ``dims[k]`` is sharded by the k-th domain axis of ``mesh``. Every rank receives the same
     shapes and runs the same checks, so an inconsistent input raises the same ``ShardingError``
@@ -89,7 +94,15 @@ def gather_layouts(
         ShardingError: when ranks disagree on unsharded dims or on the decomposition, when a slab
             is empty, or when there are more sharded dims than domain axes.
     """
-    scope_forget()  # the caller derives no layout from this one: forget what the scope knows
+    if scoped:
+        hit = scope_lookup(mesh, dims, shape)
+        if hit is not None:
+            if not allow_empty:
+                for lay, d in zip(hit, dims):
+                    lay.require_nonempty(f"{what} along dim {d}")
+            return hit
+    else:
+        scope_forget()  # the caller declares no layout it derives from this one: forget the scope
     meta = _layout_meta(mesh)
     axes = meta.axes
     if len(dims) > len(axes):
@@ -114,7 +127,10 @@ def gather_layouts(
         flat = all_gather_stacked(mine, meta.group).view(-1).tolist()
         starts = range(0, len(flat), width)
         rows = tuple(tuple(flat[a : a + 1 + n_axes + flat[a]]) for a in starts)
-    return _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what, allow_empty)
+    out = _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what, allow_empty)
+    if scoped:
+        scope_declare(mesh, dims, len(shape), out)
+    return out
 
 
 #: Layouts by gathered rows (bounded: shapes change from call to call in some models). A plain

@@ -1,0 +1,236 @@
+"""convert's layout scope (issue 16, item 2): layouts agreed at most once per forward, safely.
+
+A converted model runs every forward in a ``comm.sizes.layout_scope``: the first sharded layer
+agrees on the model's input together with the model's entry facts (grad mode, autocast, input
+dtypes, parameters, train/eval modes); later layers derive their layouts without a collective.
+
+* whole models (a timm RegNet, the zoo UNet) make a small constant number of metadata
+  all-gathers per forward and none in backward, where they made one per layer before, and stay
+  exact against the single-device model (float64, uneven slabs, P=2 and 3);
+* every fact a layer used to agree per call still raises on every rank alike when one rank
+  differs: at the model's entry, in the one all-gather of the forward;
+* a model with two slab inputs derives nothing (each input needs its agreement), and a sharded
+  layer used on its own agrees per call, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import sharded_nn as snn
+from sharded_nn.comm.traffic import count_traffic
+
+from .harness import mesh
+from .reference import reduce_param_grads
+
+D = torch.float64
+T = 300  # whole-model cases on a loaded 2-core machine
+
+
+def _rand(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t.detach())
+    return out
+
+
+def _regnet():
+    timm = pytest.importorskip("timm")
+    return timm.create_model("regnetx_002", num_classes=3)
+
+
+def _unet():
+    from sharded_nn.zoo import UNet
+
+    return UNet(2, 2, 3, channels=(4, 8, 8), norm="batch")
+
+
+MODELS = {"regnetx_002": (_regnet, 3, True), "unet": (_unet, 2, False)}
+
+
+def _run(name: str, sizes, width: int, scope: bool, train: bool):
+    """Forward + backward of the converted model on explicit slabs ``sizes`` (dim 2), against the
+    single-device model; returns the metadata calls of (forward, backward) and the layers' count."""
+    make, cin, replicated_out = MODELS[name]
+    m = mesh(len(sizes))
+    torch.manual_seed(0)
+    ref = make().double().train(train)
+    model = snn.convert(copy.deepcopy(ref), m, layout_scope=scope)
+    x = _rand((2, cin, sum(sizes), width)).requires_grad_()
+    y = ref(x)
+    g_out = _rand(y.shape, 1)
+    (y * g_out).sum().backward()
+    r = m.get_local_rank("domain")
+    x_loc = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    with count_traffic() as fwd:
+        y_loc = model(x_loc)
+    if replicated_out:  # logits after a global pool: the same on every rank
+        torch.testing.assert_close(y_loc, y.detach(), atol=1e-9, rtol=1e-9)
+        loss = snn.losses.share((y_loc * g_out).sum(), m)
+    else:
+        torch.testing.assert_close(torch.cat(_all_gather(y_loc), 2), y.detach(), atol=1e-9, rtol=1e-9)
+        off = sum(sizes[:r])
+        loss = (y_loc * g_out.narrow(2, off, y_loc.shape[2])).sum()
+    with count_traffic() as bwd:
+        loss.backward()
+    torch.testing.assert_close(torch.cat(_all_gather(x_loc.grad), 2), x.grad, atol=1e-9, rtol=1e-9)
+    grads = reduce_param_grads(model, m)
+    for pname, p in ref.named_parameters():
+        torch.testing.assert_close(grads[pname], p.grad, atol=1e-9, rtol=1e-9, msg=lambda s, n=pname: f"{n}: {s}")
+    layers = sum(type(mod).__name__.startswith("Sharded") for mod in model.modules())
+    return fwd.calls.get("metadata", 0), bwd.calls.get("metadata", 0), layers
+
+
+# Slabs start at multiples of the model's alignment (32 for the RegNet's five stride-2 stages,
+# 4 for the UNet's two downsamplings); the last one is short or long.
+CASES = [
+    ("regnetx_002", (64, 32), 32),
+    ("regnetx_002", (32, 64, 32), 32),
+    ("unet", (12, 8), 12),
+    ("unet", (8, 4, 12), 12),
+]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(("name", "sizes", "width"), CASES, ids=lambda v: str(v))
+def test_converted_model_agrees_once_per_forward(run, name, sizes, width, train):
+    for fwd, bwd, layers in run(len(sizes), _run, name, sizes, width, True, train, timeout=T):
+        assert layers > 10, layers
+        if name == "regnetx_002":
+            # One agreement on the model's input (with the entry facts): every later layout is derived.
+            assert fwd == 1, (fwd, layers)
+        else:
+            # The zoo UNet's far-edge pad and crop and its ConvTranspose2d (with the BatchNorm
+            # after each) do not declare their output layout yet, so those agree again: a few
+            # per resolution level, not one per layer.
+            assert fwd <= 8, (fwd, layers)
+        assert bwd == 0, bwd
+
+
+def test_without_the_scope_layers_agree_per_call(run):
+    # The same model with layout_scope=False: one agreement per layer that needs its layout.
+    for fwd, bwd, layers in run(2, _run, "regnetx_002", (64, 32), 32, False, True, timeout=T):
+        assert fwd > 10, (fwd, layers)
+        assert bwd == 0, bwd
+
+
+# --- misuse: a per-call fact that one rank changes raises on every rank alike ---------------
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 3, stride=2, padding=1))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _misuse(case: str):
+    m = mesh(2)
+    r = m.get_local_rank("domain")
+    torch.manual_seed(0)
+    model = snn.convert(_Net().double(), m)
+    x = snn.shard(_rand((2, 3, 12, 6)), m, dims=(2,))
+    model(x).sum().backward()  # a good step first: the scope starts afresh on every forward
+    if r == 1:
+        if case == "frozen layer":
+            model.b[0].weight.requires_grad_(False)
+        elif case == "float layer":
+            model.b[0].float()
+        elif case == "eval mode":
+            model.b.eval()
+    ctx = torch.no_grad() if case == "no_grad" and r == 1 else contextlib.nullcontext()
+    auto = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" and r == 1 else contextlib.nullcontext()
+    xs = x.float() if case == "input dtype" and r == 1 else x
+    try:
+        with ctx, auto, count_traffic() as t:
+            model(xs)
+    except Exception as e:  # noqa: BLE001 - report whatever was raised
+        return type(e).__name__, str(e)
+    return "no error", dict(t.calls)
+
+
+MISUSE = ["frozen layer", "float layer", "eval mode", "no_grad", "autocast", "input dtype"]
+
+
+@pytest.mark.parametrize("case", MISUSE)
+def test_one_rank_changes_raise_alike(run, case):
+    res = run(2, _misuse, case)
+    assert res[0][0] == "ShardingError", res
+    assert res[1] == res[0], res  # the same error on every rank, in the forward's one agreement
+    assert "disagree" in res[0][1], res[0][1]
+
+
+def _model_changed_alike():
+    """Entry facts changed on every rank alike are no error: the forward agrees and derives."""
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = _Net().double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    model.b[0].weight.requires_grad_(False)
+    ref.b[0].weight.requires_grad_(False)
+    x = snn.shard(_rand((2, 3, 12, 6)), m, dims=(2,))
+    with count_traffic() as t:
+        y = model(x)
+    torch.testing.assert_close(snn.gather(y, m, dims=(2,)), ref(_rand((2, 3, 12, 6))))
+    return t.calls.get("metadata")
+
+
+def test_entry_facts_changed_alike_is_fine(run):
+    assert run(2, _model_changed_alike) == [1, 1]
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 3, padding=1)
+        self.b = nn.Conv2d(2, 2, 3, padding=1)
+        self.c = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x, cond):
+        return self.c(self.a(x) + self.b(cond))
+
+
+def _two_inputs(sizes, cond_sizes):
+    """Two slab inputs with different layouts: nothing is derived, every layer agrees; exact."""
+    m = mesh(len(sizes))
+    r = m.get_local_rank("domain")
+    torch.manual_seed(0)
+    ref = _TwoInputs().double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x, cond = _rand((1, 2, sum(sizes), 5)), _rand((1, 2, sum(sizes), 5), 1)
+    xl = x.narrow(2, sum(sizes[:r]), sizes[r])
+    cl = cond.narrow(2, sum(sizes[:r]), sizes[r])
+    with count_traffic() as t:
+        y = model(xl, cl)
+    torch.testing.assert_close(torch.cat(_all_gather(y), 2), ref(x, cond), atol=1e-10, rtol=1e-10)
+    return t.calls.get("metadata")
+
+
+def test_two_slab_inputs_agree_per_layer(run):
+    assert run(3, _two_inputs, (3, 5, 2), None) == [3, 3, 3]
+
+
+def _single_layer():
+    """A sharded layer converted on its own (or used directly) agrees on every call."""
+    m = mesh(2)
+    conv = snn.convert(nn.Conv2d(2, 2, 3, padding=1).double(), m)
+    x = snn.shard(_rand((1, 2, 9, 4)), m, dims=(2,))
+    with count_traffic() as t:
+        conv(conv(x))
+    return t.calls.get("metadata")
+
+
+def test_single_layer_agrees_per_call(run):
+    assert run(2, _single_layer) == [2, 2]
