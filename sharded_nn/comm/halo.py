@@ -240,16 +240,27 @@ def _return_halo_grads(
     tag: int,
 ) -> None:
     """Send halo gradients back to their owners; add the ones received into ``grad_x``'s edges."""
+    _finish_halo_grads(grad_x, *_start_halo_grads(grad_x, g_left, g_right, spec, ring, tag), spec, ring)
+
+
+def _start_halo_grads(like, g_left, g_right, spec: HaloSpec, ring: AxisPeers, tag: int):
+    """Issue the exchange of ``_return_halo_grads``; returns ``(works, head, tail)`` for ``_finish_halo_grads``."""
     d = spec.dim
     to_left, to_right = spec.send_widths(ring.index)
     # What this rank sent to the left (its head) comes back from the left, and vice versa.
-    head = _empty(grad_x, d, to_left)
-    tail = _empty(grad_x, d, to_right)
+    head = _empty(like, d, to_left)
+    tail = _empty(like, d, to_right)
     # A halo that no output used still has a neighbour waiting for its (zero) gradient.
-    g_left = _grad_or_zeros(g_left, grad_x, d, spec.left[ring.index])
-    g_right = _grad_or_zeros(g_right, grad_x, d, spec.right[ring.index])
-    for w in _exchange(ring, spec.periodic, g_left, g_right, head, tail, tag):
+    g_left = _grad_or_zeros(g_left, like, d, spec.left[ring.index])
+    g_right = _grad_or_zeros(g_right, like, d, spec.right[ring.index])
+    return _exchange(ring, spec.periodic, g_left, g_right, head, tail, tag), head, tail
+
+
+def _finish_halo_grads(grad_x, works, head, tail, spec: HaloSpec, ring: AxisPeers) -> None:
+    for w in works:
         w.wait()
+    d = spec.dim
+    to_left, to_right = spec.send_widths(ring.index)
     n = grad_x.shape[d]
     if head is not None:
         grad_x.narrow(d, 0, to_left).add_(head)
@@ -308,14 +319,41 @@ def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, *, tag: int | Non
 
 
 def _cat_halos(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int) -> torch.Tensor:
-    """The forward of ``halo_cat`` (no autograd), with its exchange on tags ``tag, tag + 1``."""
+    """The forward of ``halo_cat`` (no autograd), with its exchange on tags ``tag, tag + 1``.
+
+    The slab is copied into the extended tensor while the halos travel; the wait comes only
+    where the halos are written (the copy ``torch.cat`` would make anyway, overlapped).
+    """
     to_left, to_right = spec.send_widths(ring.index)
     d = spec.dim
-    left, right = _empty(x, d, spec.left[ring.index]), _empty(x, d, spec.right[ring.index])
-    for w in _exchange(ring, spec.periodic, _edge(x, d, to_left, True), _edge(x, d, to_right, False), left, right, tag):
+    lw, rw = spec.left[ring.index], spec.right[ring.index]
+    left, right = _empty(x, d, lw), _empty(x, d, rw)
+    works = _exchange(ring, spec.periodic, _edge(x, d, to_left, True), _edge(x, d, to_right, False), left, right, tag)
+    if not lw and not rw:
+        for w in works:
+            w.wait()
+        return x.clone()
+    shape = list(x.shape)
+    n = shape[d]
+    shape[d] = lw + n + rw
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_memory_format(x))
+    out.narrow(d, lw, n).copy_(x)
+    for w in works:
         w.wait()
-    parts = [p for p in (left, x, right) if p is not None]
-    return torch.cat(parts, spec.dim) if len(parts) > 1 else x.clone()
+    if left is not None:
+        out.narrow(d, 0, lw).copy_(left)
+    if right is not None:
+        out.narrow(d, lw + n, rw).copy_(right)
+    return out
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout ``torch.cat`` would give the extended tensor: channels-last in, channels-last out."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 class _HaloCat(torch.autograd.Function):
@@ -333,10 +371,12 @@ class _HaloCat(torch.autograd.Function):
         d = spec.dim
         lw, rw = spec.left[ring.index], spec.right[ring.index]
         n = g.shape[d] - lw - rw
-        grad_x = g.narrow(d, lw, n).clone()
         g_left = g.narrow(d, 0, lw) if lw else None
         g_right = g.narrow(d, lw + n, rw) if rw else None
-        _return_halo_grads(grad_x, g_left, g_right, spec, ring, ctx.tag + 2)
+        # The halo gradients travel while this slab's own gradient is copied out of ``g``.
+        started = _start_halo_grads(g.narrow(d, lw, n), g_left, g_right, spec, ring, ctx.tag + 2)
+        grad_x = g.narrow(d, lw, n).clone()
+        _finish_halo_grads(grad_x, *started, spec, ring)
         return grad_x, None, None, None
 
 
