@@ -109,8 +109,16 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # An output that shares an input's storage (a view such as ``weight.t()``, ``detach``,
+        # an in-place op) allocates nothing: counting it would charge a parameter (or the input)
+        # again, as an activation that shrinks with P.
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided
+        }
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and id(t.untyped_storage()) not in inputs:
                 self._track(t)
         return out
 
