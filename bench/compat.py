@@ -215,7 +215,8 @@ def _overhead(name: str, size: int, reps: int) -> dict:
     """Per-forward time of the converted model with and without the forward guard (same run)."""
     import sharded_nn as snn
 
-    make, shape, _ = MODELS[name]
+    # A name of the table, or any timm model name (e.g. mobilenetv3_large_100): 3 input channels.
+    make, shape, _ = MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
     mesh = snn.init_mesh(domain=2, device_type="cpu")
     torch.manual_seed(0)
     ref = make().eval()
