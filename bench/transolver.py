@@ -43,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
 from sharded_nn.zoo.transolver import Transolver  # noqa: E402
+from sharded_nn.demo import PeakRSS  # noqa: E402
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -51,7 +52,7 @@ SEED = 1234
 
 
 def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux (kept for callers)
 
 
 def _points(start: int, stop: int, salt: int, channels: int) -> torch.Tensor:
@@ -77,7 +78,9 @@ def _worker(points: int, iters: int, mlp_ratio: int) -> dict:
     sl = snn.Layout.balanced(points, ring.size).slice(ring.index)
     emb, fx, weight = (_points(sl.start, sl.stop, s, c) for s, c in ((0, 3), (1, 3), (2, 1)))
     fx.requires_grad_()
-    base = _maxrss_mib()
+    # Peak above the resident memory now (the high-water mark reset; ru_maxrss growth would start
+    # at the mark inherited from the launching parent and undercount).
+    peak = PeakRSS()
 
     def timed(step) -> tuple[float, torch.Tensor]:
         step()
@@ -106,10 +109,10 @@ def _worker(points: int, iters: int, mlp_ratio: int) -> dict:
         return out.detach()
 
     t_fwd, out_fwd = timed(forward)
-    mem_fwd = _maxrss_mib() - base
+    mem_fwd = peak.mib()
     del out_fwd
     t_bwd, out = timed(train_step)
-    mem_bwd = _maxrss_mib() - base
+    mem_bwd = peak.mib()
     mem = torch.tensor([mem_fwd, mem_bwd], dtype=torch.float64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=group)
     sums = torch.tensor([out.double().sum().item(), fx.grad.double().sum().item()], dtype=torch.float64)

@@ -90,3 +90,22 @@ def test_suite_collects_the_speedups_benchmarks_print():
     assert parse_speedups(markdown) == [1.23]
     assert parse_speedups(fixed) == [1.91]
     assert parse_speedups("P plain sharded ratio\n1 fwd 986 979 0.99\n") == []
+
+
+def test_step_peak_is_measured_above_the_current_rss_not_an_earlier_mark():
+    """A step below an earlier high-water mark (the launching parent's, inherited through spawn,
+    or a freed temporary) still shows its own peak; ``ru_maxrss`` growth showed 0 here."""
+    import torch
+
+    from sharded_nn.demo import PeakRSS, maxrss_mib
+
+    big = torch.ones(96 * 2**18)  # 96 MiB: raises the high-water mark, then is freed
+    del big
+    before = maxrss_mib()  # the old measure's baseline: the mark, not the resident memory
+    peak = PeakRSS()
+    assert peak.exact, "Linux: /proc/self/clear_refs resets the high-water mark"
+    step = torch.ones(48 * 2**18)  # 48 MiB touched by the step
+    measured = peak.mib()
+    del step
+    assert 44 <= measured <= 60, measured
+    assert maxrss_mib() - before < 10  # the old measure (growth of ru_maxrss) misses it

@@ -140,3 +140,60 @@ def test_live_bytes_follows_frees_and_marks_replicated_by_identity():
     assert tracker.rep == 0 and tracker.act == 16 * 4
     del b
     assert tracker.timeline[-1] == (0, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# P=2: the plan against the same tracker on the real sharded model, per rank (issue 12 item 3).
+
+
+def _case(name: str):
+    """(plain model, global input shape, sharded dim, alignment, keyword input shapes) of a small zoo case."""
+    from sharded_nn import zoo
+
+    torch.manual_seed(0)
+    if name == "vit":
+        return zoo.create_model("vit_tiny_patch16_224", img_size=256, depth=2), (1, 3, 256, 256), 2, 16, None
+    if name == "unet":
+        model = zoo.create_model("unet2d", in_channels=1, out_channels=1, channels=(8, 16, 32))
+        return model, (1, 1, 128, 128), 2, 4, None
+    if name == "transolver":
+        model = zoo.create_model(
+            "transolver", functional_dim=3, out_dim=1, embedding_dim=3, n_layers=2, n_hidden=32, n_head=4, slice_num=8
+        )
+        return model, (1, 8192, 3), 1, 1, {"embedding": (1, 8192, 3)}
+    model = nn.Sequential(
+        nn.Conv3d(4, 16, 3, padding=1), nn.GELU(), nn.Conv3d(16, 16, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.GELU(), nn.Conv3d(16, 1, 1),
+    )  # fmt: skip
+    return model, (1, 4, 32, 32, 32), 2, 2, None
+
+
+def _sharded_peak(name: str) -> tuple[int, int]:
+    """On each rank: the tracked peak of the converted model's forward+backward, plus parameters and input slab."""
+    from .harness import mesh as make_mesh
+
+    model, shape, dim, align, kw = _case(name)
+    mesh = make_mesh(2)
+    sharded = snn.convert(model, mesh)
+    gen = torch.Generator().manual_seed(1)
+    x_full = torch.randn(shape, generator=gen)
+    sl = snn.local_slices(shape, mesh, dims=(dim,), align=align)
+    x = x_full[sl].clone().requires_grad_()
+    emb = x.detach().clone()  # Transolver's coordinates: a second input, sharded like the first
+
+    class Bound(nn.Module):
+        def forward(self, inp):
+            return sharded(inp, embedding=emb) if kw else sharded(inp)
+
+    tracker = trace_peak(Bound(), x, params=list(sharded.parameters()))
+    params = sum(p.numel() * p.element_size() for p in sharded.parameters())
+    inputs = x.numel() * x.element_size() * (2 if kw else 1)
+    return tracker.peak() + params + inputs, x.shape[dim]
+
+
+@pytest.mark.parametrize("name", ["vit", "unet", "transolver", "cnn"])
+def test_p2_prediction_within_15_percent_of_the_sharded_model(run, name):
+    measured = max(peak for peak, _ in run(2, _sharded_peak, name))
+    model, shape, dim, _, kw = _case(name)
+    plan = snn.plan_memory(model, shape, max_ranks=2, dims=dim, input_kwargs=kw)
+    assert abs(plan.peak(2) - measured) <= 0.15 * measured, (name, plan.peak(2), measured)
