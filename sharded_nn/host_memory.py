@@ -2,8 +2,9 @@
 
 Not part of the top-level API. ``import sharded_nn`` turns huge pages on for its own process
 (:func:`apply_process_defaults`; opt out with ``SHARDED_NN_HOST_TUNING=0``), so that a run under
-torchrun gets them without exporting anything; ``sharded_nn.launch`` also fixes glibc's mmap
-threshold in the processes it starts, for honest per-rank memory figures.
+torchrun gets them without exporting anything. ``sharded_nn.launch(..., mmap_threshold=65536)``
+fixes glibc's mmap threshold in the processes it starts (resident memory close to the live
+tensors, at the price of page faults on every step); by default it leaves glibc's own.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def tune_host_allocator(mmap_threshold: int = 1 << 16) -> bool:
     buffers (halos, boundary strips) are served from heap arenas, which keep freed memory and
     fragment, so resident memory drifts above what the live tensors need. A fixed threshold (as
     ``MALLOC_MMAP_THRESHOLD_`` would set) keeps a rank's resident memory close to its live
-    tensors, which is what per-rank memory figures should measure. ``launch`` calls this in
-    every worker; under torchrun, call it at start-up (or export
-    ``MALLOC_MMAP_THRESHOLD_=65536``).
+    tensors, but every step then faults its buffers in again (kernel time).
+    ``launch(..., mmap_threshold=...)`` calls this in every worker; under torchrun, call it at
+    start-up (or export ``MALLOC_MMAP_THRESHOLD_=65536``).
 
     Args:
         mmap_threshold: allocations of at least this many bytes are served by ``mmap``.
