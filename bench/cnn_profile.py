@@ -23,8 +23,18 @@ from sharded_nn.comm.sizes import enable_layout_scope  # noqa: E402
 
 
 def rank_main(name: str, h: int, w: int, what: str, sharded: bool, iters: int, top: int) -> str:
+    import ctypes
+    import os
+
     import timm
 
+    if os.environ.get("CNN_PROFILE_MALLOC") == "big":
+        # Undo launch's fixed 64 KiB mmap threshold (sharded_nn.host_memory.tune_host_allocator):
+        # serve buffers up to 32 MiB from the heap and keep freed memory (no trim), as glibc's
+        # dynamic threshold ends up doing in a long-running process.
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10, drop_rate=0.0, drop_path_rate=0.0)
     x = torch.randn(1, 3, h, w, generator=torch.Generator().manual_seed(1))

@@ -220,8 +220,22 @@ class _GroupNormFn(torch.autograd.Function):
         xg = _opmath(x).reshape(x.shape[0], num_groups, -1)
         mean, var, count = merged_moments(xg, (2,), group)
         rstd = torch.rsqrt(var + eps)
-        y = ((xg - mean) * rstd).reshape(x.shape)
-        y = _affine(y, _channel_view(weight, x.dim()), _channel_view(bias, x.dim())).to(out_dtype)
+        if _fusable(x):
+            # Each (sample, channel) is a batch-norm channel of a (1, N*C, -1) view with its
+            # group's statistics: torch's inference batch-norm kernel applies
+            # (x - mean) * rstd * weight + bias in one pass.
+            n, c = x.shape[:2]
+            m_nc, v_nc = _per_channel(mean, c), _per_channel(var, c)
+            w_nc = None if weight is None else weight.repeat(n)
+            b_nc = None if bias is None else bias.repeat(n)
+            y = F.batch_norm(x.reshape(1, n * c, -1), m_nc, v_nc, w_nc, b_nc, False, 0.0, eps)
+            # Not a view of the kernel's output: a Function's output that is a view cannot be
+            # modified in place (timm's in-place activations after the norm).
+            y = torch.ops.aten._unsafe_view(y, x.shape).to(out_dtype)
+        else:
+            y = ((xg - mean) * rstd).reshape(x.shape)
+            y = _affine(y, _channel_view(weight, x.dim()), _channel_view(bias, x.dim())).to(out_dtype)
+        ctx.var = var
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.num_groups, ctx.eps, ctx.group, ctx.count = num_groups, eps, group, count
         return y
@@ -235,6 +249,8 @@ class _GroupNormFn(torch.autograd.Function):
             # create_graph: statistics that depend on x through recorded ops.
             mean, var, _ = global_moments(xa.reshape(n, groups, -1), (2,), ctx.group)
             rstd = torch.rsqrt(var + ctx.eps)
+        elif _fusable(x):
+            return _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd)
         acc = mean.dtype
         xhat = (xa.reshape(n, groups, -1) - mean) * rstd
         gya = gy.to(acc)
@@ -253,6 +269,48 @@ class _GroupNormFn(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             db = gya.sum(reduce_dims).to(bias.dtype)
         return dx, dw, db, None, None, None, None
+
+
+def _fusable(x: torch.Tensor) -> bool:
+    """Whether torch's CPU/CUDA batch-norm kernels can take ``x`` with statistics of its dtype
+    (float32/float64, not empty); fp16/bf16 keep the elementwise forms, which accumulate in float32."""
+    return x.dtype in (torch.float32, torch.float64) and x.numel() > 0
+
+
+def _per_channel(stat: torch.Tensor, channels: int) -> torch.Tensor:
+    """A per-(sample, group) statistic ``(N, G, 1)`` repeated for each channel of its group: ``(N*C,)``."""
+    n, g = stat.shape[:2]
+    return stat.reshape(n, g, 1).expand(n, g, channels // g).reshape(-1)
+
+
+def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
+    """``_GroupNormFn.backward`` on torch's inference batch-norm backward kernel (see its docstring).
+
+    The kernel gives ``g * weight * rstd`` and, per (sample, channel), ``sum(g)`` and
+    ``sum(g * xhat)`` in one pass; the group sums of ``weight * sum(g)`` and
+    ``weight * sum(g * xhat)`` are all-reduced, and the correction
+    ``-rstd * (S_g + xhat * S_gx) / count`` is a per-(sample, channel) affine map of x.
+    """
+    n, c = x.shape[:2]
+    groups, eps = ctx.num_groups, ctx.eps
+    xf = x.reshape(1, n * c, -1)
+    w_nc = weight.repeat(n) if weight is not None else torch.ones(n * c, dtype=x.dtype, device=x.device)
+    m_nc, v_nc = _per_channel(mean, c), _per_channel(ctx.var, c)
+    dx, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
+        gy.reshape(1, n * c, -1), xf, w_nc, m_nc, v_nc, None, None, False, eps, [True, True, True]
+    )
+    sums = torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)])
+    if ctx.group is not None:
+        sums = all_reduce_sum(sums, ctx.group)
+    count = ctx.count.to(x.dtype)
+    r = rstd.reshape(n, groups)
+    a = -r * r * sums[1] / count
+    b = -r * sums[0] / count - a * mean.reshape(n, groups)
+    a_nc, b_nc = _per_channel(a, c).reshape(1, -1, 1), _per_channel(b, c).reshape(1, -1, 1)
+    dx = dx.addcmul_(xf, a_nc).add_(b_nc).reshape(x.shape)
+    dw = s_gx.reshape(n, c).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
+    db = s_g.reshape(n, c).sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
