@@ -4,9 +4,12 @@ Sharding contract:
     input: ``(N, C, S0, S1, ...)`` sharded along ``dims`` (default: the first spatial dims, one
         per domain axis), any slab sizes (uneven slabs are exact: counts are summed, not
         assumed). Output: same shape and layout as the input.
-    statistics: two-pass and numerically stable. Pass one all-reduces the per-rank sums
-        together with the element count (one collective) and forms the global mean; pass two
-        all-reduces the sums of squared deviations from that mean. No ``E[x^2] - E[x]^2``.
+    statistics: numerically stable, never ``E[x^2] - E[x]^2``. BatchNorm and GroupNorm
+        (``merged_moments``): each rank's count, mean and squared deviations from its own mean
+        in one all-gather, merged with Chan's formula; forward and backward on torch's
+        batch-norm kernels for float32/float64, one all-reduce of gradient sums in backward.
+        InstanceNorm and LayerNorm (``global_moments``): two passes, the sums with the count,
+        then the squared deviations from the global mean.
         GroupNorm, InstanceNorm and LayerNorm reduce over the domain ranks; BatchNorm reduces
         over the domain ranks *and* the data ranks when the mesh has a ``"data"`` axis, so its
         statistics are those of the global batch (what ``nn.SyncBatchNorm`` computes).
