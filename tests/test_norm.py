@@ -397,3 +397,83 @@ def _groupnorm_memory_and_double_backward():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_groupnorm_saves_only_its_input_and_double_backward(run, world):
     assert all(run(world, _groupnorm_memory_and_double_backward))
+
+
+def _fused_norms(domain, dtype_name, sizes):
+    """BatchNorm and GroupNorm (float32/float64: torch's fused batch-norm kernels with merged
+    statistics) against torch, forward and backward, on explicit very uneven slabs (an empty one
+    included: that rank takes the elementwise form, with the same collectives)."""
+    dtype = getattr(torch, dtype_name)
+    m = mesh(domain)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for factory, shape in (
+        (partial(nn.BatchNorm2d, 3), (2, 3, sum(sizes), 4)),
+        (partial(nn.BatchNorm2d, 3, affine=False, momentum=None), (1, 3, sum(sizes), 5)),
+        (partial(nn.BatchNorm3d, 2), (1, 2, sum(sizes), 3, 2)),
+        (partial(nn.GroupNorm, 2, 4), (2, 4, sum(sizes), 3)),
+        (partial(nn.GroupNorm, 3, 6, affine=False), (1, 6, sum(sizes), 2, 2)),
+    ):
+        ref = _module(factory).to(dtype)
+        sharded = snn.convert(copy.deepcopy(ref), m)
+        check_against_reference(
+            ref, _input(*shape, offset=3.0).to(dtype), m, dims=(2,), sharded=sharded, sizes=sizes, atol=tol, rtol=tol
+        )
+        if dtype == torch.float64:
+            _check_buffers(ref, sharded)
+    return True
+
+
+@pytest.mark.parametrize(
+    "domain,dtype_name,sizes",
+    [(2, "float64", (1, 8)), (3, "float64", (4, 0, 5)), (2, "float32", (5, 4)), (4, "float64", (2, 3, 0, 4))],
+)
+def test_fused_norms_match_torch_on_uneven_slabs(run, domain, dtype_name, sizes):
+    assert all(run(domain, _fused_norms, domain, dtype_name, sizes))
+
+
+def _norm_collectives(factory):
+    """Train-mode BatchNorm and GroupNorm exchange their statistics in one collective forward
+    and their gradient sums in one backward (the elementwise BatchNorm needed two all-reduces
+    each way, GroupNorm two forward)."""
+    from sharded_nn.comm import traffic
+
+    m = mesh(2)
+    bn = snn.convert(_module(factory), m)
+    x = snn.shard(_input(2, 4, 9, 5), m).requires_grad_()
+    with traffic.count_traffic() as fwd:
+        y = bn(x)
+    with traffic.count_traffic() as bwd:
+        y.backward(torch.randn_like(y))
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("factory", [partial(nn.BatchNorm2d, 4), partial(nn.GroupNorm, 2, 4)], ids=["bn", "gn"])
+def test_norms_one_collective_each_way(run, factory):
+    for fwd, bwd in run(2, _norm_collectives, factory):
+        # (A layer outside a layout scope also agrees on its layout: a metadata call.)
+        assert fwd.calls["reduction"] == 1 and bwd.calls == {"reduction": 1}, (fwd.calls, bwd.calls)
+
+
+def _batchnorm_double_backward(world):
+    m = mesh(world)
+    ref = _module(partial(nn.BatchNorm2d, 3))
+    sharded = snn.convert(copy.deepcopy(ref), m)
+    x = _input(2, 3, 13, 4) * 2 + 1
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad((ref(xr) ** 3).sum(), xr, create_graph=True)
+    g.pow(2).sum().backward()
+    xl = snn.shard(x, m).requires_grad_()
+    (gl,) = torch.autograd.grad((sharded(xl) ** 3).sum(), xl, create_graph=True)
+    gl.pow(2).sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(snn.gather(gl, m), g, atol=1e-9, rtol=1e-9)
+        torch.testing.assert_close(snn.gather(xl.grad, m), xr.grad, atol=1e-9, rtol=1e-9)
+    grads = reduce_param_grads(sharded, m)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-9, rtol=1e-9)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_batchnorm_double_backward(run, world):
+    assert all(run(world, _batchnorm_double_backward, world))

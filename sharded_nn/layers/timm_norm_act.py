@@ -4,7 +4,7 @@ timm models use their own subclasses of the torch norms (``BatchNormAct2d`` in E
 MobileNetV3, RegNet, ...; ``GroupNormAct`` / ``GroupNorm1Act`` and the plain ``GroupNorm`` /
 ``GroupNorm1`` in NFNets, ResNetV2, PoolFormer, ...). ``convert`` swaps classes by exact type,
 so each gets its sharded class here: the statistics come from the sharded norm of the torch
-base class (one all-reduce of the per-slab moments over the domain ranks, and the data ranks
+base class (one all-gather of the per-slab moments over the domain ranks, and the data ranks
 for BatchNorm), then timm's own ``drop`` and ``act`` children run on the slab (both pointwise).
 
 Sharding contract (every class here): the same as the torch base class's sharded version
