@@ -34,6 +34,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce_max, all_reduce_sum, gather_layouts
+from .comm.sizes import scope_declare, scope_forget
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import domain_axes, group_over
@@ -48,13 +49,15 @@ def _plan(
     dims: int | Sequence[int] | None,
     sharded_dims: int | Sequence[int] | None,
     what: str,
+    keepdim: bool = False,
 ) -> tuple[tuple[int, ...], list[str], dict[int, tuple[str, Layout]]]:
     """(reduced dims, mesh axes to reduce over, {sharded dim: (axis, layout)})."""
     axes = domain_axes(mesh)
     if sharded_dims is None:
         sharded_dims = default_dims(mesh)
     sharded_dims = (sharded_dims,) if isinstance(sharded_dims, int) else tuple(sharded_dims)
-    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what)
+    # Inside a converted model's layout scope the input's layout is usually known (no collective).
+    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True)
     nd = x.dim()
     if dims is None:
         dims = tuple(range(nd))
@@ -64,7 +67,28 @@ def _plan(
     dims = tuple(sorted(d % nd for d in dims))
     sharded = {d % nd: (a, lay) for d, a, lay in zip(sharded_dims, axes, layouts)}
     reduce_axes = [a for a in axes if any(sharded.get(d, (None,))[0] == a for d in dims)]
+    _declare_output(mesh, nd, dims, tuple(d % nd for d in sharded_dims), layouts, keepdim)
     return dims, reduce_axes, sharded
+
+
+def _declare_output(mesh, nd: int, dims: tuple[int, ...], sharded_dims: tuple[int, ...], layouts, keepdim: bool) -> None:
+    """Tell the layout scope the output's layout (the scope's rule: declare it or forget).
+
+    All sharded dims reduced: the output is replicated, no sharded layout is made. None reduced:
+    the output keeps the input's layouts, at shifted dims when reduced dims before them are
+    dropped. Some reduced: a tensor sharded along fewer dims than the mesh has axes, which the
+    scope does not describe, so it forgets. Every rank decides from the same agreed facts.
+    """
+    reduced = [d for d in sharded_dims if d in dims]
+    if len(reduced) == len(sharded_dims):
+        return
+    if reduced:
+        scope_forget()
+        return
+    if keepdim:
+        return  # same dims, same ndim: the input's layout, already known to the scope
+    out_dims = tuple(d - len([r for r in dims if r < d]) for d in sharded_dims)  # (this module shadows sum)
+    scope_declare(mesh, out_dims, nd - len(dims), layouts)
 
 
 def _reduce_sum(t: torch.Tensor, mesh: DeviceMesh, axes: list[str]) -> torch.Tensor:
@@ -93,7 +117,7 @@ def sum(  # noqa: A001 - mirrors torch.sum
         keepdim: keep reduced dims with size 1.
         sharded_dims: dims of ``x`` sharded by the domain axes (default: the first spatial dims).
     """
-    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum")
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum", keepdim)
     if not x.is_floating_point():
         return _reduce_sum(x.sum(dims, keepdim=keepdim), mesh, axes)
     # Partial sums cross ranks in the accumulation dtype: rounding each rank's partial sum to
@@ -111,7 +135,7 @@ def mean(
     sharded_dims: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``torch.mean(x_full, dims, keepdim)`` from slabs (exact on uneven slabs); see ``sum``."""
-    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean")
+    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean", keepdim)
     # The count comes from the agreed global layout: an exact Python int on every rank.
     count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
     total = _reduce_sum(x.sum(dims, keepdim=keepdim, dtype=accumulation_dtype(x.dtype)), mesh, axes)
@@ -131,7 +155,7 @@ def max(  # noqa: A001 - mirrors torch.amax
     The gradient is split evenly among all elements equal to the maximum (on every rank that
     holds one), exactly like ``torch.amax``. NaNs are not supported.
     """
-    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.max")
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.max", keepdim)
     if not axes:
         return x.amax(dims, keepdim=keepdim)
     group = group_over(mesh, axes)
@@ -164,7 +188,7 @@ def argmax(
     """
     if not isinstance(dim, int):
         raise ShardingError(f"reductions.argmax: dim must be one int, got {dim!r}.")
-    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, "reductions.argmax")
+    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, "reductions.argmax", keepdim)
     (d,) = dims
     x = x.detach()
     idx = x.argmax(d, keepdim=True)
