@@ -20,10 +20,10 @@ What is measured (DESIGN.md section 7):
   and the reported time is the median over iterations. Gradient reduction across ranks (DDP) is
   not part of the timed region: the stacks have ~28k parameters, so it would be negligible.
   Reported: speedup ``T1 / T2`` and parallel efficiency ``T1 / (2 * T2)``.
-* Memory: peak resident set size (``ru_maxrss``, a high-water mark) of each rank after the timed
-  iterations, minus its value right after imports, process-group initialisation and mesh
-  creation; the maximum over ranks is reported, and the ratio P=2 / P=1. P=1 and P=2 run in
-  separate launches, so each high-water mark belongs to one configuration only.
+* Memory: peak resident set size of each rank (``VmHWM``, reset by ``sharded_nn.demo.PeakRSS``
+  right after imports, process-group initialisation and mesh creation) above the resident size
+  then; the maximum over ranks is reported, and the ratio P=2 / P=1. (``ru_maxrss`` would start
+  at the launching parent's mark, which spawned processes inherit.)
 * Consistency: the global loss and the domain-summed weight gradients of P=2 are compared with
   P=1 (the input is generated plane by plane from per-plane seeds, so both runs see the same
   global sample), to make sure that the timings are of a correct computation.
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -64,6 +63,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import sharded_nn as snn
+from sharded_nn.demo import PeakRSS
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -145,11 +145,6 @@ def local_input(case: Case, mesh: DeviceMesh, dtype: torch.dtype) -> torch.Tenso
     return x
 
 
-def _maxrss_mib() -> float:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     loss = model(x).sum()
@@ -216,7 +211,7 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, varia
     mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
     # Baseline after imports, process-group init (done by launch) and mesh creation: what is
     # left above it is the model's working set (activations, gradients, slab).
-    base_mib = _maxrss_mib()
+    peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     if torch.get_num_threads() != 1:
         raise RuntimeError(f"bench: expected 1 torch thread per rank, got {torch.get_num_threads()}.")
     dtype = _DTYPES[dtype_name]
@@ -235,7 +230,7 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, varia
         cpu_times.append(time.process_time() - c0)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    mem_mib = _maxrss_mib() - base_mib
+    mem_mib = peak.mib()
 
     # Collectives below are outside the timed region and after the memory reading.
     t = torch.tensor([times, cpu_times], dtype=torch.float64)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import sharded_nn as snn
+from sharded_nn.demo import PeakRSS
 from sharded_nn.alignment import alignment
 from sharded_nn.zoo import create_model
 
@@ -74,10 +74,6 @@ class RunResult:
     out: torch.Tensor
     loss: float
     grads: torch.Tensor
-
-
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build(case: Case, mesh):
@@ -118,7 +114,7 @@ def _timed(fn, iters: int) -> list[float]:
 def rank_main(case: Case, iters: int) -> RunResult:
     p = dist.get_world_size()
     mesh = snn.init_mesh(domain=p, device_type="cpu") if p > 1 else None
-    base = _maxrss_mib()
+    peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     model = build(case, mesh)
     align = alignment(model, 2)
     x = local_input(case, mesh, align)
@@ -134,9 +130,9 @@ def rank_main(case: Case, iters: int) -> RunResult:
         return loss.detach()
 
     t_fwd = _timed(fwd, iters)
-    mem_fwd = _maxrss_mib() - base
+    mem_fwd = peak.mib()
     t_train = _timed(train, iters)
-    mem_train = _maxrss_mib() - base
+    mem_train = peak.mib()
     # Outside the timed region and after the memory readings: the consistency data.
     out = fwd()
     loss = train().to(torch.float64)
