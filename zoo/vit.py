@@ -324,7 +324,11 @@ def prefix_self_attention(
     """Exact self-attention of ``[prefix, local patches]`` token slabs (the prefix replicated).
 
     The prefix keys/values count once (they join domain rank 0's slab); patch queries go through
-    ring or Ulysses attention, prefix queries through ``replicated_query_attention``. With
+    ring or Ulysses attention. Prefix queries: with ring attention they ride along the ring as
+    replicated queries (``ring_attention(replicated_q=...)``: no collective of their own); with
+    Ulysses through ``replicated_query_attention`` (one all-gather). The result is a
+    ``(B, H, n, D)`` view of a ``(B, n, H, D)`` tensor, so that the caller's
+    ``transpose(1, 2).reshape`` to tokens needs no copy. With
     ``dropout_p > 0`` the mask is keyed on ``dropout_seed`` and ``positions`` (the global token
     indices of this rank's ``[prefix, patches]`` tokens, required then). ``seq_lens``: every
     rank's (patch query, key) lengths, already gathered (see ``ring_attention``).
@@ -344,6 +348,13 @@ def prefix_self_attention(
         k_pos = None if positions is None else positions[num_prefix:]
     if dropout_p > 0:
         drop.update(q_positions=positions[num_prefix:], k_positions=k_pos)
+    if attention == "ring":
+        if dropout_p > 0:
+            drop.update(replicated_positions=positions[:num_prefix])
+        out_patch, out_prefix = ring_attention(
+            q[:, :, num_prefix:], k, v, mesh, False, scale, replicated_q=q[:, :, :num_prefix], **drop
+        )
+        return _tokens_major(out_prefix, out_patch)
     out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
     prefix_drop = None
     if dropout_p > 0:
@@ -353,7 +364,14 @@ def prefix_self_attention(
             positions[:num_prefix].to(dev), k_pos.to(dev),
         )
     out_prefix = replicated_query_attention(q[:, :, :num_prefix], k, v, mesh, scale, drop=prefix_drop)
-    return torch.cat([out_prefix.to(out_patch.dtype), out_patch], 2)
+    return _tokens_major(out_prefix, out_patch)
+
+
+def _tokens_major(prefix: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    """``cat([prefix, patches], 2)`` of ``(B, H, L, D)`` tensors, stored token-major (as
+    ``(B, L, H, D)``), the layout the attention's output projection reads."""
+    both = torch.cat([prefix.to(patches.dtype).transpose(1, 2), patches.transpose(1, 2)], 1)
+    return both.transpose(1, 2)
 
 
 def _fallback_positions(n_local: int, num_prefix: int, mesh: DeviceMesh) -> torch.Tensor:
