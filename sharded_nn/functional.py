@@ -551,11 +551,13 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, pad, plan: _Plan, tag: int, drop: _Drop | None, rq: torch.Tensor | None):  # noqa: D102
         g, p = plan.groups, plan.ring.size
         acc = acc_dtype(q.dtype)
-        n = q.shape[2]
-        out = lse = None
-        if len(plan.chunks) > 1:
-            out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=acc, device=q.device)
-            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        n, lr = q.shape[2], plan.rq_len
+        # The output is stored token-major, (B, Lr + Lq, H, Dv) with the replicated queries' rows
+        # first: the caller's ``transpose(1, 2).reshape`` to tokens is then a view, and the one
+        # tensor both this function (for backward) and the output projection keep is stored once.
+        buf = torch.empty((q.shape[0], lr + n, q.shape[1], v.shape[3]), dtype=acc, device=q.device)
+        out = buf[:, lr:].transpose(1, 2)
+        lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
         rq_parts = None
         if rq is not None:
             # The replicated queries' partial result against each rank's block, merged in rank
@@ -566,7 +568,7 @@ class _RingAttention(torch.autograd.Function):
             )
         for c in plan.chunks:
             qc = _q_heads(q, c, g)
-            oc, lc = (None, None) if out is None else (_q_heads(out, c, g), _q_heads(lse, c, g))
+            oc, lc = _q_heads(out, c, g), _q_heads(lse, c, g)
             fresh = True  # nothing written to this chunk's output rows yet
             for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV):
                 if rq is not None:
@@ -581,44 +583,49 @@ class _RingAttention(torch.autograd.Function):
                         _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag, bd
                     )
                     if fresh and _whole(qs, n):
-                        if oc is None:  # one chunk: the kernel's result is the accumulator
-                            oc, lc = o_b, l_b.contiguous()
-                        else:
-                            oc.copy_(o_b)
-                            lc.copy_(l_b)
+                        oc.copy_(o_b)
+                        lc.copy_(l_b)
                     else:
-                        if oc is None:
-                            oc = torch.zeros((*qc.shape[:3], v.shape[3]), dtype=acc, device=q.device)
-                            lc = torch.full(qc.shape[:3], float("-inf"), dtype=acc, device=q.device)
+                        if fresh:  # the first block covers part of the rows (zigzag causal)
+                            oc.zero_()
+                            lc.fill_(float("-inf"))
                         merge(_sl(oc, qs), _sl(lc, qs), o_b, l_b)
                     fresh = False
                     del o_b, l_b
                 # Drop this step's names so that a received chunk is freed once replaced.
                 del kb, vb, mb
-            if out is None:
-                out, lse = oc, lc
-        out_q = out.to(q.dtype)
+        rq_lse = None
+        if rq is not None:
+            rq_out = buf[:, :lr].transpose(1, 2)
+            rq_out.copy_(rq_parts[0][0])
+            rq_lse = rq_parts[1][0].clone()
+            for src in range(1, p):
+                merge(rq_out, rq_lse, rq_parts[0][src], rq_parts[1][src])
+            del rq_parts, rq_out
+        buf = buf.to(q.dtype)  # float32 and float64 inputs: no copy
         ctx.plan, ctx.tag, ctx.drop = plan, tag, drop
         ctx.mark_non_differentiable(lse)
-        if rq is None:
-            ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out_q, lse)
-            return out_q, lse
-        rq_out, rq_lse = rq_parts[0][0].clone(), rq_parts[1][0].clone()
-        for src in range(1, p):
-            merge(rq_out, rq_lse, rq_parts[0][src], rq_parts[1][src])
-        del rq_parts
-        rq_out = rq_out.to(rq.dtype)
-        ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out_q, lse, rq, rq_out, rq_lse)
-        return out_q, lse, rq_out
+        empty = torch.empty(0)
+        ctx.save_for_backward(
+            q, k, v, pad if pad is not None else empty, buf, lse,
+            rq if rq is not None else empty, rq_lse if rq_lse is not None else empty,
+        )  # fmt: skip
+        return buf, lse
 
     # Its communication is not recorded for a second derivative, which would silently miss the
     # neighbours' terms: double backward raises instead.
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse, drq_out=None):  # noqa: D102
+    def backward(ctx, dbuf, _dlse):  # noqa: D102
         plan = ctx.plan
-        q, k, v, pad, out, lse, *rest = ctx.saved_tensors
-        rq, rq_out, rq_lse = rest if rest else (None, None, None)
+        q, k, v, pad, buf, lse, rq, rq_lse = ctx.saved_tensors
+        lr = plan.rq_len
+        out, dout = buf[:, lr:].transpose(1, 2), dbuf[:, lr:].transpose(1, 2)
+        rq_out = drq_out = None
+        if lr:
+            rq_out, drq_out = buf[:, :lr].transpose(1, 2), dbuf[:, :lr].transpose(1, 2)
+        else:
+            rq = rq_lse = None
         pad = pad if plan.has_mask else None
         ring, p, g = plan.ring, plan.ring.size, plan.groups
         acc = acc_dtype(q.dtype)
@@ -645,7 +652,9 @@ class _RingAttention(torch.autograd.Function):
         # this rank holds next, waited for at the next step.
         travel = home = None
         for c in plan.chunks:
-            qc, doc, oc, lc = (_q_heads(t, c, g) for t in (q, dout, out, lse))
+            qc, lc = _q_heads(q, c, g), _q_heads(lse, c, g)
+            # Contiguous once per chunk (the output and its gradient are stored token-major).
+            doc, oc = _q_heads(dout, c, g).contiguous(), _q_heads(out, c, g).contiguous()
             dqc = None if dq is None else _q_heads(dq, c, g)
             for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV):
                 dkc = dvc = None
@@ -734,6 +743,7 @@ def ring_attention(
     seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
     replicated_q: torch.Tensor | None = None,
     replicated_positions: torch.Tensor | None = None,
+    concat_replicated: bool = False,
 ):
     """Exact attention over a sequence sharded on the domain axis, by passing K/V around a ring.
 
@@ -788,10 +798,14 @@ def ring_attention(
             each rank is a share, and so is the gradient returned for ``replicated_q``.
         replicated_positions: int64 ``(Lr,)`` global positions of the replicated queries in the
             dropout mask law; required with dropout and ``replicated_q``.
+        concat_replicated: with ``replicated_q``, return one ``(B, H, Lr + Lq_local, Dv)``
+            output, the replicated queries' rows first, instead of two.
 
     Returns:
-        The ``(B, H, Lq_local, Dv)`` output; with ``return_lse`` ``(out, lse)``; with
-        ``replicated_q`` also the replicated output last: ``(out, out_r)`` or ``(out, lse, out_r)``.
+        The ``(B, H, Lq_local, Dv)`` output, stored token-major (a ``(B, Lq_local, H, Dv)``
+        tensor transposed, so that ``out.transpose(1, 2).reshape(B, Lq_local, H * Dv)`` is a
+        view); with ``return_lse`` ``(out, lse)``; with ``replicated_q`` also the replicated
+        output last: ``(out, out_r)`` or ``(out, lse, out_r)`` (or the concatenated output).
 
     Raises:
         ShardingError: inconsistent shapes or dropout options across ranks, a zigzag layout
@@ -807,11 +821,17 @@ def ring_attention(
     drop = _dropout_setup(plan, q, q_positions, k_positions, replicated_positions)
     # Reserved by every rank in program order, also for its backward (see comm/peers.py).
     tag = plan.ring.next_tags(_RING_TAGS)
-    if replicated_q is None:
-        out, lse = _RingAttention.apply(q, k, v, pad, plan, tag, drop, None)
+    # Replicated queries contiguous, so that their kernels see the same layout on every rank.
+    rq = None if replicated_q is None else replicated_q.contiguous()
+    buf, lse = _RingAttention.apply(q, k, v, pad, plan, tag, drop, rq)
+    lr = plan.rq_len
+    if rq is not None and concat_replicated:
+        both = buf.transpose(1, 2)
+        return (both, lse) if return_lse else both
+    out = buf[:, lr:].transpose(1, 2)
+    if rq is None:
         return (out, lse) if return_lse else out
-    # Contiguous, so that its kernels see the same layout on every rank (its values are the same).
-    out, lse, out_r = _RingAttention.apply(q, k, v, pad, plan, tag, drop, replicated_q.contiguous())
+    out_r = buf[:, :lr].transpose(1, 2)
     return (out, lse, out_r) if return_lse else (out, out_r)
 
 

@@ -28,9 +28,12 @@ Sharding contract
 - Prefix tokens (class and register tokens): held by every rank, in front of its patch tokens,
   with identical values on every rank. In attention they are keys and values once: the prefix
   K/V travel with the slab of domain rank 0 only. Patch queries attend over the ring (all patch
-  keys plus the prefix keys once). Prefix queries attend to all tokens too: each rank scores them
-  against its own keys, the per-rank partial results (output and log-sum-exp) are all-gathered
-  and merged in rank order, so every rank computes bit-identical prefix tokens. Holds for
+  keys plus the prefix keys once). Prefix queries attend to all tokens too: with ring attention
+  they ride along the ring (every rank scores them against each K/V block as it passes and merges
+  the per-block results in rank order: no collective of their own); with Ulysses each rank scores
+  them against its own keys and the per-rank partial results (output and log-sum-exp) are
+  all-gathered and merged in rank order. Either way every rank computes bit-identical prefix
+  tokens. Holds for
   ``no_embed_class`` True (position embeddings on patches only) and False (the prefix slice of
   ``pos_embed`` added on every rank).
 - Position embeddings: each rank adds its own rows of the position embedding (for
@@ -351,10 +354,10 @@ def prefix_self_attention(
     if attention == "ring":
         if dropout_p > 0:
             drop.update(replicated_positions=positions[:num_prefix])
-        out_patch, out_prefix = ring_attention(
-            q[:, :, num_prefix:], k, v, mesh, False, scale, replicated_q=q[:, :, :num_prefix], **drop
+        return ring_attention(
+            q[:, :, num_prefix:], k, v, mesh, False, scale, replicated_q=q[:, :, :num_prefix],
+            concat_replicated=True, **drop,
         )
-        return _tokens_major(out_prefix, out_patch)
     out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
     prefix_drop = None
     if dropout_p > 0:
