@@ -278,11 +278,11 @@ def _plan(
         raise ValueError(f"{what}: layout must be one of {_LAYOUTS}; ranks {bad} pass something else.")
     if len(set(call_rows)) != 1:
         raise ShardingError(
-            f"{what}: ranks disagree on is_causal, scale, layout or replicated_q; (is_causal, scale given, layout, "
+            f"{what}: ranks disagree on is_causal, scale or layout (or replicated_q); (is_causal, scale given, layout, "
             f"replicated queries (-1: none), replicated_q valid) per rank: "
             f"{[(bool(r[0]), bool(r[1]), _LAYOUTS[r[3]], r[4], bool(r[5])) for r in call_rows]}"
             f"{' (the scales differ)' if len({r[2] for r in call_rows}) > 1 else ''}. Every rank must call "
-            "the attention alike: pass the same is_causal, scale, layout and replicated_q length on every rank."
+            "the attention alike: pass the same is_causal, scale and layout (and replicated_q length) on every rank."
         )
     if not call_rows[0][5]:
         raise ShardingError(
