@@ -9,7 +9,8 @@ Minimum (where the algorithm has a closed form), per rank:
   backward, so ``layers x 2 x neighbours x plane bytes``.
 * ring attention (``B x H x L x D``, P ranks, contiguous layout): forward moves every other
   rank's K and V through this rank once, ``(P-1) x 2 x local K bytes``; the memory-bounded
-  backward moves K/V again and their gradient accumulators once round, twice that.
+  backward moves K/V again and the dK/dV accumulators of the other ranks' shares (P-1 hops: the
+  owner keeps its own share), twice that.
 * zoo models (a small ViT and UNet): measured by kind, no closed form given.
 
 Run from the repository root: ``python bench/comm_volume.py [--nproc 2]``.

@@ -56,8 +56,11 @@ _LAYOUTS = ("contiguous", "zigzag")
 #: Pieces that the travelling K/V slab (and its dK/dV accumulator) is cut into, along batch and
 #: KV heads: the ring's in-flight buffers are then about 1/_RING_CHUNKS of a slab each.
 _RING_CHUNKS = 8
-#: ... but no piece smaller than this many elements of K (per-message overhead would dominate).
-_MIN_CHUNK_NUMEL = 1 << 16
+#: ... but no piece smaller than this many elements of K: each piece costs a kernel call, a
+#: merge and a message per step (on CPU, vit_small at 1024^2 and P=2, six single-head pieces of
+#: 2^17 elements cost about 7% more ring-forward time than three pieces of 2^18), while a piece
+#: in flight costs memory only in proportion to its size.
+_MIN_CHUNK_NUMEL = 1 << 18
 # Message tags, a block of _RING_TAGS reserved per call (``AxisPeers.next_tags``, see
 # comm/peers.py) at offsets: forward K/V/padding hops, backward K/V/padding hops, backward dK/dV
 # hops. Key/value blocks and gradient accumulators are in flight at the same time, hence
@@ -162,6 +165,7 @@ class _Plan:
     chunks: tuple[_Chunk, ...]  # one when P == 1: nothing travels, so nothing is cut
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    rq_len: int = 0  # replicated queries (``replicated_q``) per rank; 0: none
 
 
 def _segments(lens: tuple[int, ...], layout: str, what: str) -> tuple[tuple[_Segment, ...], ...]:
@@ -230,7 +234,7 @@ def _rows_from_lengths(ring: AxisPeers, row: tuple[int, ...], seq_lens, what: st
 
 
 def _plan(
-    q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, None, None, None), seq_lens=None
+    q, k, v, mask, mesh, is_causal, scale, layout, what, dropout=(0.0, None, None, None), seq_lens=None, rq=None
 ) -> _Plan:
     ring = domain_peers(mesh)
     # The number of dims is a gathered fact too: a 3-d tensor on one rank alone must raise on
@@ -247,9 +251,14 @@ def _plan(
     # Options that change the result must agree too: a rank calling with another is_causal,
     # scale or layout would silently mix two different attentions. An invalid layout is a
     # gathered fact as well, so that every rank raises for it.
+    rq_ok = rq is None or (
+        isinstance(rq, torch.Tensor) and rq.dim() == 4 and q.dim() == 4 and v.dim() == 4
+        and tuple(rq.shape[:2]) == tuple(q.shape[:2]) and rq.shape[3] == q.shape[3] and rq.dtype == q.dtype
+    )
     call_facts = (
         int(bool(is_causal)), int(scale is not None), 0 if scale is None else _float_bits(scale),
         _LAYOUTS.index(layout) if layout in _LAYOUTS else -1,
+        -1 if rq is None else (rq.shape[2] if isinstance(rq, torch.Tensor) and rq.dim() == 4 else -2), int(rq_ok),
     )  # fmt: skip
     if seq_lens is None:
         rows = gather_ints((*facts, *drop_facts, *call_facts, *ndims), ring)
@@ -269,10 +278,22 @@ def _plan(
         raise ValueError(f"{what}: layout must be one of {_LAYOUTS}; ranks {bad} pass something else.")
     if len(set(call_rows)) != 1:
         raise ShardingError(
-            f"{what}: ranks disagree on is_causal, scale or layout; (is_causal, scale given, layout) per rank: "
-            f"{[(bool(r[0]), bool(r[1]), _LAYOUTS[r[3]]) for r in call_rows]}"
+            f"{what}: ranks disagree on is_causal, scale or layout (or replicated_q); (is_causal, scale given, layout, "
+            f"replicated queries (-1: none), replicated_q valid) per rank: "
+            f"{[(bool(r[0]), bool(r[1]), _LAYOUTS[r[3]], r[4], bool(r[5])) for r in call_rows]}"
             f"{' (the scales differ)' if len({r[2] for r in call_rows}) > 1 else ''}. Every rank must call "
-            "the attention alike: pass the same is_causal, scale and layout on every rank."
+            "the attention alike: pass the same is_causal, scale and layout (and replicated_q length) on every rank."
+        )
+    if not call_rows[0][5]:
+        raise ShardingError(
+            f"{what}: replicated_q must be a (B, H, Lr, D) tensor with q's batch, heads, head size and dtype "
+            f"(q: {tuple(q.shape)} {q.dtype}; replicated_q: "
+            f"{tuple(rq.shape) if isinstance(rq, torch.Tensor) else type(rq).__name__}), on every rank."
+        )
+    if is_causal and rq is not None:
+        raise ShardingError(
+            f"{what}: replicated_q attends over all keys and has no causal position; call with is_causal=False "
+            "or attend the replicated queries separately."
         )
     rows = [tuple(row[: len(facts)]) for row in rows]
     _check_dropout(what, drop_rows, dropout)
@@ -325,7 +346,8 @@ def _plan(
     chunks = _chunks(b, hk, target)
     p, seed = float(dropout[0]), 0 if dropout[1] is None else int(dropout[1]) % (1 << 63)
     return _Plan(
-        ring, scale, bool(is_causal), q_lens, k_lens, q_segs, k_segs, mask is not None, hq // hk, chunks, p, seed
+        ring, scale, bool(is_causal), q_lens, k_lens, q_segs, k_segs, mask is not None, hq // hk, chunks, p, seed,
+        0 if rq is None else rq.shape[2],
     )
 
 
@@ -385,6 +407,7 @@ class _Drop:
     seed: int
     q_pos: torch.Tensor
     k_pos: tuple[torch.Tensor, ...]  # by ring coordinate
+    rq_pos: torch.Tensor | None = None  # positions of the replicated queries (the same on every rank)
 
     def block(self, c: _Chunk, groups: int, qs: _Segment, src: int, ks: _Segment, device) -> BlockDropout:
         return BlockDropout(
@@ -395,12 +418,21 @@ class _Drop:
             self.k_pos[src][ks.offset : ks.offset + ks.length],
         )
 
+    def rq_block(self, c: _Chunk, groups: int, src: int, device) -> BlockDropout:
+        """The replicated queries of chunk ``c`` against the whole key block of ``src``."""
+        return BlockDropout(
+            self.p, self.seed,
+            torch.arange(c.b0, c.b1, device=device),
+            torch.arange(c.h0 * groups, c.h1 * groups, device=device),
+            self.rq_pos, self.k_pos[src],
+        )
+
 
 def _segment_positions(segs: tuple[_Segment, ...], device) -> torch.Tensor:
     return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segs])
 
 
-def _dropout_setup(plan: _Plan, q, q_positions, k_positions) -> _Drop | None:
+def _dropout_setup(plan: _Plan, q, q_positions, k_positions, rq_positions=None) -> _Drop | None:
     """Global positions for the mask: given ones (keys gathered once), else the layout's."""
     if plan.dropout_p == 0.0:
         return None
@@ -412,7 +444,16 @@ def _dropout_setup(plan: _Plan, q, q_positions, k_positions) -> _Drop | None:
         k_pos = (k_positions.to(dev),)
     else:
         k_pos = tuple(all_gather_uneven(k_positions.to(dev), ring.group, [(n,) for n in plan.k_lens]))
-    return _Drop(plan.dropout_p, plan.dropout_seed, q_pos, k_pos)
+    rq_pos = None
+    if plan.rq_len:
+        if not (isinstance(rq_positions, torch.Tensor) and tuple(rq_positions.shape) == (plan.rq_len,)):
+            # The same call on every rank (replicated), so every rank raises alike.
+            raise ValueError(
+                f"ring_attention: dropout with replicated_q needs replicated_positions, an int64 ({plan.rq_len},) "
+                f"tensor of their global positions in the mask law; got {rq_positions!r}."
+            )
+        rq_pos = rq_positions.to(device=dev, dtype=torch.int64)
+    return _Drop(plan.dropout_p, plan.dropout_seed, q_pos, k_pos, rq_pos)
 
 
 # --------------------------------------------------------------------------- ring attention
@@ -475,6 +516,11 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int):
     """
     ring, me, p = plan.ring, plan.ring.index, plan.ring.size
     unit = _unit(k, v, pad, c)
+    if p > 1:
+        # The first hop sends contiguous copies anyway; computing on them too gives the owner's
+        # blocks the same memory layout as the received ones, so that replicated queries get the
+        # same bits on every rank.
+        unit = [t.contiguous() for t in unit]
     for step in range(p):
         src = (me - step) % p
         hop = None
@@ -493,59 +539,96 @@ class _RingAttention(torch.autograd.Function):
     each chunk the ring runs its P steps (step s: the chunk of rank ``me - s``) before the next
     chunk starts. A rank therefore forwards each chunk to its right neighbour exactly when that
     neighbour needs it next, so only one chunk pair is in flight (double buffering at chunk
-    granularity) instead of a whole block. In backward the dK/dV accumulator of a chunk follows
-    its K/V one step behind and its last hop lands directly in the owner's gradient buffer.
+    granularity) instead of a whole block. In backward the owner keeps its own dK/dV share of a
+    chunk; the accumulator of the other ranks' shares starts on the owner's right neighbour,
+    follows the K/V one step behind and its last hop (P - 1 in all, the minimum) brings it home,
+    where it is added to the owner's share.
+
+    Replicated queries (``replicated_q``: the same tokens on every rank, e.g. a ViT's class
+    token) attend over each K/V block as it passes; their per-block results are merged in rank
+    order, so every rank gets the same bits without a collective. In backward each rank feeds
+    its share of their output gradient into the travelling dK/dV accumulators.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, pad, plan: _Plan, tag: int, drop: _Drop | None):  # noqa: D102
-        g = plan.groups
+    def forward(ctx, q, k, v, pad, plan: _Plan, tag: int, drop: _Drop | None, rq: torch.Tensor | None):  # noqa: D102
+        g, p = plan.groups, plan.ring.size
         acc = acc_dtype(q.dtype)
-        n = q.shape[2]
-        out = lse = None
-        if len(plan.chunks) > 1:
-            out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=acc, device=q.device)
-            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        n, lr = q.shape[2], plan.rq_len
+        # The output is stored token-major, (B, Lr + Lq, H, Dv) with the replicated queries' rows
+        # first: the caller's ``transpose(1, 2).reshape`` to tokens is then a view, and the one
+        # tensor both this function (for backward) and the output projection keep is stored once.
+        buf = torch.empty((q.shape[0], lr + n, q.shape[1], v.shape[3]), dtype=acc, device=q.device)
+        out = buf[:, lr:].transpose(1, 2)
+        lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+        rq_parts = None
+        if rq is not None:
+            # The replicated queries' partial result against each rank's block, merged in rank
+            # order at the end, so that every rank computes the same bits.
+            rq_parts = (
+                torch.empty((p, *rq.shape[:3], v.shape[3]), dtype=acc, device=q.device),
+                torch.empty((p, *rq.shape[:3]), dtype=acc, device=q.device),
+            )
         for c in plan.chunks:
             qc = _q_heads(q, c, g)
-            oc, lc = (None, None) if out is None else (_q_heads(out, c, g), _q_heads(lse, c, g))
+            oc, lc = _q_heads(out, c, g), _q_heads(lse, c, g)
             fresh = True  # nothing written to this chunk's output rows yet
             for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV):
+                if rq is not None:
+                    rbd = None if drop is None else drop.rq_block(c, g, src, q.device)
+                    o_r, l_r = block_forward(_q_heads(rq, c, g), kb, vb, mb, plan.scale, False, rbd)
+                    _q_heads(rq_parts[0][src], c, g).copy_(o_r)
+                    _q_heads(rq_parts[1][src], c, g).copy_(l_r)
+                    del o_r, l_r
                 for qs, ks, diag in _pairs(plan, src):
                     bd = None if drop is None else drop.block(c, g, qs, src, ks, q.device)
                     o_b, l_b = block_forward(
                         _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl_mask(mb, ks), plan.scale, diag, bd
                     )
                     if fresh and _whole(qs, n):
-                        if oc is None:  # one chunk: the kernel's result is the accumulator
-                            oc, lc = o_b, l_b.contiguous()
-                        else:
-                            oc.copy_(o_b)
-                            lc.copy_(l_b)
+                        oc.copy_(o_b)
+                        lc.copy_(l_b)
                     else:
-                        if oc is None:
-                            oc = torch.zeros((*qc.shape[:3], v.shape[3]), dtype=acc, device=q.device)
-                            lc = torch.full(qc.shape[:3], float("-inf"), dtype=acc, device=q.device)
+                        if fresh:  # the first block covers part of the rows (zigzag causal)
+                            oc.zero_()
+                            lc.fill_(float("-inf"))
                         merge(_sl(oc, qs), _sl(lc, qs), o_b, l_b)
                     fresh = False
                     del o_b, l_b
                 # Drop this step's names so that a received chunk is freed once replaced.
                 del kb, vb, mb
-            if out is None:
-                out, lse = oc, lc
-        out_q = out.to(q.dtype)
+        rq_lse = None
+        if rq is not None:
+            rq_out = buf[:, :lr].transpose(1, 2)
+            rq_out.copy_(rq_parts[0][0])
+            rq_lse = rq_parts[1][0].clone()
+            for src in range(1, p):
+                merge(rq_out, rq_lse, rq_parts[0][src], rq_parts[1][src])
+            del rq_parts, rq_out
+        buf = buf.to(q.dtype)  # float32 and float64 inputs: no copy
         ctx.plan, ctx.tag, ctx.drop = plan, tag, drop
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, pad if pad is not None else torch.empty(0), out_q, lse)
-        return out_q, lse
+        empty = torch.empty(0)
+        ctx.save_for_backward(
+            q, k, v, pad if pad is not None else empty, buf, lse,
+            rq if rq is not None else empty, rq_lse if rq_lse is not None else empty,
+        )  # fmt: skip
+        return buf, lse
 
     # Its communication is not recorded for a second derivative, which would silently miss the
     # neighbours' terms: double backward raises instead.
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):  # noqa: D102
+    def backward(ctx, dbuf, _dlse):  # noqa: D102
         plan = ctx.plan
-        q, k, v, pad, out, lse = ctx.saved_tensors
+        q, k, v, pad, buf, lse, rq, rq_lse = ctx.saved_tensors
+        lr = plan.rq_len
+        out, dout = buf[:, lr:].transpose(1, 2), dbuf[:, lr:].transpose(1, 2)
+        rq_out = drq_out = None
+        if lr:
+            rq_out, drq_out = buf[:, :lr].transpose(1, 2), dbuf[:, :lr].transpose(1, 2)
+        else:
+            rq = rq_lse = None
         pad = pad if plan.has_mask else None
         ring, p, g = plan.ring, plan.ring.size, plan.groups
         acc = acc_dtype(q.dtype)
@@ -553,16 +636,28 @@ class _RingAttention(torch.autograd.Function):
             # A query with no visible key at all (lse = -inf, output 0) has zero gradients:
             # lse = +inf makes its probabilities exp(s - lse) 0 instead of NaN.
             lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        dq = dk = dv = None
+            if rq is not None:
+                rq_lse = rq_lse.masked_fill(torch.isneginf(rq_lse), float("inf"))
+        dq = dk = dv = drq = None
         if len(plan.chunks) > 1:
             dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        if rq is not None:
+            # This rank's share of the replicated queries' gradient: its partial output
+            # gradient against every key (the shares sum to the gradient, DESIGN.md section 3).
+            drq = torch.zeros(rq.shape, dtype=acc, device=q.device)
         if p > 1:
-            # Filled by the last hop of each chunk's accumulator.
+            # This rank's own share goes in at step 0, the other ranks' arrive with the last hop.
             dk = torch.empty(k.shape, dtype=acc, device=q.device)
             dv = torch.empty(v.shape, dtype=acc, device=q.device)
-        dkv_hop = None
+        # The dK/dV accumulator of a block starts on the rank right of its owner and collects one
+        # share per rank on its way round, P - 1 hops, the last one into the owner's hands
+        # (``home``); the owner's own share never travels. ``travel``: the hop of the accumulator
+        # this rank holds next, waited for at the next step.
+        travel = home = None
         for c in plan.chunks:
-            qc, doc, oc, lc = (_q_heads(t, c, g) for t in (q, dout, out, lse))
+            qc, lc = _q_heads(q, c, g), _q_heads(lse, c, g)
+            # Contiguous once per chunk (the output and its gradient are stored token-major).
+            doc, oc = _q_heads(dout, c, g).contiguous(), _q_heads(out, c, g).contiguous()
             dqc = None if dq is None else _q_heads(dq, c, g)
             for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV):
                 dkc = dvc = None
@@ -578,34 +673,59 @@ class _RingAttention(torch.autograd.Function):
                     dkc = _accumulate(dkc, ks, dk_b, kb.shape, acc)
                     dvc = _accumulate(dvc, ks, dv_b, vb.shape, acc)
                     del dq_b, dk_b, dv_b
+                if rq is not None:
+                    rbd = None if ctx.drop is None else ctx.drop.rq_block(c, g, src, q.device)
+                    whole = _Segment(0, 0, kb.shape[2])
+                    drq_b, dk_b, dv_b = block_backward(
+                        _q_heads(drq_out, c, g).contiguous(), _q_heads(rq, c, g), kb, vb,
+                        _q_heads(rq_out, c, g).contiguous(), _q_heads(rq_lse, c, g).contiguous(),
+                        mb, plan.scale, False, rbd,
+                    )
+                    _q_heads(drq, c, g).add_(drq_b)
+                    dkc = _accumulate(dkc, whole, dk_b, kb.shape, acc)
+                    dvc = _accumulate(dvc, whole, dv_b, vb.shape, acc)
+                    del drq_b, dk_b, dv_b
                 if dkc is None:  # a block wholly in this rank's causal future
                     dkc = torch.zeros(kb.shape, dtype=acc, device=q.device)
                     dvc = torch.zeros(vb.shape, dtype=acc, device=q.device)
-                if dkv_hop is not None:
-                    # The previous hop: at step > 0 the accumulator of this chunk from the ranks
-                    # that held it before (it travelled while this rank computed its share); at
-                    # step 0 the final dK/dV of this rank's previous chunk, already in place.
-                    got = dkv_hop.wait()
-                    dkv_hop = None
-                    if step > 0:
-                        dkc += got[0]
-                        dvc += got[1]
+                if travel is not None:
+                    # The shares of this block from the ranks that held it before (it travelled
+                    # while this rank computed its own share).
+                    got = travel.wait()
+                    travel = None
+                    dkc += got[0]
+                    dvc += got[1]
+                    del got
+                if home is not None:
+                    # The other ranks' shares of this rank's previous chunk, back home.
+                    got = home[0].wait()
+                    _kv_heads(dk, home[1]).add_(got[0])
+                    _kv_heads(dv, home[1]).add_(got[1])
+                    home = None
                     del got
                 if p == 1:
                     dk, dv = dkc, dvc
+                elif step == 0:
+                    _kv_heads(dk, c).copy_(dkc)
+                    _kv_heads(dv, c).copy_(dvc)
                 else:
-                    nxt = (src - 1) % p
-                    # After the last step the accumulator goes home: the left neighbour's hop
-                    # brings this rank's own final chunk straight into dk/dv.
-                    into = [_kv_heads(dk, c), _kv_heads(dv, c)] if step == p - 1 else None
-                    shapes = _unit_shapes(plan, nxt, c, k, v, False)
-                    dkv_hop = ring_pass(ring, [dkc, dvc], shapes, tag=ctx.tag + _BWD_DKV, out=into)
+                    # To the right neighbour, which holds block ``src`` next (or owns it, at the
+                    # last step); from the left neighbour comes the accumulator of block src - 1.
+                    shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, False)
+                    hop = ring_pass(ring, [dkc, dvc], shapes, tag=ctx.tag + _BWD_DKV)
+                    if step == p - 1:
+                        home = (hop, c)
+                    else:
+                        travel = hop
                 del kb, vb, mb, dkc, dvc
             if dq is None:
                 dq = dqc
-        if dkv_hop is not None:
-            dkv_hop.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        if home is not None:
+            got = home[0].wait()
+            _kv_heads(dk, home[1]).add_(got[0])
+            _kv_heads(dv, home[1]).add_(got[1])
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None)
+        return (*grads, None if drq is None else drq.to(rq.dtype))
 
 
 def ring_attention(
@@ -624,6 +744,9 @@ def ring_attention(
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
     seq_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    replicated_q: torch.Tensor | None = None,
+    replicated_positions: torch.Tensor | None = None,
+    concat_replicated: bool = False,
 ):
     """Exact attention over a sequence sharded on the domain axis, by passing K/V around a ring.
 
@@ -636,7 +759,8 @@ def ring_attention(
     with the block computation). Backward: K/V circulate again, each piece followed by its dK/dV
     accumulator, which ends on its owner. Per-rank memory is the O(L_local x D) slabs plus a few
     pieces in flight (about 1.1 slabs at 8 pieces); no rank ever holds the full K/V or an
-    L x L matrix. With one rank nothing is cut and nothing is copied. Partial results are merged
+    L x L matrix. Backward moves (P - 1) x (K/V + dK/dV), the minimum: each rank keeps its own
+    dK/dV share and receives the sum of the others'. With one rank nothing is cut and nothing is copied. Partial results are merged
     in float32 (float64 for float64 inputs) by their log-sum-exp. Block kernels: see
     ``sharded_nn.attention_kernels`` (CPU flash kernel, CUDA memory-efficient kernel behind a
     one-time self-check, blocked math otherwise).
@@ -669,6 +793,22 @@ def ring_attention(
             the call then skips its one small all-gather of the shapes, which is also a
             synchronisation of the ranks. The other facts (batch, heads, head dims, mask
             presence, dropout options) are then taken as agreed, not checked across ranks.
+        replicated_q: ``(B, H, Lr, D)`` extra queries held identically by every rank (a ViT's
+            class and register tokens), attending over the keys of all ranks (not causal). They
+            ride along the ring: no extra collective. The call then also returns their
+            ``(B, H, Lr, Dv)`` output, bit-identical on every rank (per-block results merged in
+            rank order). Gradient convention of DESIGN.md section 3: their output gradient on
+            each rank is a share, and so is the gradient returned for ``replicated_q``.
+        replicated_positions: int64 ``(Lr,)`` global positions of the replicated queries in the
+            dropout mask law; required with dropout and ``replicated_q``.
+        concat_replicated: with ``replicated_q``, return one ``(B, H, Lr + Lq_local, Dv)``
+            output, the replicated queries' rows first, instead of two.
+
+    Returns:
+        The ``(B, H, Lq_local, Dv)`` output, stored token-major (a ``(B, Lq_local, H, Dv)``
+        tensor transposed, so that ``out.transpose(1, 2).reshape(B, Lq_local, H * Dv)`` is a
+        view); with ``return_lse`` ``(out, lse)``; with ``replicated_q`` also the replicated
+        output last: ``(out, out_r)`` or ``(out, lse, out_r)`` (or the concatenated output).
 
     Raises:
         ShardingError: inconsistent shapes or dropout options across ranks, a zigzag layout
@@ -677,13 +817,25 @@ def ring_attention(
         ValueError: ``dropout_p`` outside [0, 1), or without ``dropout_seed`` (every rank).
     """
     dropout = (dropout_p, dropout_seed, q_positions, k_positions)
-    plan = _plan(q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention", dropout, seq_lens)
+    plan = _plan(
+        q, k, v, key_padding_mask, mesh, is_causal, scale, layout, "ring_attention", dropout, seq_lens, replicated_q
+    )
     pad = key_padding_mask.to(torch.uint8).contiguous() if key_padding_mask is not None else None
-    drop = _dropout_setup(plan, q, q_positions, k_positions)
+    drop = _dropout_setup(plan, q, q_positions, k_positions, replicated_positions)
     # Reserved by every rank in program order, also for its backward (see comm/peers.py).
     tag = plan.ring.next_tags(_RING_TAGS)
-    out, lse = _RingAttention.apply(q, k, v, pad, plan, tag, drop)
-    return (out, lse) if return_lse else out
+    # Replicated queries contiguous, so that their kernels see the same layout on every rank.
+    rq = None if replicated_q is None else replicated_q.contiguous()
+    buf, lse = _RingAttention.apply(q, k, v, pad, plan, tag, drop, rq)
+    lr = plan.rq_len
+    if rq is not None and concat_replicated:
+        both = buf.transpose(1, 2)
+        return (both, lse) if return_lse else both
+    out = buf[:, lr:].transpose(1, 2)
+    if rq is None:
+        return (out, lse) if return_lse else out
+    out_r = buf[:, :lr].transpose(1, 2)
+    return (out, lse, out_r) if return_lse else (out, out_r)
 
 
 # --------------------------------------------------------------------------- Ulysses

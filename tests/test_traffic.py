@@ -71,3 +71,26 @@ def _reduction_traffic():
 def test_reduction_counts_payload_once(run):
     for sent, calls in run(2, _reduction_traffic):
         assert sent == {"reduction": 4 * 3 * 4} and calls == {"reduction": 1}
+
+
+def _ring_backward_traffic(length: int, heads: int):
+    m = mesh(dist.get_world_size())
+    local = len(range(length)[snn.local_slices((length,), m, dims=(0,))[0]])
+    q, k, v = (torch.randn(1, heads, local, 8, requires_grad=True) for _ in range(3))
+    snn.functional.ring_attention(q, k, v, m).sum().backward()  # warm-up
+    with count_traffic() as t:
+        snn.functional.ring_attention(q, k, v, m).sum().backward()
+    return dict(t.sent)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_backward_moves_the_minimum(run, world):
+    # The minimum: every K/V block visits the P-1 other ranks in forward and again in backward,
+    # and each rank's dK/dV shares reach the owner in P-1 hops in all (the owner keeps its own).
+    length, heads = 17, 2
+    sizes = [9, 8] if world == 2 else [6, 6, 5]
+    block = 2 * heads * 8 * 4  # K and V (or dK and dV) of one token, float32
+    for rank, sent in enumerate(run(world, _ring_backward_traffic, length, heads)):
+        kv = sum(sizes[(rank - h) % world] for h in range(world - 1))  # forward hops 0..P-2
+        dkv = sum(sizes[(rank - s) % world] for s in range(1, world))  # accumulators of blocks me-1..me-(P-1)
+        assert sent["ring"] == (2 * kv + dkv) * block

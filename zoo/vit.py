@@ -28,9 +28,12 @@ Sharding contract
 - Prefix tokens (class and register tokens): held by every rank, in front of its patch tokens,
   with identical values on every rank. In attention they are keys and values once: the prefix
   K/V travel with the slab of domain rank 0 only. Patch queries attend over the ring (all patch
-  keys plus the prefix keys once). Prefix queries attend to all tokens too: each rank scores them
-  against its own keys, the per-rank partial results (output and log-sum-exp) are all-gathered
-  and merged in rank order, so every rank computes bit-identical prefix tokens. Holds for
+  keys plus the prefix keys once). Prefix queries attend to all tokens too: with ring attention
+  they ride along the ring (every rank scores them against each K/V block as it passes and merges
+  the per-block results in rank order: no collective of their own); with Ulysses each rank scores
+  them against its own keys and the per-rank partial results (output and log-sum-exp) are
+  all-gathered and merged in rank order. Either way every rank computes bit-identical prefix
+  tokens. Holds for
   ``no_embed_class`` True (position embeddings on patches only) and False (the prefix slice of
   ``pos_embed`` added on every rank).
 - Position embeddings: each rank adds its own rows of the position embedding (for
@@ -324,7 +327,11 @@ def prefix_self_attention(
     """Exact self-attention of ``[prefix, local patches]`` token slabs (the prefix replicated).
 
     The prefix keys/values count once (they join domain rank 0's slab); patch queries go through
-    ring or Ulysses attention, prefix queries through ``replicated_query_attention``. With
+    ring or Ulysses attention. Prefix queries: with ring attention they ride along the ring as
+    replicated queries (``ring_attention(replicated_q=...)``: no collective of their own); with
+    Ulysses through ``replicated_query_attention`` (one all-gather). The result is a
+    ``(B, H, n, D)`` view of a ``(B, n, H, D)`` tensor, so that the caller's
+    ``transpose(1, 2).reshape`` to tokens needs no copy. With
     ``dropout_p > 0`` the mask is keyed on ``dropout_seed`` and ``positions`` (the global token
     indices of this rank's ``[prefix, patches]`` tokens, required then). ``seq_lens``: every
     rank's (patch query, key) lengths, already gathered (see ``ring_attention``).
@@ -344,6 +351,13 @@ def prefix_self_attention(
         k_pos = None if positions is None else positions[num_prefix:]
     if dropout_p > 0:
         drop.update(q_positions=positions[num_prefix:], k_positions=k_pos)
+    if attention == "ring":
+        if dropout_p > 0:
+            drop.update(replicated_positions=positions[:num_prefix])
+        return ring_attention(
+            q[:, :, num_prefix:], k, v, mesh, False, scale, replicated_q=q[:, :, :num_prefix],
+            concat_replicated=True, **drop,
+        )
     out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
     prefix_drop = None
     if dropout_p > 0:
@@ -353,7 +367,14 @@ def prefix_self_attention(
             positions[:num_prefix].to(dev), k_pos.to(dev),
         )
     out_prefix = replicated_query_attention(q[:, :, :num_prefix], k, v, mesh, scale, drop=prefix_drop)
-    return torch.cat([out_prefix.to(out_patch.dtype), out_patch], 2)
+    return _tokens_major(out_prefix, out_patch)
+
+
+def _tokens_major(prefix: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    """``cat([prefix, patches], 2)`` of ``(B, H, L, D)`` tensors, stored token-major (as
+    ``(B, L, H, D)``), the layout the attention's output projection reads."""
+    both = torch.cat([prefix.to(patches.dtype).transpose(1, 2), patches.transpose(1, 2)], 1)
+    return both.transpose(1, 2)
 
 
 def _fallback_positions(n_local: int, num_prefix: int, mesh: DeviceMesh) -> torch.Tensor:

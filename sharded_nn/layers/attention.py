@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..functional import ring_attention, ulysses_attention
-from ..mesh import domain_axes
+from ..mesh import axis_index, data_axis, domain_axes
 from ..registry import register
 from .base import ShardedMixin, check_mesh, dtype_code, gather_facts
 
@@ -113,16 +113,42 @@ class _AttentionMixin(ShardedMixin):
         self.mesh_axes = domain_axes(mesh)
         self.dims = (self._seq_dim,)
 
-    def _attend(self, q, k, v, is_causal, key_padding_mask, scale=None):
-        fn = _algorithm(self.attention, type(self).__name__)
-        return fn(q, k, v, self.mesh, is_causal, scale, key_padding_mask=key_padding_mask, layout=self.layout)
+    #: The seed of the attention-dropout mask of the last training forward (None: no dropout),
+    #: so that a run can reproduce its masks (``attention_kernels.dropout_keep``).
+    dropout_seed: int | None = None
 
-    def _check_dropout(self, p: float) -> None:
-        if self.training and p > 0:
-            raise ShardingNotImplementedError(
-                f"{type(self).__name__}: attention dropout (p={p}) in training is not supported by the "
-                "sharded kernels. Set the dropout to 0, or call .eval()."
-            )
+    def _attend(self, q, k, v, is_causal, key_padding_mask, scale=None, dropout_p: float = 0.0):
+        fn = _algorithm(self.attention, type(self).__name__)
+        drop = {}
+        if dropout_p > 0:
+            drop = {"dropout_p": dropout_p, "dropout_seed": self.dropout_seed}
+        return fn(q, k, v, self.mesh, is_causal, scale, key_padding_mask=key_padding_mask, layout=self.layout, **drop)
+
+    def _dropout_facts(self, p: float) -> tuple[dict[str, tuple[int, ...]], int]:
+        """Attention dropout in this call: the ``same`` fact (on, p) and this rank's seed candidate.
+
+        The mask is position-keyed (``sharded_nn.attention_kernels.dropout_keep``): every rank
+        computes its part of one mask from one seed and the global (batch, head, query, key)
+        indices, and backward regenerates it. The seed is drawn from each rank's default torch
+        generator (as ``nn.Dropout`` draws from it) and domain rank 0's draw is used, taken
+        from the facts this call gathers anyway: no extra collective.
+        """
+        on = self.training and p > 0
+        seed = int(torch.randint(0, 1 << 62, (1,)).item()) if on else 0
+        return {"attention dropout (on, p * 2**32)": (int(on), round(p * (1 << 32)) if on else 0)}, seed
+
+    def _set_dropout_seed(self, rows, p: float) -> float:
+        """Domain rank 0's seed (the last local fact), offset by the data-parallel index so that
+        data-parallel replicas draw different masks; returns the dropout probability to apply."""
+        if not (self.training and p > 0):
+            self.dropout_seed = None
+            return 0.0
+        seed = rows[0][-1]
+        data = data_axis(self.mesh)
+        if data is not None:
+            seed += 1_000_003 * axis_index(self.mesh, data)
+        self.dropout_seed = int(seed) % (1 << 63)
+        return float(p)
 
     def sharding_repr(self) -> str:
         return f"{super().sharding_repr()}, attention={self.attention!r}, layout={self.layout!r}"
@@ -136,9 +162,12 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
     ``batch_first=True`` or ``(L_local, B, E)`` otherwise; the output is the query's slab.
     ``key_padding_mask`` is the bool ``(B, L_local)`` slab of the keys' padding flags.
     ``is_causal=True`` applies the causal mask on global positions (an ``attn_mask`` passed with
-    it is taken as that causal mask, as torch's hint says). Not supported: attention weights
-    (they are L x L), other ``attn_mask``s, ``add_bias_kv``, ``add_zero_attn``, dropout in
-    training. Same state_dict keys as ``nn.MultiheadAttention``.
+    it is taken as that causal mask, as torch's hint says). Attention dropout in training
+    (``dropout``) uses the position-keyed mask law of ``ring_attention`` (see
+    ``_AttentionMixin._dropout_facts``; ``dropout_seed`` records the last mask's seed): the law
+    of torch's dropout on the attention weights, not its random bits. Not supported: attention
+    weights (they are L x L), other ``attn_mask``s, ``add_bias_kv``, ``add_zero_attn``. Same
+    state_dict keys as ``nn.MultiheadAttention``.
 
     Keyword-only options: ``mesh``; ``attention`` (``"ring"`` or ``"ulysses"``); ``layout``
     (``"contiguous"`` or ``"zigzag"``).
@@ -148,15 +177,18 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
     def _seq_dim(self) -> int:  # type: ignore[override]
         return 1 if self.batch_first else 0
 
-    def _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> None:
+    def _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> float:
         """Validate the call from facts gathered from every domain rank (one small all-gather).
 
         Every argument that can make a rank raise travels, so a bad input on one rank raises the
-        same error on every rank instead of leaving the others waiting in the ring.
+        same error on every rank instead of leaving the others waiting in the ring. Returns the
+        attention-dropout probability of this call (its seed set on ``dropout_seed``).
         """
         name = type(self).__name__
         mask = key_padding_mask
+        drop_same, seed = self._dropout_facts(self.dropout)
         same = {
+            **drop_same,
             "dtype": (dtype_code(query.dtype),),
             "requires_grad": (_requires_grad(self, query, key, value),),
             "need_weights": (int(need_weights),),
@@ -165,7 +197,9 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
             "key_padding_mask given": (int(mask is not None),),
         }
         mask_bool = int(mask is None or mask.dtype == torch.bool)
-        local = (*_shape_fact(query, 3), *_shape_fact(key, 3), *_shape_fact(value, 3), *_shape_fact(mask, 2), mask_bool)
+        local = (
+            *_shape_fact(query, 3), *_shape_fact(key, 3), *_shape_fact(value, 3), *_shape_fact(mask, 2), mask_bool, seed
+        )  # fmt: skip
         rows = gather_facts(self.mesh, name, same=same, local=local)
         if need_weights:
             raise ShardingNotImplementedError(
@@ -205,6 +239,7 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
                     f"rank; domain ranks {bad} pass another dtype or shape (expected shapes by rank: "
                     f"{[w[1:] for w in want]})."
                 )
+        return self._set_dropout_seed(rows, self.dropout)
 
     def forward(  # noqa: D102
         self,
@@ -220,7 +255,6 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
         name = type(self).__name__
         if self.bias_k is not None or self.add_zero_attn:
             raise ShardingNotImplementedError(f"{name}: add_bias_kv and add_zero_attn are not supported.")
-        self._check_dropout(self.dropout)
         if query.dim() == 2:
             # Unbatched (L, E) input, as torch accepts: add the batch dim and remove it after.
             b = 0 if self.batch_first else 1
@@ -230,7 +264,7 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
                 need_weights, attn_mask, average_attn_weights, is_causal,
             )
             return out.squeeze(b), None
-        self._check_inputs(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        dropout_p = self._check_inputs(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if self._qkv_same_embed_dim:
@@ -245,7 +279,7 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
             F.linear(t, w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
             for t, w, bias in ((query, w_q, b_q), (key, w_k, b_k), (value, w_v, b_v))
         )
-        out = self._attend(q, k, v, is_causal, key_padding_mask)
+        out = self._attend(q, k, v, is_causal, key_padding_mask, dropout_p=dropout_p)
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         if not self.batch_first:
             out = out.transpose(0, 1)
@@ -272,23 +306,25 @@ if _TimmAttention is not None:
 
         Mirrors ``timm.models.vision_transformer.Attention.forward`` (qkv projection, q/k norm,
         optional gate and scale norm, output projection) with the attention core replaced by
-        ring or Ulysses attention. ``is_causal`` is supported; an explicit ``attn_mask`` and
-        attention dropout in training are not. Build with ``from_module`` or ``convert``
-        (options ``attention``, ``layout``).
+        ring or Ulysses attention. ``is_causal`` is supported; an explicit ``attn_mask`` is not.
+        Attention dropout in training (``attn_drop.p``) uses the position-keyed mask law, as
+        ``ShardedMultiheadAttention`` (``dropout_seed`` records the last mask's seed). Build with
+        ``from_module`` or ``convert`` (options ``attention``, ``layout``).
         """
 
         def forward(  # noqa: D102
             self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
         ) -> torch.Tensor:
             name = type(self).__name__
-            self._check_dropout(self.attn_drop.p)
+            drop_same, seed = self._dropout_facts(self.attn_drop.p)
             same = {
+                **drop_same,
                 "dtype": (dtype_code(x.dtype),),
                 "requires_grad": (_requires_grad(self, x),),
                 "attn_mask given": (int(attn_mask is not None),),
                 "is_causal": (int(is_causal),),
             }
-            rows = gather_facts(self.mesh, name, same=same, local=_shape_fact(x, 3))
+            rows = gather_facts(self.mesh, name, same=same, local=(*_shape_fact(x, 3), seed))
             if attn_mask is not None:
                 raise ShardingNotImplementedError(
                     f"{name}: an explicit attn_mask is not supported on a sharded sequence; use is_causal."
@@ -299,12 +335,13 @@ if _TimmAttention is not None:
                     f"{name}: expected (B, L_local, {dim}) tokens with one batch size on every rank; local shapes "
                     f"by rank: {[r[1:] for r in rows]}."
                 )
+            dropout_p = self._set_dropout_seed(rows, self.attn_drop.p)
             b, n, _ = x.shape
             gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
             qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             q, k, v = qkv.unbind(0)
             q, k = self.q_norm(q), self.k_norm(k)
-            x = self._attend(q, k, v, is_causal, None, self.scale)
+            x = self._attend(q, k, v, is_causal, None, self.scale, dropout_p=dropout_p)
             x = x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
             x = self.norm(x)
             if gate is not None:
