@@ -13,9 +13,9 @@ What is measured (DESIGN.md section 7):
 * Time: one warm-up iteration, then ``--iters`` timed iterations between barriers; an
   iteration's time is the slowest rank's; the median is reported. Speedup ``T1 / T2`` and
   parallel efficiency ``T1 / (2 T2)``.
-* Memory: each rank's ``ru_maxrss`` after the timed iterations minus its value right after
-  imports, process group and mesh creation; the maximum over ranks; ratio P=2 / P=1. P=1 and
-  P=2 run in separate launches, so each high-water mark belongs to one configuration.
+* Memory: each rank's peak resident size (``VmHWM``, reset by ``sharded_nn.demo.PeakRSS`` right
+  after imports, process group and mesh creation) above its resident size then; the maximum
+  over ranks; ratio P=2 / P=1. P=1 and P=2 run in separate launches.
 * Consistency: the global sums of the output and of dq must agree between P=1 and P=2.
 
 Where the memory goes, in local slabs (one slab: B x H x L/P x D float32), at the backward peak:
@@ -42,7 +42,6 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by the spawned ranks
 
 import argparse  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
+from sharded_nn.demo import PeakRSS  # noqa: E402
 from sharded_nn import functional as snf  # noqa: E402
 
 SPEEDUP_TARGET = 1.8
@@ -57,10 +57,6 @@ MEM_RATIO_TARGET = 0.55
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
 BLOCK = 128  # tokens per seeded block of the generated input
 SEED = 1234
-
-
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _tokens(start: int, stop: int, salt: int) -> torch.Tensor:
@@ -88,7 +84,7 @@ def _local(seq: int, mesh, causal: bool, salt: int) -> torch.Tensor:
 def _worker(seq: int, iters: int, causal: bool) -> dict:
     mesh = snn.init_mesh(device_type="cpu")
     group = snn.domain_group(mesh)
-    base = _maxrss_mib()
+    peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     layout = "zigzag" if causal else "contiguous"
     q, k, v = (_local(seq, mesh, causal, s).requires_grad_() for s in range(3))
     weight = _local(seq, mesh, causal, 3)
@@ -110,7 +106,7 @@ def _worker(seq: int, iters: int, causal: bool) -> dict:
         times.append(time.perf_counter() - t0)
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    mem = torch.tensor([_maxrss_mib() - base], dtype=torch.float64)
+    mem = torch.tensor([peak.mib()], dtype=torch.float64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=group)
     sums = torch.tensor([out.double().sum().item(), q.grad.double().sum().item()], dtype=torch.float64)
     dist.all_reduce(sums, group=group)

@@ -12,7 +12,8 @@ What is measured (DESIGN.md section 7):
   same weights from the same seed.
 * Time: one warm-up iteration, then ``--iters`` timed iterations between barriers; an
   iteration's time is the slowest rank's; the median is reported. Speedup ``T1 / T2``.
-* Memory: each rank's ``ru_maxrss`` high-water mark after a mode's iterations minus its value
+* Memory: each rank's peak resident size (``VmHWM``, reset by
+  ``sharded_nn.demo.PeakRSS``) after a mode's iterations minus its value
   after the model and the input were built (weights are replicated and not counted), maximum
   over ranks; ratio P=2 / P=1. ``forward`` is measured before ``fwd+bwd`` in each launch.
 * Consistency: the P=2 logits (replicated) and the global sum of the image gradient must match
@@ -31,7 +32,6 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by the spawned ranks
 
 import argparse  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -39,16 +39,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
+from sharded_nn.demo import PeakRSS  # noqa: E402
 from sharded_nn import zoo  # noqa: E402
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
 SEED = 1234
 PATCH = 16
-
-
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _rows(start: int, stop: int, size: int) -> torch.Tensor:
@@ -93,7 +90,7 @@ def _worker(name: str, size: int, iters: int, depth: int | None) -> dict:
         return out.detach(), xi.grad
 
     result = {}
-    base = _maxrss_mib()
+    peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     for mode, step in (("forward", fwd), ("fwd+bwd", fwd_bwd)):
         step()
         times = []
@@ -104,7 +101,7 @@ def _worker(name: str, size: int, iters: int, depth: int | None) -> dict:
             barrier()
             times.append(time.perf_counter() - t0)
         t = torch.tensor(times, dtype=torch.float64)
-        mem = torch.tensor([_maxrss_mib() - base], dtype=torch.float64)
+        mem = torch.tensor([peak.mib()], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=group)
