@@ -5,7 +5,8 @@ sizes, float32) runs forward and backward twice at the same P, from the same wei
 the outputs, input gradients and (domain-summed) parameter gradients must be identical bit for
 bit (at P = 2). Across P = 1 (the plain model), 2 and 3 they must agree to float32 tolerance: the sharded
 models sum the same terms in another order (per-rank partials, ring-attention blocks), which
-changes roundings but nothing else.
+changes roundings but nothing else. Where a value is a sum that cancels (its float32 value is
+all rounding), P=2 must be no farther from the float64 result than P=1 is.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from .reference import reduce_param_grads
 from .test_mixed_precision import MODELS, _call, _model
 
 
-def _step(name: str, model, m) -> dict[str, torch.Tensor]:
+def _step(name: str, model, m, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Output, input gradient and summed parameter gradients of one forward and backward."""
     _, shape, dim, align, replicated = MODELS[name]
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(shape, generator=gen)
-    emb = torch.randn(*shape[:2], 3, generator=gen) if name == "transolver" else None
+    x = torch.randn(shape, generator=gen).to(dtype)
+    emb = torch.randn(*shape[:2], 3, generator=gen).to(dtype) if name == "transolver" else None
     if m is None:
         xl, el = x.requires_grad_(), emb
     else:
@@ -36,7 +37,7 @@ def _step(name: str, model, m) -> dict[str, torch.Tensor]:
         full = y
     else:
         full = snn.gather(y, m, dims=(dim,))
-    g = torch.randn(full.shape, generator=gen)
+    g = torch.randn(full.shape, generator=gen).to(dtype)
     loss = (full * g).sum()
     (snn.losses.share(loss, m) if m is not None else loss).backward()
     out = {"out": full.detach(), "grad_in": xl.grad if m is None else snn.gather(xl.grad, m, dims=(dim,))}
@@ -47,7 +48,7 @@ def _step(name: str, model, m) -> dict[str, torch.Tensor]:
     return out
 
 
-def _results(world: int, repeats: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+def _results(world: int, repeats: int, dtype: torch.dtype = torch.float32) -> dict[str, list[dict[str, torch.Tensor]]]:
     m = mesh(world) if world > 1 else None
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -56,9 +57,9 @@ def _results(world: int, repeats: int) -> dict[str, list[dict[str, torch.Tensor]
         for name in MODELS:
             runs = []
             for _ in range(repeats):
-                model = _model(name)
+                model = _model(name).to(dtype)
                 model = snn.convert(model, m) if m is not None else model
-                runs.append(_step(name, model, m))
+                runs.append(_step(name, model, m, dtype))
             out[name] = runs
         return out
     finally:
@@ -67,6 +68,7 @@ def _results(world: int, repeats: int) -> dict[str, list[dict[str, torch.Tensor]
 
 def test_bitwise_repeatable_and_agrees_across_world_sizes(run):
     ref = run(1, _results, 1, 1)[0]
+    ref64 = run(1, _results, 1, 1, torch.float64)[0]
     per_rank = run(2, _results, 2, 2)
     for name, (a, b) in per_rank[0].items():
         for what in a:
@@ -79,8 +81,15 @@ def test_bitwise_repeatable_and_agrees_across_world_sizes(run):
             # ulps of the largest entry.
             want = ref[name][0][what]
             scale = want.abs().max().item()
-            torch.testing.assert_close(a[what], want, rtol=1e-4, atol=1e-5 * max(scale, 1.0),
-                                       msg=lambda s, n=name, w=what: f"{n} {w} at P=2 vs P=1: {s}")
+            close = torch.isclose(a[what], want, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+            if not close.all():
+                # A sum that cancels (a conv bias before a norm: its true gradient is 0) keeps the
+                # rounding of its terms, at P=1 as at P=2: there P=2 must be no farther from the
+                # float64 truth than P=1 is (with a margin of one such error).
+                truth = ref64[name][0][what].to(a[what].dtype)
+                err2, err1 = (a[what] - truth).abs(), (want - truth).abs()
+                bad = ~close & (err2 > 2 * err1)
+                assert not bad.any(), (name, what, err2[bad].max().item(), err1[bad].max().item())
 
 
 def _p3_matches(ref: dict) -> bool:
