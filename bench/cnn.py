@@ -38,7 +38,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sharded_nn as snn  # noqa: E402
-from sharded_nn.comm.sizes import enable_layout_scope  # noqa: E402
 
 MODELS = ("convnext_atto", "regnetx_002", "efficientnet_b0", "mobilenetv3_large_100", "resnet50")
 SIZES = ("512x256", "1024x512", "2048x1024")
@@ -73,9 +72,8 @@ def rank_main(name: str, h: int, w: int, iters: int, sharded: bool) -> dict:
     if sharded:
         mesh = snn.init_mesh(domain=dist.get_world_size())
         align = snn.alignment(model, 2)
-        # Layouts agreed once per forward (on the input) and derived from layer to layer; a no-op
-        # once convert does it itself.
-        model = enable_layout_scope(snn.convert(model, mesh))
+        # convert installs the layout scope: layouts agreed once per forward, on the input.
+        model = snn.convert(model, mesh)
         x = x_full[snn.local_slices(x_full.shape, mesh, dims=(2,), align=align)].clone()
     else:
         x = x_full

@@ -19,7 +19,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sharded_nn as snn  # noqa: E402
-from sharded_nn.comm.sizes import enable_layout_scope  # noqa: E402
 
 
 def rank_main(name: str, h: int, w: int, what: str, sharded: bool, iters: int, top: int) -> str:
@@ -29,9 +28,8 @@ def rank_main(name: str, h: int, w: int, what: str, sharded: bool, iters: int, t
     import timm
 
     if os.environ.get("CNN_PROFILE_MALLOC") == "big":
-        # Undo launch's fixed 64 KiB mmap threshold (sharded_nn.host_memory.tune_host_allocator):
-        # serve buffers up to 32 MiB from the heap and keep freed memory (no trim), as glibc's
-        # dynamic threshold ends up doing in a long-running process.
+        # Serve buffers up to 32 MiB from the heap and keep freed memory (no trim): what glibc's
+        # dynamic threshold ends up doing in a long-running process, from the first step.
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
@@ -43,7 +41,7 @@ def rank_main(name: str, h: int, w: int, what: str, sharded: bool, iters: int, t
     if sharded:
         mesh = snn.init_mesh(domain=dist.get_world_size())
         align = snn.alignment(model, 2)
-        model = enable_layout_scope(snn.convert(model, mesh))
+        model = snn.convert(model, mesh)
         x = x[snn.local_slices(x.shape, mesh, dims=(2,), align=align)].clone()
 
     def step():
