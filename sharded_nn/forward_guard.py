@@ -495,6 +495,25 @@ def _layer_output_state(module: nn.Module, state):
     return state
 
 
+def _dim_map(remap):
+    """A guard handler for a call that only moves dims (transpose, view, squeeze, ...).
+
+    The handler runs the call, then gives the output the input's sharded dims as ``remap(self, x,
+    out, st, base, args, kwargs)`` maps them (``UNKNOWN`` where they cannot be followed); an
+    untracked or unknown input passes its state on unchanged.
+    """
+
+    def handler(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
+        self._set(out, st if st in (None, UNKNOWN) else remap(self, x, out, st, base, args, kwargs))
+        return out
+
+    handler.__name__ = remap.__name__
+    return handler
+
+
 class _GuardMode(TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
@@ -708,13 +727,8 @@ class _GuardMode(TorchFunctionMode):
         self._set(args[0], self._st(args[1]) if len(args) > 1 else None)
         return out
 
-    def _h_transpose(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_transpose(self, x, out, st, base, args, kwargs):
         nd = x.dim()
         if base in ("T", "t"):
             perm = list(range(nd))[::-1]
@@ -726,28 +740,16 @@ class _GuardMode(TorchFunctionMode):
             perm = list(range(nd))
             a, b = a % nd, b % nd
             perm[a], perm[b] = perm[b], perm[a]
-        self._set(out, tuple(None if d is None else perm.index(d) for d in st))
-        return out
+        return tuple(None if d is None else perm.index(d) for d in st)
 
-    def _h_permute(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_permute(self, x, out, st, base, args, kwargs):
         perm = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "dims")
         perm = [p % x.dim() for p in perm]
-        self._set(out, tuple(None if d is None else perm.index(d) for d in st))
-        return out
+        return tuple(None if d is None else perm.index(d) for d in st)
 
-    def _h_movedim(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_movedim(self, x, out, st, base, args, kwargs):
         src = _arg(args, kwargs, 1, "source")
         dst = _arg(args, kwargs, 2, "destination")
         src = [src] if isinstance(src, int) else list(src)
@@ -759,59 +761,37 @@ class _GuardMode(TorchFunctionMode):
             order[d] = s
         rest = iter(i for i in range(nd) if i not in src)
         order = [o if o is not None else next(rest) for o in order]
-        self._set(out, tuple(None if d is None else order.index(d) for d in st))
-        return out
+        return tuple(None if d is None else order.index(d) for d in st)
 
-    def _h_unsqueeze(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_unsqueeze(self, x, out, st, base, args, kwargs):
         d0 = _arg(args, kwargs, 1, "dim") % out.dim()
-        self._set(out, tuple(None if d is None else d + (d >= d0) for d in st))
-        return out
+        return tuple(None if d is None else d + (d >= d0) for d in st)
 
-    def _h_squeeze(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_squeeze(self, x, out, st, base, args, kwargs):
         dim = _arg(args, kwargs, 1, "dim")
         nd = x.dim()
         cand = range(nd) if dim is None else _norm_dims(dim, nd)
         removed = [i for i in cand if x.shape[i] == 1]
         if any(d in removed for d in st if d is not None):
             # A slab of local size 1 would lose its sharded dim on this rank only.
-            self._set(out, UNKNOWN)
-            return out
-        self._set(out, tuple(None if d is None else d - sum(r < d for r in removed) for d in st))
-        return out
+            return UNKNOWN
+        return tuple(None if d is None else d - sum(r < d for r in removed) for d in st)
 
-    def _h_reshape(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_reshape(self, x, out, st, base, args, kwargs):
         request = None
         if base in ("view", "reshape"):
             request = args[1:] if len(args) > 2 or (len(args) == 2 and not isinstance(args[1], (list, tuple, torch.Size))) else _arg(args, kwargs, 1, "shape")
             if isinstance(request, torch.dtype):
-                self._set(out, UNKNOWN)
-                return out
+                return UNKNOWN
         elif base in ("unflatten",):
             dim = _arg(args, kwargs, 1, "dim") % x.dim()
             sizes = list(_arg(args, kwargs, 2, "sizes"))
-            request = [*x.shape[:dim], *sizes, *x.shape[dim + 1 :]]
             # x.shape here holds plain ints for dims outside the split: they are untouched.
             request = [*[0] * dim, *sizes, *[0] * (x.dim() - dim - 1)]
-        self._set(out, _map_reshape(tuple(x.shape), tuple(out.shape), st, request))
-        return out
+        return _map_reshape(tuple(x.shape), tuple(out.shape), st, request)
 
     def _h_expand(self, func, base, args, kwargs, stateful):
         x = args[0]
@@ -849,20 +829,14 @@ class _GuardMode(TorchFunctionMode):
                           "use the slab's size itself (x.shape[d]) or build the tensor from the slab")
         return tuple(state) if any_tag else None
 
-    def _h_repeat(self, func, base, args, kwargs, stateful):
-        x = args[0]
-        out = func(*args, **kwargs)
-        st = self._st(x)
-        if st in (None, UNKNOWN):
-            self._set(out, st)
-            return out
+    @_dim_map
+    def _h_repeat(self, x, out, st, base, args, kwargs):
         reps = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
         nd = out.dim()
         shifted = tuple(None if d is None else d + nd - x.dim() for d in st)
         if any(d is not None and reps[d] != 1 for d in shifted):
             self.fail("`repeat`", "it tiles a slab along its sharded dim", "")
-        self._set(out, shifted)
-        return out
+        return shifted
 
     def _h_narrow(self, func, base, args, kwargs, stateful):
         x = args[0]
