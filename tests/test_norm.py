@@ -379,19 +379,28 @@ def _groupnorm_memory_and_double_backward():
     assert sum(saved.values()) < 1.1 * slab, (sum(saved.values()), slab)
 
     # d/dx of a penalty on the input gradient: exercises the backward's own derivative.
+    _check_double_backward(ref, sharded, x, xl, m, check_first=False)
+    return True
+
+
+def _check_double_backward(ref, sharded, x, xl, m, *, check_first: bool) -> None:
+    """A penalty on the input gradient, backpropagated: sharded against ``ref``, float64.
+
+    Per-rank losses sum to the global one, so each rank's first derivative is its exact slab
+    and the per-rank penalties sum to the global penalty (no replicated value involved).
+    """
     xr = x.clone().requires_grad_()
     (g,) = torch.autograd.grad((ref(xr) ** 3).sum(), xr, create_graph=True)
     g.pow(2).sum().backward()
-    # Per-rank losses sum to the global one, so each rank's first derivative is its exact slab
-    # and the per-rank penalties sum to the global penalty (no replicated value involved).
     (gl,) = torch.autograd.grad((sharded(xl) ** 3).sum(), xl, create_graph=True)
     gl.pow(2).sum().backward()
     with torch.no_grad():
+        if check_first:
+            torch.testing.assert_close(snn.gather(gl, m), g, atol=1e-9, rtol=1e-9)
         torch.testing.assert_close(snn.gather(xl.grad, m), xr.grad, atol=1e-9, rtol=1e-9)
     grads = reduce_param_grads(sharded, m)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-9, rtol=1e-9)
-    return True
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -459,18 +468,7 @@ def _batchnorm_double_backward(world):
     ref = _module(partial(nn.BatchNorm2d, 3))
     sharded = snn.convert(copy.deepcopy(ref), m)
     x = _input(2, 3, 13, 4) * 2 + 1
-    xr = x.clone().requires_grad_()
-    (g,) = torch.autograd.grad((ref(xr) ** 3).sum(), xr, create_graph=True)
-    g.pow(2).sum().backward()
-    xl = snn.shard(x, m).requires_grad_()
-    (gl,) = torch.autograd.grad((sharded(xl) ** 3).sum(), xl, create_graph=True)
-    gl.pow(2).sum().backward()
-    with torch.no_grad():
-        torch.testing.assert_close(snn.gather(gl, m), g, atol=1e-9, rtol=1e-9)
-        torch.testing.assert_close(snn.gather(xl.grad, m), xr.grad, atol=1e-9, rtol=1e-9)
-    grads = reduce_param_grads(sharded, m)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-9, rtol=1e-9)
+    _check_double_backward(ref, sharded, x, snn.shard(x, m).requires_grad_(), m, check_first=True)
     return True
 
 
