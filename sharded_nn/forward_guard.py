@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ShardingError
-from .mesh import domain_axes
+from .mesh import axis_size, domain_axes
 
 __all__ = ["ForwardGuard", "LocalDerived", "LocalLength", "guard_active", "install", "mark_reviewed"]
 
@@ -63,10 +63,17 @@ UNKNOWN = "unknown"
 
 _ACTIVE = threading.local()
 _SKIP = object()
+#: What ``_ACTIVE.guard`` holds during the forward of a model converted on a one-rank domain: a
+#: slab is then the whole tensor, so there is nothing to check or route and no mode is entered
+#: (``guard_active()`` still says True, for blocks that are exact only under a guard).
+_SINGLE = object()
 
 
 def guard_active() -> bool:
-    """Whether a forward guard is checking the current forward (on this thread)."""
+    """Whether a forward guard covers the current forward (on this thread).
+
+    True also on a one-rank domain, where the guard has nothing to check (every tensor is whole).
+    """
     return getattr(_ACTIVE, "guard", None) is not None
 
 
@@ -329,6 +336,9 @@ class ForwardGuard:
         self.names: dict[int, str] = {}
         self.pools = ShardedFunctionCache()
         self.reviewed = tuple(reviewed)
+        # A fact of the mesh, the same on every rank: with one rank per domain axis every tensor
+        # is whole, nothing can be mixed wrongly, and the guard skips its mode and layer hooks.
+        self.single = all(axis_size(mesh, a) == 1 for a in self.axes)
         self.refresh(model)
 
     def refresh(self, model: nn.Module) -> None:
@@ -343,6 +353,10 @@ class ForwardGuard:
             # First, before the guard's mode sees any tensor access; paired with root_post.
             self.scope.enter(module, args, kwargs)
         if torch.compiler.is_compiling() or guard_active():
+            return None
+        if self.single:
+            _ACTIVE.guard = _SINGLE
+            module.__dict__["_snn_guard_mode"] = _SINGLE
             return None
         if self._root_id != id(module):
             self.refresh(module)
@@ -363,6 +377,8 @@ class ForwardGuard:
         if mode is None:
             return None
         _ACTIVE.guard = None
+        if mode is _SINGLE:
+            return None
         mode.__exit__(None, None, None)
         bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN]
         if bad and sys.exc_info()[0] is None:
@@ -389,7 +405,7 @@ class _LayerHooks:
 
     def pre(self, module: nn.Module, args):
         mode = getattr(_ACTIVE, "guard", None)
-        if mode is None:
+        if mode is None or mode is _SINGLE:
             return None
         stack = module.__dict__.setdefault("_snn_guard_stack", [])
         if mode.suspended:
@@ -408,7 +424,7 @@ class _LayerHooks:
     def post(self, module: nn.Module, args, output):
         mode = getattr(_ACTIVE, "guard", None)
         stack = module.__dict__.get("_snn_guard_stack")
-        if mode is None or not stack:
+        if mode is None or mode is _SINGLE or not stack:
             return None
         state = stack.pop()
         if state is _SKIP:
@@ -1637,7 +1653,9 @@ def install(
     ]
     reviewed_set = set(reviewed)
     for name, m in model.named_modules():
-        if m is model:
+        if m is model or guard.single:
+            # One-rank domain: no per-layer hooks (their work would be to follow layouts that
+            # cannot be wrong); a converted layer then costs what the torch layer costs.
             continue
         kind = "sharded" if type(m) in sharded else ("reviewed" if name in reviewed_set or type(m) in REVIEWED else None)
         if kind is None:

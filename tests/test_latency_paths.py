@@ -180,6 +180,51 @@ def test_one_rank_mesh_is_the_torch_layer(run, mode):
     assert all(c == {} for c in calls.values()), calls
 
 
+class _SE(nn.Module):
+    """Convolutions around a squeeze-excite mean in the model's own forward (what the guard routes
+    at P > 1); records whether a forward guard covered each forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 2, 3, padding=1)
+        self.seen: list[bool] = []
+
+    def forward(self, x):
+        from sharded_nn.forward_guard import guard_active
+
+        self.seen.append(guard_active())
+        h = torch.tanh(self.a(x))
+        return self.b(h * torch.sigmoid(h.mean((2, 3), keepdim=True)))
+
+
+def _single_rank_guard():
+    torch.manual_seed(0)
+    ref = _SE().double()
+    model = snn.convert(copy.deepcopy(ref), mesh(1))
+    # No per-layer hooks: the guard has nothing to follow when every tensor is whole.
+    hooked = [n for n, m in model.named_modules() if m is not model and (m._forward_pre_hooks or m._forward_hooks)]
+    x = _rand((2, 3, 9, 7)).requires_grad_()
+    xs = x.detach().clone().requires_grad_()
+    with count_traffic() as t:
+        y = model(xs)
+    torch.testing.assert_close(y, ref(x), atol=0, rtol=0)
+    y.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(xs.grad, x.grad, atol=0, rtol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=n)
+    return hooked, model.seen, dict(t.calls)
+
+
+def test_one_rank_guard_skips_layer_hooks(run):
+    (got,) = run(1, _single_rank_guard)
+    hooked, seen, calls = got
+    assert hooked == [], hooked
+    assert seen == [True], seen  # the guard still covers the forward (blocks exact only under it run)
+    assert calls == {}, calls
+
+
 # --- layout scope: layouts agreed once per forward, derived from layer to layer ---------------
 
 
