@@ -132,7 +132,7 @@ def _edge(x: torch.Tensor, dim: int, width: int, head: bool) -> torch.Tensor | N
     return x.narrow(dim, 0 if head else n - width, width).contiguous()
 
 
-def _empty(x: torch.Tensor, dim: int, width: int) -> torch.Tensor | None:
+def _empty(x: torch.Tensor | _Like, dim: int, width: int) -> torch.Tensor | None:
     if width == 0:
         return None
     shape = list(x.shape)
@@ -159,9 +159,14 @@ class HaloHandle:
         self.spec, self.ring, self.grad_inplace = spec, ring, grad_inplace
         self.tag = ring.next_tags(HALO_TAGS) if tag is None else tag
         self.grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+        # The halo-gradient exchange started early by ``_HaloWait.backward`` (see there).
+        self.started: tuple | None = None
         to_left, to_right = spec.send_widths(ring.index)
         d = spec.dim
         xd = x.detach()
+        # What the backward's receive buffers are shaped like (not ``x`` itself: holding the slab
+        # until the backward would keep it alive where the caller's graph does not).
+        self.like = _Like(tuple(xd.shape), xd.dtype, xd.device)
         self._sends = (_edge(xd, d, to_left, True), _edge(xd, d, to_right, False))
         self.recv_left = _empty(xd, d, spec.left[ring.index])
         self.recv_right = _empty(xd, d, spec.right[ring.index])
@@ -196,13 +201,18 @@ class _HaloStart(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         h = ctx.handle
-        g_left, g_right = h.grads if h.grads is not None else (None, None)
+        started, h.started = h.started, None
+        if started is None:
+            # Not started by ``_HaloWait.backward`` (a backend that matches by issue order, or a
+            # rank whose halos no output used): start it now, as every rank must.
+            g_left, g_right = h.grads if h.grads is not None else (None, None)
+            started = _start_halo_grads(h.like, g_left, g_right, h.spec, h.ring, h.tag + 2)
         h.grads = None
         # Received halo gradients are added into the edges of this slab's gradient: in place
         # when the caller knows the incoming gradient is a fresh buffer nobody else holds (it
         # saves a slab-sized copy), else into a clone.
         grad = g.clone() if any(h.spec.send_widths(h.ring.index)) and not h.grad_inplace else g
-        _return_halo_grads(grad, g_left, g_right, h.spec, h.ring, h.tag + 2)
+        _finish_halo_grads(grad, *started, h.spec, h.ring)
         return grad, None
 
 
@@ -221,8 +231,31 @@ class _HaloWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_left: torch.Tensor, g_right: torch.Tensor):  # noqa: D102
-        ctx.handle.grads = (g_left, g_right)
+        h = ctx.handle
+        if h.ring.matches_by_tag:
+            # The halo gradients are complete here, before the backward of the work done on
+            # ``handle.x`` (autograd runs later nodes first: the interior convolution's input and
+            # weight gradients come after this): send them now, so that they travel during that
+            # work and ``_HaloStart.backward`` only collects what arrived. Only where messages
+            # match by tag (gloo): a rank whose halos no output used starts the same exchange
+            # later, in ``_HaloStart.backward``, which issue-order matching (NCCL) could pair
+            # with another exchange.
+            h.started = _start_halo_grads(h.like, g_left, g_right, h.spec, h.ring, h.tag + 2)
+        else:
+            h.grads = (g_left, g_right)
         return None, None
+
+
+@dataclass(frozen=True)
+class _Like:
+    """Shape, dtype and device of a slab: enough to allocate buffers shaped like it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def new_zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
 
 def _zero_width(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -315,7 +348,10 @@ def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, *, tag: int | Non
     as ``halo_exchange``.
     """
     _check_ring(spec, ring)
-    return _HaloCat.apply(x, spec, ring, ring.next_tags(HALO_TAGS) if tag is None else tag)
+    tag = ring.next_tags(HALO_TAGS) if tag is None else tag
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _cat_halos(x, spec, ring, tag)  # no graph to record: skip the Function's per-call cost
+    return _HaloCat.apply(x, spec, ring, tag)
 
 
 def _cat_halos(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ device per rank). sharded_nn's own layers satisfy both.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -122,6 +123,13 @@ class AxisPeers:
     @property
     def device(self) -> torch.device:
         return comm_device(self.group)
+
+    @functools.cached_property
+    def matches_by_tag(self) -> bool:
+        """Whether the backend pairs point-to-point messages by (peer, tag) (gloo), so that an
+        exchange may be issued at different points of the program on different ranks; NCCL
+        pairs them by issue order. A fact of the group, the same on every rank."""
+        return dist.get_backend(self.group) == "gloo"
 
     def next_tags(self, n: int) -> int:
         """Reserve ``n`` consecutive message tags on this group; returns the first.
