@@ -15,6 +15,11 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
+def _size(group: dist.ProcessGroup | None) -> int:
+    """The group's size without ``dist.get_world_size``'s checks (it runs once per collective)."""
+    return group.size() if group is not None else dist.get_world_size()
+
+
 def _pad_to(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     pads: list[int] = []
     for have, want in zip(reversed(x.shape), reversed(shape)):
@@ -31,8 +36,10 @@ def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGr
 
 def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``torch.stack`` of every rank's ``x`` (same shape on every rank); no gradient."""
-    world = dist.get_world_size(group)
+    world = _size(group)
     x = x.detach().contiguous()
+    if world == 1:
+        return x.clone().unsqueeze(0)  # nothing to gather (a gloo call still costs a thread hand-off)
     out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x.reshape(-1), group)
     return out.reshape(world, *x.shape)
@@ -40,6 +47,13 @@ def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum ``x`` over ``group``; the backward sums the (partial) gradients over the group too."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        # No graph to record: skip the autograd Function's per-call cost (statistics of a
+        # forward under no_grad, the backward's own all-reduces).
+        y = x.detach().clone()
+        if _size(group) > 1:
+            dist.all_reduce(y, group=group)
+        return y
     return _AllReduceSum.apply(x, group)
 
 
@@ -48,7 +62,8 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):  # noqa: D102
         ctx.group = group
         y = x.clone()
-        dist.all_reduce(y, group=group)
+        if _size(group) > 1:
+            dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
@@ -60,7 +75,8 @@ class _AllReduceSum(torch.autograd.Function):
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Element-wise max over ``group`` (no gradient)."""
     y = x.detach().clone()
-    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+    if _size(group) > 1:
+        dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
     return y
 
 
