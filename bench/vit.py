@@ -10,18 +10,27 @@ What is measured (DESIGN.md section 7):
   (ring attention) on two processes, each given only its patch-aligned slab of rows. Both are
   launched with ``sharded_nn.launch(fn, P, threads=1)`` (``OMP_NUM_THREADS=1``) and build the
   same weights from the same seed.
-* Time: one warm-up iteration, then ``--iters`` timed iterations between barriers; an
-  iteration's time is the slowest rank's; the median is reported. Speedup ``T1 / T2``.
+* Time: ``--warmup`` untimed iterations (default 1), then ``--iters`` timed iterations between
+  barriers; an iteration's time is the slowest rank's; the median is reported. Speedup
+  ``T1 / T2``. ``--repeat R`` launches P=1 and P=2 alternately R times (the medians are then over
+  all R x iters iterations, and the spread of the per-launch ratios is printed), so that a slow
+  phase of the machine does not land on one side only.
 * Memory: each rank's peak resident size (``VmHWM``, reset by
   ``sharded_nn.demo.PeakRSS``) after a mode's iterations minus its value
   after the model and the input were built (weights are replicated and not counted), maximum
   over ranks; ratio P=2 / P=1. ``forward`` is measured before ``fwd+bwd`` in each launch.
+  ``alloc``: the peak of the bytes held by malloc (glibc ``mallinfo2``, sampled after every
+  aten op) during the first warm-up iteration, above their value at its start, maximum over
+  ranks. It counts the tensors a step holds, and not what resident size adds to them (library
+  code paged in by a first call, allocator slack), which is a fixed few tens of MiB per process
+  and dominates the small forward-only peaks.
 * Consistency: the P=2 logits (replicated) and the global sum of the image gradient must match
   P=1 (relative 1e-3: float32 with different summation orders).
 
 Targets at 1024^2: speedup >= 1.8x and memory ratio <= 0.55x (PASS / MISS; exit code 0).
 
-    python bench/vit.py                 # full run (tens of minutes on 2 cores)
+    python bench/vit.py --sizes 1024    # about 10 minutes on 2 idle cores
+    python bench/vit.py --sizes 2048 --iters 1 --warmup 1   # about an hour (see the README)
     python bench/vit.py --quick         # 256^2, tiny model, 1 iteration: a smoke run
 """
 
@@ -32,7 +41,9 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by the spawned ranks
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -41,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 import sharded_nn as snn  # noqa: E402
 from sharded_nn.demo import PeakRSS  # noqa: E402
 from sharded_nn import zoo  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -57,7 +69,41 @@ def _rows(start: int, stop: int, size: int) -> torch.Tensor:
     return torch.cat(parts, 2)[:, :, start - (start // PATCH) * PATCH :][:, :, : stop - start].contiguous()
 
 
-def _worker(name: str, size: int, iters: int, depth: int | None) -> dict:
+class _MallinfoPeak(TorchDispatchMode):
+    """Peak of the bytes held by malloc (``mallinfo2``: heap in use plus mmapped blocks), sampled
+    after every aten op while active, above the value at entry; None where glibc lacks it."""
+
+    class _Info(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            self._fn = ctypes.CDLL("libc.so.6").mallinfo2
+            self._fn.restype = self._Info
+        except (OSError, AttributeError):
+            self._fn = None
+        self.base = self.peak = self._used()
+
+    def _used(self) -> int:
+        if self._fn is None:
+            return 0
+        m = self._fn()
+        return m.uordblks + m.hblkhd
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self._used())
+        return out
+
+    def mib(self) -> float | None:
+        return None if self._fn is None else (self.peak - self.base) / 2**20
+
+
+def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1) -> dict:
     p = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = snn.init_mesh(device_type="cpu") if p > 1 else None
     kwargs = {} if depth is None else {"depth": depth}
@@ -92,7 +138,14 @@ def _worker(name: str, size: int, iters: int, depth: int | None) -> dict:
     result = {}
     peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     for mode, step in (("forward", fwd), ("fwd+bwd", fwd_bwd)):
-        step()
+        alloc = None
+        for i in range(warmup):
+            if i == 0:
+                with _MallinfoPeak() as track:
+                    step()
+                alloc = track.mib()
+            else:
+                step()
         times = []
         for _ in range(iters):
             barrier()
@@ -101,11 +154,11 @@ def _worker(name: str, size: int, iters: int, depth: int | None) -> dict:
             barrier()
             times.append(time.perf_counter() - t0)
         t = torch.tensor(times, dtype=torch.float64)
-        mem = torch.tensor([peak.mib()], dtype=torch.float64)
+        mem = torch.tensor([peak.mib(), -1.0 if alloc is None else alloc], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=group)
-        entry = {"time": statistics.median(t.tolist()), "mem": mem.item()}
+        entry = {"times": t.tolist(), "mem": mem[0].item(), "alloc": None if mem[1] < 0 else mem[1].item()}
         if mode == "forward":
             entry["logits"] = out
         else:
@@ -121,11 +174,17 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs().max() <= 1e-3 * (1 + b.abs().max())).item())
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None else f"{b / max(a, 1e-9):.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["vit_small_patch16_224", "vit_tiny_patch16_224"])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", "--steps", type=int, default=3, help="timed iterations per mode and launch")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations per mode and launch (>= 1 for alloc)")
+    parser.add_argument("--repeat", type=int, default=1, help="launch P=1 and P=2 alternately this many times")
     parser.add_argument("--depth", type=int, default=None, help="override the depth (smoke runs)")
     parser.add_argument("--quick", action="store_true", help="256^2, vit_tiny, depth 2, 1 iteration")
     args = parser.parse_args()
@@ -134,23 +193,45 @@ def main() -> None:
     rows = []
     for name in args.models:
         for size in args.sizes:
-            r1 = snn.launch(_worker, 1, name, size, args.iters, args.depth, threads=1, device_type="cpu", timeout=7200)
-            r2 = snn.launch(_worker, 2, name, size, args.iters, args.depth, threads=1, device_type="cpu", timeout=7200)
+            runs: dict[int, list[dict]] = {1: [], 2: []}
+            for rep in range(args.repeat):
+                for p in (1, 2):
+                    t0 = time.perf_counter()
+                    runs[p].append(snn.launch(
+                        _worker, p, name, size, args.iters, args.depth, args.warmup,
+                        threads=1, device_type="cpu", timeout=7200,
+                    ))
+                    print(f"[{name} {size}^2 P={p} launch {rep + 1}/{args.repeat}: {time.perf_counter() - t0:.0f} s]",
+                          file=sys.stderr, flush=True)
             for mode in ("forward", "fwd+bwd"):
-                a, b = r1[mode], r2[mode]
-                ok = _close(b["logits"], a["logits"])
+                one, two = [r[mode] for r in runs[1]], [r[mode] for r in runs[2]]
+                a, b = one[0], two[0]
+                ok = all(_close(y["logits"], a["logits"]) for y in two)
                 if mode == "fwd+bwd":
-                    ok = ok and abs(a["gsum"] - b["gsum"]) <= 1e-3 * (1 + abs(a["gsum"]))
-                rows.append((name, size, mode, a, b, a["time"] / b["time"], b["mem"] / max(a["mem"], 1e-9), ok))
+                    ok = ok and all(abs(a["gsum"] - y["gsum"]) <= 1e-3 * (1 + abs(a["gsum"])) for y in two)
+                t1 = statistics.median(t for r in one for t in r["times"])
+                t2 = statistics.median(t for r in two for t in r["times"])
+                per_launch = [statistics.median(x["times"]) / statistics.median(y["times"]) for x, y in zip(one, two)]
+                mem1, mem2 = max(r["mem"] for r in one), max(r["mem"] for r in two)
+                al1 = None if any(r["alloc"] is None for r in one) else max(r["alloc"] for r in one)
+                al2 = None if any(r["alloc"] is None for r in two) else max(r["alloc"] for r in two)
+                rows.append((name, size, mode, t1, t2, per_launch, mem1, mem2, al1, al2, ok))
     print("timm ViT, batch 1, float32, eval, 1 thread per rank: plain timm at P=1 vs sharded (ring) at P=2")
-    print("| model | size | mode | T1 (s) | T2 (s) | speedup | mem P=1 (MiB) | mem P=2 (MiB) | mem ratio | P1 == P2 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, size, mode, a, b, speedup, ratio, ok in rows:
+    print(
+        "| model | size | mode | T1 (s) | T2 (s) | speedup | mem P=1 (MiB) | mem P=2 (MiB) | mem ratio | "
+        "alloc P=1 (MiB) | alloc P=2 (MiB) | alloc ratio | P1 == P2 |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, size, mode, t1, t2, per_launch, mem1, mem2, al1, al2, ok in rows:
+        speedup, ratio = t1 / t2, mem2 / max(mem1, 1e-9)
         sp = "PASS" if speedup >= SPEEDUP_TARGET else "MISS"
         mr = "PASS" if ratio <= MEM_RATIO_TARGET else "MISS"
+        spread = "" if len(per_launch) < 2 else f" ({min(per_launch):.2f}-{max(per_launch):.2f})"
+        al = "n/a" if al1 is None else f"{al1:.0f}"
+        bl = "n/a" if al2 is None else f"{al2:.0f}"
         print(
-            f"| {name} | {size}^2 | {mode} | {a['time']:.3f} | {b['time']:.3f} | {speedup:.2f}x {sp} | "
-            f"{a['mem']:.0f} | {b['mem']:.0f} | {ratio:.2f}x {mr} | {'yes' if ok else 'NO'} |"
+            f"| {name} | {size}^2 | {mode} | {t1:.3f} | {t2:.3f} | {speedup:.2f}x{spread} {sp} | "
+            f"{mem1:.0f} | {mem2:.0f} | {ratio:.2f}x {mr} | {al} | {bl} | {_ratio(al1, al2)} | {'yes' if ok else 'NO'} |"
         )
 
 

@@ -532,6 +532,40 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int):
         unit = hop.wait() if hop is not None else []
 
 
+def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb, vb, mb, rq_c, acc):
+    """Backward of chunk ``c`` of this rank's queries against the key/value block of ``src``.
+
+    Returns ``(dqc, dkc, dvc)``: the query gradient accumulated into ``dqc`` (taken as is when
+    None and whole) and this rank's share of the block's key/value gradients (fresh tensors).
+    ``rq_c``: the replicated queries' (q, output gradient, output, lse, gradient share) of the
+    chunk, or None; their share of the gradient is accumulated in place.
+    """
+    dkc = dvc = None
+    for qs, ks, diag in _pairs(plan, src):
+        # The same block mask as in forward, regenerated from the seed and positions.
+        bd = None if ctx.drop is None else ctx.drop.block(c, plan.groups, qs, src, ks, qc.device)
+        dq_b, dk_b, dv_b = block_backward(
+            _sl(doc, qs), _sl(qc, qs), _sl(kb, ks), _sl(vb, ks), _sl(oc, qs), _sl(lc, qs),
+            _sl_mask(mb, ks), plan.scale, diag, bd,
+        )
+        dqc = _accumulate(dqc, qs, dq_b, qc.shape, acc)
+        dkc = _accumulate(dkc, ks, dk_b, kb.shape, acc)
+        dvc = _accumulate(dvc, ks, dv_b, vb.shape, acc)
+        del dq_b, dk_b, dv_b
+    if rq_c is not None:
+        rq, drq_out, rq_out, rq_lse, drq = rq_c
+        rbd = None if ctx.drop is None else ctx.drop.rq_block(c, plan.groups, src, qc.device)
+        whole = _Segment(0, 0, kb.shape[2])
+        drq_b, dk_b, dv_b = block_backward(drq_out, rq, kb, vb, rq_out, rq_lse, mb, plan.scale, False, rbd)
+        drq.add_(drq_b)
+        dkc = _accumulate(dkc, whole, dk_b, kb.shape, acc)
+        dvc = _accumulate(dvc, whole, dv_b, vb.shape, acc)
+    if dkc is None:  # a block wholly in this rank's causal future
+        dkc = torch.zeros(kb.shape, dtype=acc, device=kb.device)
+        dvc = torch.zeros(vb.shape, dtype=acc, device=kb.device)
+    return dqc, dkc, dvc
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention on this rank's slabs; see ``ring_attention`` for the contract.
 
@@ -645,49 +679,56 @@ class _RingAttention(torch.autograd.Function):
             # This rank's share of the replicated queries' gradient: its partial output
             # gradient against every key (the shares sum to the gradient, DESIGN.md section 3).
             drq = torch.zeros(rq.shape, dtype=acc, device=q.device)
-        if p > 1:
-            # This rank's own share goes in at step 0, the other ranks' arrive with the last hop.
-            dk = torch.empty(k.shape, dtype=acc, device=q.device)
-            dv = torch.empty(v.shape, dtype=acc, device=q.device)
         # The dK/dV accumulator of a block starts on the rank right of its owner and collects one
         # share per rank on its way round, P - 1 hops, the last one into the owner's hands
         # (``home``); the owner's own share never travels. ``travel``: the hop of the accumulator
-        # this rank holds next, waited for at the next step.
+        # this rank holds next, waited for at the next step. Hops are waited for after the next
+        # block's computation, so that they travel while this rank computes.
         travel = home = None
-        for c in plan.chunks:
+        # The own block of the last chunk is computed last (``deferred``): its dK/dV share stays
+        # here, so it can wait, and computing it after the last hop has left hides that hop, which
+        # would otherwise be waited for with nothing left to compute.
+        deferred = None
+
+        def rq_args(c: _Chunk):
+            if rq is None:
+                return None
+            return tuple(_q_heads(t, c, g) for t in (rq, drq_out, rq_out, rq_lse, drq))
+
+        def own_share(c: _Chunk, dkc: torch.Tensor, dvc: torch.Tensor) -> None:
+            nonlocal dk, dv
+            if p == 1 or len(plan.chunks) == 1:
+                dk, dv = dkc, dvc  # fresh tensors of this call: the accumulator itself
+                return
+            if dk is None:
+                # The other ranks' shares arrive with the last hop of each chunk and are added.
+                dk = torch.empty(k.shape, dtype=acc, device=q.device)
+                dv = torch.empty(v.shape, dtype=acc, device=q.device)
+            _kv_heads(dk, c).copy_(dkc)
+            _kv_heads(dv, c).copy_(dvc)
+
+        def wait_home() -> None:
+            nonlocal home
+            if home is not None:
+                # The other ranks' shares of one of this rank's chunks, back home.
+                got = home[0].wait()
+                _kv_heads(dk, home[1]).add_(got[0])
+                _kv_heads(dv, home[1]).add_(got[1])
+                home = None
+
+        for ci, c in enumerate(plan.chunks):
             qc, lc = _q_heads(q, c, g), _q_heads(lse, c, g)
-            # Contiguous once per chunk (the output and its gradient are stored token-major).
-            doc, oc = _q_heads(dout, c, g).contiguous(), _q_heads(out, c, g).contiguous()
+            # Views, no copies: the kernels take strided query-side tensors (the output and its
+            # gradient are stored token-major); the CUDA kernel makes its own contiguous copies.
+            doc, oc = _q_heads(dout, c, g), _q_heads(out, c, g)
             dqc = None if dq is None else _q_heads(dq, c, g)
+            defer = p > 1 and ci == len(plan.chunks) - 1
             for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV):
-                dkc = dvc = None
-                for qs, ks, diag in _pairs(plan, src):
-                    # The same block mask as in forward, regenerated from the seed and positions.
-                    bd = None if ctx.drop is None else ctx.drop.block(c, g, qs, src, ks, q.device)
-                    dq_b, dk_b, dv_b = block_backward(
-                        _sl(doc, qs).contiguous(), _sl(qc, qs), _sl(kb, ks), _sl(vb, ks),
-                        _sl(oc, qs).contiguous(), _sl(lc, qs).contiguous(),
-                        _sl_mask(mb, ks), plan.scale, diag, bd,
-                    )
-                    dqc = _accumulate(dqc, qs, dq_b, qc.shape, acc)
-                    dkc = _accumulate(dkc, ks, dk_b, kb.shape, acc)
-                    dvc = _accumulate(dvc, ks, dv_b, vb.shape, acc)
-                    del dq_b, dk_b, dv_b
-                if rq is not None:
-                    rbd = None if ctx.drop is None else ctx.drop.rq_block(c, g, src, q.device)
-                    whole = _Segment(0, 0, kb.shape[2])
-                    drq_b, dk_b, dv_b = block_backward(
-                        _q_heads(drq_out, c, g).contiguous(), _q_heads(rq, c, g), kb, vb,
-                        _q_heads(rq_out, c, g).contiguous(), _q_heads(rq_lse, c, g).contiguous(),
-                        mb, plan.scale, False, rbd,
-                    )
-                    _q_heads(drq, c, g).add_(drq_b)
-                    dkc = _accumulate(dkc, whole, dk_b, kb.shape, acc)
-                    dvc = _accumulate(dvc, whole, dv_b, vb.shape, acc)
-                    del drq_b, dk_b, dv_b
-                if dkc is None:  # a block wholly in this rank's causal future
-                    dkc = torch.zeros(kb.shape, dtype=acc, device=q.device)
-                    dvc = torch.zeros(vb.shape, dtype=acc, device=q.device)
+                if defer and step == 0:
+                    deferred = (c, qc, lc, doc, oc, kb, vb, mb)
+                    del kb, vb, mb
+                    continue
+                dqc, dkc, dvc = _block_grads(ctx, plan, c, src, qc, lc, doc, oc, dqc, kb, vb, mb, rq_args(c), acc)
                 if travel is not None:
                     # The shares of this block from the ranks that held it before (it travelled
                     # while this rank computed its own share).
@@ -696,18 +737,9 @@ class _RingAttention(torch.autograd.Function):
                     dkc += got[0]
                     dvc += got[1]
                     del got
-                if home is not None:
-                    # The other ranks' shares of this rank's previous chunk, back home.
-                    got = home[0].wait()
-                    _kv_heads(dk, home[1]).add_(got[0])
-                    _kv_heads(dv, home[1]).add_(got[1])
-                    home = None
-                    del got
-                if p == 1:
-                    dk, dv = dkc, dvc
-                elif step == 0:
-                    _kv_heads(dk, c).copy_(dkc)
-                    _kv_heads(dv, c).copy_(dvc)
+                wait_home()  # before its tags are reused by the next dK/dV hop
+                if step == 0:
+                    own_share(c, dkc, dvc)
                 else:
                     # To the right neighbour, which holds block ``src`` next (or owns it, at the
                     # last step); from the left neighbour comes the accumulator of block src - 1.
@@ -718,12 +750,17 @@ class _RingAttention(torch.autograd.Function):
                     else:
                         travel = hop
                 del kb, vb, mb, dkc, dvc
+            if deferred is not None:
+                c, qc, lc, doc, oc, kb, vb, mb = deferred
+                deferred = None
+                dqc, dkc, dvc = _block_grads(
+                    ctx, plan, c, plan.ring.index, qc, lc, doc, oc, dqc, kb, vb, mb, rq_args(c), acc
+                )
+                own_share(c, dkc, dvc)
+                del kb, vb, mb, dkc, dvc
             if dq is None:
                 dq = dqc
-        if home is not None:
-            got = home[0].wait()
-            _kv_heads(dk, home[1]).add_(got[0])
-            _kv_heads(dv, home[1]).add_(got[1])
+        wait_home()
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None)
         return (*grads, None if drq is None else drq.to(rq.dtype))
 
