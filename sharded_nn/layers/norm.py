@@ -290,9 +290,9 @@ def _per_channel(stat: torch.Tensor, channels: int) -> torch.Tensor:
 def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
     """``_GroupNormFn.backward`` on torch's inference batch-norm backward kernel (see its docstring).
 
-    The kernel gives ``g * weight * rstd`` and, per (sample, channel), ``sum(g)`` and
-    ``sum(g * xhat)`` in one pass; the group sums of ``weight * sum(g)`` and
-    ``weight * sum(g * xhat)`` are all-reduced, and the correction
+    The kernel's reduction pass gives, per (sample, channel), ``sum(g)`` and ``sum(g * xhat)``;
+    the group sums of ``weight * sum(g)`` and ``weight * sum(g * xhat)`` are all-reduced without
+    blocking while ``g * weight * rstd`` is computed, and the correction
     ``-rstd * (S_g + xhat * S_gx) / count`` is a per-(sample, channel) affine map of x.
     """
     n, c = x.shape[:2]
@@ -300,12 +300,18 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
     xf = x.reshape(1, n * c, -1)
     w_nc = weight.repeat(n) if weight is not None else torch.ones(n * c, dtype=x.dtype, device=x.device)
     m_nc, v_nc = _per_channel(mean, c), _per_channel(ctx.var, c)
-    dx, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
-        gy.reshape(1, n * c, -1), xf, w_nc, m_nc, v_nc, None, None, False, eps, [True, True, True]
+    gf = gy.reshape(1, n * c, -1)
+    # The sums first (a reduction pass), so that their all-reduce is in flight while the local
+    # part of dx, g * weight * rstd, is computed (as in _BatchNormFn.backward).
+    _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
+        gf, xf, w_nc, m_nc, v_nc, None, None, False, eps, [False, True, True]
     )
-    sums = torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)])
-    if ctx.group is not None:
-        sums = all_reduce_sum(sums, ctx.group)
+    pending = all_reduce_sum_start(
+        torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)]),
+        ctx.group,
+    )
+    dx = gf * (w_nc * _per_channel(rstd, c)).reshape(1, -1, 1)
+    sums = pending.wait()
     count = ctx.count.to(x.dtype)
     r = rstd.reshape(n, groups)
     a = -r * r * sums[1] / count
