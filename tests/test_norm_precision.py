@@ -20,6 +20,7 @@ import torch.nn as nn
 import sharded_nn as snn
 
 from .harness import mesh
+from .reference import reduce_param_grads
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,8 +58,6 @@ def _float32_errors(world: int, factory, shape) -> dict[str, tuple[float, float]
     xl = snn.shard(x64.float(), m).requires_grad_()
     yl = sharded(xl)
     yl.backward(snn.shard(gy64.float(), m))
-    from .reference import reduce_param_grads
-
     got = (snn.gather(yl.detach(), m), snn.gather(xl.grad, m), reduce_param_grads(sharded, m)["weight"])
     names = ("out", "grad_in", "grad_weight")
     return {n: (_rel(p, w), _rel(g, w)) for n, p, g, w in zip(names, plain, got, want)}
