@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ..comm import all_reduce_sum
 from ..comm.collectives import all_gather_stacked
+from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
 from ..mesh import data_axis, group_over
 from ..registry import register
@@ -289,9 +290,9 @@ def _per_channel(stat: torch.Tensor, channels: int) -> torch.Tensor:
 def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
     """``_GroupNormFn.backward`` on torch's inference batch-norm backward kernel (see its docstring).
 
-    The kernel gives ``g * weight * rstd`` and, per (sample, channel), ``sum(g)`` and
-    ``sum(g * xhat)`` in one pass; the group sums of ``weight * sum(g)`` and
-    ``weight * sum(g * xhat)`` are all-reduced, and the correction
+    The kernel's reduction pass gives, per (sample, channel), ``sum(g)`` and ``sum(g * xhat)``;
+    the group sums of ``weight * sum(g)`` and ``weight * sum(g * xhat)`` are all-reduced without
+    blocking while ``g * weight * rstd`` is computed, and the correction
     ``-rstd * (S_g + xhat * S_gx) / count`` is a per-(sample, channel) affine map of x.
     """
     n, c = x.shape[:2]
@@ -299,12 +300,18 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
     xf = x.reshape(1, n * c, -1)
     w_nc = weight.repeat(n) if weight is not None else torch.ones(n * c, dtype=x.dtype, device=x.device)
     m_nc, v_nc = _per_channel(mean, c), _per_channel(ctx.var, c)
-    dx, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
-        gy.reshape(1, n * c, -1), xf, w_nc, m_nc, v_nc, None, None, False, eps, [True, True, True]
+    gf = gy.reshape(1, n * c, -1)
+    # The sums first (a reduction pass), so that their all-reduce is in flight while the local
+    # part of dx, g * weight * rstd, is computed (as in _BatchNormFn.backward).
+    _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
+        gf, xf, w_nc, m_nc, v_nc, None, None, False, eps, [False, True, True]
     )
-    sums = torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)])
-    if ctx.group is not None:
-        sums = all_reduce_sum(sums, ctx.group)
+    pending = all_reduce_sum_start(
+        torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)]),
+        ctx.group,
+    )
+    dx = gf * (w_nc * _per_channel(rstd, c)).reshape(1, -1, 1)
+    sums = pending.wait()
     count = ctx.count.to(x.dtype)
     r = rstd.reshape(n, groups)
     a = -r * r * sums[1] / count
@@ -450,8 +457,9 @@ class _BatchNormFn(torch.autograd.Function):
     all-reduces each way: at P=2 a timm CNN's fwd+bwd spent more in BatchNorm than in its
     convolutions. Here the forward is ``F.batch_norm`` in inference form with the global
     ``mean``/``var`` (``merged_moments``: one all-gather); the backward is torch's inference
-    backward kernel, which yields ``g * weight * rstd`` and the per-channel sums ``sum(g)`` and
-    ``sum(g * xhat)`` in one pass, one all-reduce of those two sums, and the global correction
+    backward kernel's reduction pass, which yields the per-channel sums ``sum(g)`` and
+    ``sum(g * xhat)``, one all-reduce of those two sums, started without blocking so that it is
+    in flight while the local ``g * weight * rstd`` is computed, and the global correction
     ``dx -= weight * rstd * (sum(g) + xhat * sum(g * xhat)) / count``. Weight and bias gradients
     are this rank's partial sums (gradient convention). Saves only the input. With
     ``create_graph`` (double backward) the backward recomputes the statistics with
@@ -489,16 +497,19 @@ class _BatchNormFn(torch.autograd.Function):
             db = g.sum(reduce_dims) if ctx.has_bias and ctx.needs_input_grad[2] else None
             return dx, dw, db, None, None, None, None, None
         w = weight if weight is not None else torch.ones_like(mean)
-        # Inference-form backward: dx = g * w * rstd, sum(g * xhat) and sum(g), one pass.
-        dx, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
-            g, x, w, mean, var, None, None, False, eps, [True, True, True]
+        # The per-channel sums sum(g * xhat) and sum(g) first (one reduction pass, torch's
+        # inference-form kernel), so that their all-reduce is in flight while this rank computes
+        # the local part of dx, g * w * rstd: the round trip overlaps a pass over the slab
+        # instead of following it.
+        _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
+            g, x, w, mean, var, None, None, False, eps, [False, True, True]
         )
+        pending = all_reduce_sum_start(torch.stack([s_g, s_gx]), group)
         dw = s_gx if weight is not None and ctx.needs_input_grad[1] else None
         db = s_g if ctx.has_bias and ctx.needs_input_grad[2] else None
-        sums = torch.stack([s_g, s_gx])
-        if group is not None:
-            sums = all_reduce_sum(sums, group)
         rstd = torch.rsqrt(var + eps)
+        dx = g * (w * rstd).reshape(shape)
+        sums = pending.wait()
         # dx -= w * rstd * (S_g + xhat * S_gx) / count, xhat = (x - mean) * rstd: a per-channel
         # affine map of x, a * x + b.
         a = -w * rstd * rstd * sums[1] / count
