@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from .host_memory import huge_pages_for_children, tune_host_allocator
+from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
 from .mesh import backend_for, default_device_type
 
 #: Seconds the other ranks get to end by themselves after a failure, and again after SIGTERM.
@@ -189,7 +189,7 @@ def launch(
     device_type: str | None = None,
     threads: int | None = None,
     huge_pages: bool = True,
-    mmap_threshold: int | None = None,
+    mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
 ) -> Any:
     """Run ``fn(*args)`` on ``nprocs`` local processes with a process group; return rank 0's result.
 
@@ -208,13 +208,15 @@ def launch(
         huge_pages: start the processes with ``THP_MEM_ALLOC_ENABLE=1`` (unless the variable is
             already set), so that torch puts large CPU tensors on transparent huge pages; see
             ``sharded_nn.host_memory``. Under torchrun, export the variable yourself.
-        mmap_threshold: ``None`` (default) leaves glibc's allocator as a torchrun process has it:
-            freed buffers up to 32 MiB are reused from the heap instead of being unmapped and
-            faulted in again on the next step. A number fixes glibc's mmap threshold at that many
-            bytes (``65536``: every freed buffer above it goes back to the OS at once, so resident
-            memory follows the live tensors closely, at the cost of page faults and kernel time
-            on every step: a timm RegNet at 1024x512 spent as much time in the kernel as in
-            torch that way).
+        mmap_threshold: glibc's mmap threshold in bytes, fixed in every process (default
+            ``host_memory.DEFAULT_MMAP_THRESHOLD``, 16 MiB: freed buffers below it are reused
+            from the heap without page faults, the big activations above it go back to the OS,
+            so a rank's slabs are not kept resident after they are freed; see that constant for
+            the measurement). ``None`` leaves glibc's allocator as a torchrun process has it
+            (its threshold rises to 32 MiB, and freed 16-32 MiB slabs stay resident). ``65536``:
+            every freed buffer above 64 KiB goes back to the OS at once, so resident memory
+            follows the live tensors closely, at the cost of page faults and kernel time on
+            every step (a timm RegNet at 1024x512 spent as much time in the kernel as in torch).
 
     Raises:
         The first failing rank's exception, with its remote traceback as ``__cause__``;

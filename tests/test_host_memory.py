@@ -54,3 +54,28 @@ def test_user_value_is_kept():
 def test_opt_out_leaves_environment_alone():
     value, _ = _probe(SHARDED_NN_HOST_TUNING="0")
     assert value == "None"
+
+
+def _retained_mib() -> float:
+    """Resident MiB kept after freeing a 20 MiB buffer that followed a freed 30 MiB one."""
+    import torch
+
+    def rss_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+    # glibc's own threshold rises to 30 MiB when the first (mapped) buffer is freed, so the
+    # second comes from the heap and stays resident after it is freed.
+    torch.empty(30 << 20, dtype=torch.uint8).fill_(1)
+    base = rss_kib()
+    torch.empty(20 << 20, dtype=torch.uint8).fill_(1)
+    return (rss_kib() - base) / 1024
+
+
+def test_launch_unmaps_freed_slabs_by_default():
+    import sharded_nn as snn
+
+    glibc = snn.launch(_retained_mib, 1, mmap_threshold=None)
+    fixed = snn.launch(_retained_mib, 1)  # DEFAULT_MMAP_THRESHOLD: 16 MiB
+    assert glibc >= 16, glibc
+    assert fixed < 4, fixed

@@ -401,8 +401,8 @@ def _refault_count() -> int:
 
 
 def test_launch_keeps_glibc_buffer_reuse_unless_asked():
-    # By default a rank reuses a freed 1 MiB buffer (glibc's own threshold rises past it, as in a
-    # torchrun process); a fixed 64 KiB threshold unmaps it, so every allocation faults its
+    # By default a rank reuses a freed 1 MiB buffer (below launch's 16 MiB threshold); a fixed
+    # 64 KiB threshold unmaps it, so every allocation faults its
     # pages in again (at least a quarter of its 256 pages each time; the kernel may map a few
     # pages per fault).
     reused = snn.launch(_refault_count, 1)

@@ -35,13 +35,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharded_nn.comm import axis_peers, gather_layouts
+from sharded_nn.comm import axis_peers
+from sharded_nn.comm.sizes import scope_declare, scope_forget
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.forward_guard import mark_reviewed
-from sharded_nn.layers.base import ShardedMixin
+from sharded_nn.layers.base import ShardedMixin, agree
 from sharded_nn.layers.padding import pad as sharded_pad
 from sharded_nn.layers.window import Window, extend, plan_window
+from sharded_nn.layout import Layout
 from sharded_nn.registry import register, registered
 
 from .factory import register_model
@@ -144,7 +146,8 @@ class ShardedPerDimPadConv(ShardedMixin, PerDimPadConv):
 
     Sharding contract: as ``ShardedConvNd`` (input slabs aligned to the stride, output slabs
     owned by the rank where each window starts), with each dim's padding mode (circular wraps
-    around the ring). Forward: one all-gather of local shapes, then one synchronous halo exchange
+    around the ring). Forward: one all-gather of local shapes (none inside the model's layout
+    scope once the layout is known; the output layout is declared), then one synchronous halo exchange
     per sharded dim (``window.extend``), then the inner convolution on the extended slab; its
     backward returns the halo gradients to their owners. (Belongs in ``layers/conv.py`` as a
     per-dim ``padding_mode``, where it could reuse the copy-free path; it lives here until then.)
@@ -157,7 +160,8 @@ class ShardedPerDimPadConv(ShardedMixin, PerDimPadConv):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         what = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=what)
+        # Scoped: the output's layout is declared below (as ShardedConvNd does).
+        layouts = self._agree(x, scoped=True).layouts
         conv = self.conv
         if layouts not in self._plans:  # keyed by the global layouts: the same hit/miss on every rank
             self._plans[layouts] = tuple(
@@ -170,6 +174,7 @@ class ShardedPerDimPadConv(ShardedMixin, PerDimPadConv):
                 )
                 for lay, d in zip(layouts, self.dims)
             )
+        scope_declare(self.mesh, self.dims, x.dim(), [plan.out for plan in self._plans[layouts]])
         for plan, d, axis in zip(self._plans[layouts], self.dims, self.mesh_axes):
             x = extend(x, plan, axis_peers(self.mesh, axis), self.modes[d - 2])
         return conv(self._padded(x, self.dims))
@@ -250,7 +255,9 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
 
     Sharding contract: input sharded along ``dims`` in slabs that start at multiples of
     ``multiple`` (else a ``ShardingError`` on every rank); the amount comes from the global size
-    (one all-gather of local shapes); the padding itself is ``sharded_nn.layers.padding.pad``.
+    (one all-gather of local shapes, which also checks the model's entry facts inside its
+    layout scope; the output layout is declared to the scope); the padding itself is
+    ``sharded_nn.layers.padding.pad`` on the agreed layouts.
     Output: the same slabs, the last one longer. (A generic far-edge pad belongs in
     ``sharded_nn/layers/padding.py``; it lives here until it moves there.)
     """
@@ -261,7 +268,10 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         what = type(self).__name__
-        layouts = gather_layouts(x.shape, self.mesh, self.dims, what=what)
+        # Scoped: inside the model's layout scope this (usually the model's first layer) agrees
+        # on the input together with the model's entry facts, and the padded output's layout
+        # is declared below, so the layers after it need no agreement of their own.
+        layouts = self._agree(x, scoped=True).layouts
         sizes = list(x.shape[2:])
         for d, lay in zip(self.dims, layouts):
             m = self.multiple[d - 2]
@@ -272,9 +282,27 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
                     f"align=snn.alignment(model, dims={self.dims})."
                 )
             sizes[d - 2] = lay.size
-        return self._pad(
-            x, self.amounts(sizes), lambda t, pad, mode: sharded_pad(t, pad, self.mesh, mode, dims=self.dims)
+        amounts = self.amounts(sizes)
+        out_layouts = tuple(
+            Layout(lay.sizes[:-1] + (lay.sizes[-1] + amounts[d - 2],)) for d, lay in zip(self.dims, layouts)
         )
+        if any(amounts):
+            # The padded layout shares the first slabs' sizes with the input's, so the scope
+            # could tell neither apart there (every full-resolution layer would agree again):
+            # it keeps the padded one only, and the crop agrees on the unpadded input again.
+            scope_forget()
+        scope_declare(self.mesh, self.dims, x.dim(), out_layouts)
+        # Each dim is padded after the ones before it: the layouts agreed above, updated per dim.
+        current = list(layouts)
+
+        def pad_fn(t: torch.Tensor, pad: tuple[int, ...], mode: str) -> torch.Tensor:
+            out = sharded_pad(t, pad, self.mesh, mode, dims=self.dims, layouts=tuple(current))
+            for k, d in enumerate(self.dims):
+                if pad[2 * (t.dim() - 1 - d) + 1]:
+                    current[k] = out_layouts[k]
+            return out
+
+        return self._pad(x, amounts, pad_fn)
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"{super().extra_repr()}, {self.sharding_repr()}"
@@ -287,7 +315,8 @@ class ShardedFarEdgeCrop(ShardedMixin, FarEdgeCrop):
     Sharding contract: ``x`` and ``like`` sharded along ``dims``; rank r keeps the part of its
     slab below the global size of ``like`` (the last rank crops its tail; a rank left with
     nothing raises a ``ShardingError`` on every rank). One all-gather of local shapes for each of
-    ``x`` and ``like``; the crop itself is a local view, its gradient local too. (Belongs in
+    ``x`` and ``like`` (inside a layout scope only for ``like``: ``x``'s is usually derived);
+    the crop itself is a local view, its gradient local too. (Belongs in
     ``sharded_nn/layers/padding.py`` as negative far-edge padding; it lives here until then.)
     """
 
@@ -298,9 +327,13 @@ class ShardedFarEdgeCrop(ShardedMixin, FarEdgeCrop):
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # noqa: D102
         what = type(self).__name__
-        target = gather_layouts(like.shape, self.mesh, self.dims, what=f"{what} (reference)")
-        have = gather_layouts(x.shape, self.mesh, self.dims, what=what)
+        # ``x``'s layout is usually known in the model's layout scope (the output of declared
+        # layers). ``like``'s is agreed: the far-edge pad dropped the unpadded layout from the
+        # scope, and a lookup of a layout the scope does not hold could hit on some ranks only.
+        have = agree(x, self.mesh, self.dims, what=what, scoped=True).layouts
+        target = agree(like, self.mesh, self.dims, what=f"{what} (reference)").layouts
         idx: list[slice] = [slice(None)] * x.dim()
+        out_layouts: list[Layout] = []
         for d in range(2, x.dim()):
             idx[d] = slice(0, like.shape[d])
         for k, (d, want, lay) in enumerate(zip(self.dims, target, have)):
@@ -312,6 +345,8 @@ class ShardedFarEdgeCrop(ShardedMixin, FarEdgeCrop):
                     "that lies on the last rank."
                 )
             idx[d] = slice(0, keep[self.mesh.get_local_rank(self.mesh_axes[k])])
+            out_layouts.append(Layout(tuple(keep)))
+        scope_declare(self.mesh, self.dims, x.dim(), out_layouts)
         return x[tuple(idx)]
 
     def extra_repr(self) -> str:  # noqa: D102

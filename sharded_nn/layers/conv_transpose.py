@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_add
 from ..comm.halo import HaloGather, halo_scatter
+from ..comm.sizes import scope_declare
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
@@ -118,12 +119,17 @@ class _ShardedConvTransposeNd(ShardedMixin):
     def forward(self, x: torch.Tensor, output_size: Sequence[int] | None = None) -> torch.Tensor:  # noqa: D102
         n = self._spatial_dims
         name = type(self).__name__
-        # output_size is a call argument every rank must pass alike (the *global* size); the halo
+        # output_size is a call argument every rank must pass alike (the *global* size): it is
+        # checked in the agreement. Without it (the usual module call) the input's layout may come
+        # from the forward's layout scope (no collective) and the output layout is declared to
+        # it; a program that passes output_size on some ranks only breaks the single-program
+        # contract (DESIGN.md section 4) and ends in the process group's timeout. The halo
         # reduction runs in backward when x or the weight takes part in it.
         agreed = self._agree(
             x,
-            same={"output_size": size_fact(output_size, n)},
+            same=None if output_size is None else {"output_size": size_fact(output_size, n)},
             requires_grad=x.requires_grad or self.weight.requires_grad,
+            scoped=output_size is None,
         )
         layouts = agreed.layouts
         global_shape = list(agreed.global_shape(self.dims))
@@ -143,6 +149,8 @@ class _ShardedConvTransposeNd(ShardedMixin):
             padding[d - 2] = output_padding[d - 2] = 0
         # Every plan (and its validation) before any communication.
         plans = [self._plan(lay, d, out_pad[d - 2]) for lay, d in zip(layouts, self.dims)]
+        # The output's layout, derived from the agreed input's: the next layer need not agree.
+        scope_declare(self.mesh, self.dims, x.dim(), [plan[1] for plan in plans])
         for d in self.dims:
             if x.shape[d] == 0:
                 # An empty slab (a deep stage on many ranks): one zero row stands in for it; it

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm import HaloSpec, axis_peers, halo_cat
 from ..comm.halo import halo_gather
 from ..errors import ShardingError, ShardingNotImplementedError
+from ..layout import Layout
 from ..mesh import default_dims, domain_axes
 from ..registry import register
 from .base import ShardedMixin, agree, batched
@@ -47,6 +48,7 @@ def pad(
     value: float | None = None,
     *,
     dims: int | Sequence[int] | None = None,
+    layouts: tuple[Layout, ...] | None = None,
 ) -> torch.Tensor:
     """``F.pad(x_full, pad, mode, value)`` on this rank's slab; see the module docstring.
 
@@ -57,13 +59,16 @@ def pad(
         mode: ``"constant"``, ``"reflect"``, ``"replicate"`` or ``"circular"``.
         value: fill value for ``"constant"`` (default 0).
         dims: sharded dims of ``x`` (default: the first spatial dims, one per domain axis).
+        layouts: ``x``'s layouts along ``dims`` when the caller has agreed on them already (with
+            ``gather_layouts`` or ``agree``, the same on every rank): no agreement of its own.
+            Default: one all-gather of the local shapes.
 
     Raises:
         ShardingError: bad ``pad`` or mode, inconsistent slabs, or reflect/circular padding wider
             than the global dim (as torch; same error on every rank).
         ShardingNotImplementedError: negative padding of a sharded dim.
     """
-    return _pad(x, pad, mesh, mode, value, dims=dims, what="pad")
+    return _pad(x, pad, mesh, mode, value, dims=dims, what="pad", layouts=layouts)
 
 
 def _pad(
@@ -77,12 +82,15 @@ def _pad(
     what: str,
     ndims: Sequence[int] | None = None,
     expected: str = "",
+    layouts: tuple[Layout, ...] | None = None,
 ) -> torch.Tensor:
+    """``pad``; ``layouts``: the input's layouts along ``dims`` when the caller agreed on them already."""
     axes = domain_axes(mesh)
     if dims is None:
         dims = default_dims(mesh)
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    layouts = agree(x, mesh, dims, what=what, ndims=ndims, expected=expected, allow_empty=True).layouts
+    if layouts is None:
+        layouts = agree(x, mesh, dims, what=what, ndims=ndims, expected=expected, allow_empty=True).layouts
     pad = tuple(int(p) for p in pad)
     if mode not in MODES:
         raise ShardingError(f"{what}: unknown mode {mode!r}; expected one of {MODES}.")
