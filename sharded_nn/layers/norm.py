@@ -80,13 +80,48 @@ def global_moments(
     return mean, var, count
 
 
+_MOMENT_BLOCK = 1 << 18  # elements per block of the second pass: 1 MiB of float32, cache-resident
+
+
+def _blocked_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-``K`` mean and (biased) variance of an ``(A, K, B)`` tensor over ``A`` and ``B``.
+
+    The textbook two-pass form: the mean from one summing pass (torch's cascade sum, no
+    temporary), then the squared deviations from it, block by block, so the deviation temporary
+    stays in cache (at most ``_MOMENT_BLOCK`` elements) and the slab is read twice in all. On CPU
+    this is 2-4x faster than ``batch_norm_update_stats`` (whose per-channel kernel made a sharded
+    GroupNorm's statistics alone cost several times torch's whole fused ``group_norm``) and as
+    stable: no ``E[x^2] - E[x]^2`` cancellation. No Chan merge is needed between blocks: every
+    block subtracts the same, final mean.
+    """
+    a, k, b = x3.shape
+    n = a * b
+    mean = x3.sum((0, 2), keepdim=True) / n
+    # The rounding of the first mean (a few ulps of |mean|) matters where |mean| >> std: the
+    # deviations' own sum corrects it ("corrected two-pass", Chan, Golub & LeVeque 1983).
+    s1 = torch.zeros_like(mean)
+    m2 = torch.zeros_like(mean)
+    if n <= _MOMENT_BLOCK:
+        k_step, b_step = max(1, _MOMENT_BLOCK // n), b
+    else:
+        k_step, b_step = 1, max(1, _MOMENT_BLOCK // a)
+    for k0 in range(0, k, k_step):
+        ks = slice(k0, min(k, k0 + k_step))
+        for b0 in range(0, b, b_step):
+            dev = x3[:, ks, b0 : b0 + b_step] - mean[:, ks]
+            s1[:, ks] += dev.sum((0, 2), keepdim=True)
+            m2[:, ks] += dev.mul_(dev).sum((0, 2), keepdim=True)
+    shift = s1 / n
+    return (mean + shift).reshape(k), (m2 / n - shift * shift).clamp_min_(0).reshape(k)
+
+
 def merged_moments(
     x: torch.Tensor, reduce_dims: Sequence[int], group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``global_moments`` in one collective and without autograd (for fused autograd Functions).
 
-    Each rank computes the mean and the sum of squared deviations from its *own* mean (torch's
-    single-pass, stable ``var_mean``); one all-gather exchanges ``(count, mean, M2)`` of every
+    Each rank computes the mean and the sum of squared deviations from its *own* mean (two-pass,
+    ``_blocked_moments``, or torch's stable ``var_mean`` for other reductions); one all-gather exchanges ``(count, mean, M2)`` of every
     rank, and every rank combines them with Chan's pairwise formula
     ``M2 = sum_r M2_r + n_r * (mean_r - mean)^2`` in float64. As stable as the two-pass form (no
     ``E[x^2] - E[x]^2``: every term is a sum of squares of deviations), with one collective per
@@ -101,15 +136,17 @@ def merged_moments(
         n_local = math.prod(x.shape[d] for d in reduce_dims)
         keep = [1 if d in reduce_dims else x.shape[d] for d in range(x.dim())]
         if n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (0, *range(2, x.dim())):
-            # Per-channel statistics (BatchNorm's): torch's two-pass batch-norm statistics kernel,
-            # about 3x faster on CPU than var_mean's strided reduction.
-            mean_l, var_l = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+            # Per-channel statistics (BatchNorm's).
+            if x.is_contiguous():
+                mean_l, var_l = _blocked_moments(x.reshape(x.shape[0], x.shape[1], -1))
+            else:
+                # channels_last and other layouts: torch's batch-norm statistics kernel reads
+                # them in place (a reshape would copy the slab).
+                mean_l, var_l = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
             mean_l, var_l = mean_l.reshape(keep), var_l.reshape(keep)
         elif n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (x.dim() - 1,):
-            # Statistics over the last dim (GroupNorm's (N, G, -1) view): the same kernel on a
-            # (1, N*G, M) view.
-            flat = x.reshape(1, -1, x.shape[-1])
-            mean_l, var_l = torch.ops.aten.batch_norm_update_stats(flat, None, None, 0.0)
+            # Statistics over the last dim (GroupNorm's (N, G, -1) view): rows of a (1, N*G, M) view.
+            mean_l, var_l = _blocked_moments(x.reshape(1, -1, x.shape[-1]))
             mean_l, var_l = mean_l.reshape(keep), var_l.reshape(keep)
         elif n_local:
             var_l, mean_l = torch.var_mean(x.to(acc), reduce_dims, correction=0, keepdim=True)
