@@ -5,7 +5,8 @@ load change on a shared machine hits them alike):
 
 * raw ``dist.send``/``dist.recv`` ping-pong (one round trip), 4 B and 64 KiB;
 * raw ``batch_isend_irecv`` exchange (each rank sends to and receives from the other at once:
-  what a halo exchange does), 4 B and 64 KiB;
+  what a halo exchange does), 4 B and 64 KiB; the same on the domain axis group with halo tags,
+  and through ``AxisPeers.start_p2p`` (gloo: ``ProcessGroup.send``/``recv`` directly);
 * raw ``dist.all_reduce``, 4 B and 64 KiB;
 * our ``all_reduce_sum``, ``halo_cat`` (64 KiB halo per side), ``gather_layouts``;
 * the floors: a plain TCP socket ping-pong between the same two processes, and a shared-memory
@@ -99,6 +100,15 @@ def _measure(iters: int, warmup: int) -> dict[str, float]:
                 w.wait()
         return f
 
+    def exchange_direct(t, r):
+        # The same tagged exchange through ``AxisPeers.start_p2p`` (what halo_cat uses): on gloo
+        # straight to ProcessGroup.send/recv, without torch's per-op wrappers.
+        def f():
+            tag = ring.next_tags(4)
+            for w in ring.start_p2p([(t, 1 - ring.index, True, tag), (r, 1 - ring.index, False, tag)]):
+                w.wait()
+        return f
+
     def exchange_poll(t, r, spin_s=2e-3):
         # The same exchange, but the caller polls ``is_completed`` (yielding the core between
         # polls) for up to ``spin_s`` before blocking: saves the wake-up of a sleeping thread.
@@ -170,7 +180,8 @@ def _measure(iters: int, warmup: int) -> dict[str, float]:
     out |= _time({"pingpong 4B": pingpong(small, rs), "pingpong 64K": pingpong(big, rb),
                   "tcp socket 1B": tcp, "shm spin": shm_pingpong}, iters, warmup)
     out |= _time({"exchange 4B": exchange(small, rs), "exch 4B axis group": exchange_on(small, rs, ring.group, False),
-                  "exch 4B axis tagged": exchange_on(small, rs, ring.group, True)}, iters, warmup)
+                  "exch 4B axis tagged": exchange_on(small, rs, ring.group, True),
+                  "exch 4B start_p2p": exchange_direct(small, rs)}, iters, warmup)
     out |= _time({"exchange 4B": exchange(small, rs), "exchange 4B poll": exchange_poll(small, rs),
                   "exchange 64K": exchange(big, rb), "exchange 64K poll": exchange_poll(big, rb),
                   "isend+irecv 4B": isend_irecv(small, rs)}, iters, warmup)

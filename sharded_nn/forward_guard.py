@@ -50,7 +50,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ShardingError
 from .mesh import axis_size, domain_axes
@@ -398,26 +397,46 @@ def _flat_tensors(obj) -> list[torch.Tensor]:
 
 
 class _LayerHooks:
-    """Pre/post hooks of a sharded layer (or a reviewed module) inside a guarded model."""
+    """Pre/post hooks of a sharded layer (or a reviewed module) inside a guarded model.
 
-    def __init__(self, kind: str) -> None:
+    They run around every call of every hooked module, so what depends only on the module's
+    class is decided once here: whether the layer's input is checked (a sharded layer that does
+    not run the guard inside itself), whether the mode is suspended during the call, and whether
+    the output layout needs ``_layer_output_state`` (adaptive pools) or is the input's.
+    """
+
+    def __init__(self, kind: str, module: nn.Module | None = None) -> None:
         self.kind = kind  # "sharded" or "reviewed"
+        # Class attributes (``getattr`` on an nn.Module instance that lacks the name goes through
+        # ``nn.Module.__getattr__`` and an AttributeError: microseconds per hook call).
+        inside = bool(getattr(type(module), "_guard_inside", False))
+        self.check = kind == "sharded" and not inside
+        self.suspends = kind == "reviewed" or not inside
+        self.same_state = kind == "reviewed" or not type(module).__name__.startswith("ShardedAdaptive")
+        self.needs_ndim = isinstance(module, nn.LayerNorm)  # read by ``_ndim_hint``
 
     def pre(self, module: nn.Module, args):
         mode = getattr(_ACTIVE, "guard", None)
         if mode is None or mode is _SINGLE:
             return None
-        stack = module.__dict__.setdefault("_snn_guard_stack", [])
+        stack = module.__dict__.get("_snn_guard_stack")
+        if stack is None:
+            stack = module.__dict__["_snn_guard_stack"] = []
         if mode.suspended:
             stack.append(_SKIP)  # inside a sharded layer or a reviewed module: its own business
             return None
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        x = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                x = a
+                break
         state = mode.states.get(x) if x is not None else None
-        if self.kind == "sharded" and not getattr(module, "_guard_inside", False):
-            module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
+        if self.check:
+            if self.needs_ndim:  # (under the mode ``x.dim()`` is itself a guarded call: only where used)
+                module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
             _check_layer_input(mode, module, state)
         stack.append(state)
-        if self.kind == "reviewed" or not getattr(module, "_guard_inside", False):
+        if self.suspends:
             mode.suspend()
         return None
 
@@ -429,14 +448,15 @@ class _LayerHooks:
         state = stack.pop()
         if state is _SKIP:
             return None
-        if self.kind == "reviewed" or not getattr(module, "_guard_inside", False):
+        if self.suspends:
             mode.resume()
-            out_state = state if self.kind == "reviewed" else _layer_output_state(module, state)
-            for t in _flat_tensors(output):
+            out_state = state if self.same_state else _layer_output_state(module, state)
+            states = mode.states
+            for t in (output,) if isinstance(output, torch.Tensor) else _flat_tensors(output):
                 if out_state is None:
-                    mode.states.pop(t, None)
+                    states.pop(t, None)
                 else:
-                    mode.states[t] = out_state
+                    states[t] = out_state
         return None
 
 
@@ -530,13 +550,55 @@ def _dim_map(remap):
     return handler
 
 
+class _States:
+    """Tensor -> layout state for one guarded forward, keyed by identity.
+
+    A dict keyed by ``id`` holding a plain weak reference next to each state: a lookup is one
+    dict probe and one identity test, about 8x cheaper than ``torch.utils.weak``'s
+    ``WeakIdKeyDictionary`` (a Python-level reference object per probe), and the guard makes
+    thousands of them per forward of a timm CNN. The weak reference is only compared with the
+    tensor in hand, never handed out, so the resurrection fix-up ``WeakIdRef`` does is not
+    needed. A dead tensor's entry stays until the forward ends (the mode lives for one forward);
+    a new tensor that reuses its ``id`` fails the identity test, so it never inherits the state.
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, t, default=None):
+        e = self._d.get(id(t))
+        return e[1] if e is not None and e[0]() is t else default
+
+    def __contains__(self, t) -> bool:
+        e = self._d.get(id(t))
+        return e is not None and e[0]() is t
+
+    def __getitem__(self, t):
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            raise KeyError("tensor not tracked")
+        return e[1]
+
+    def __setitem__(self, t, state) -> None:
+        self._d[id(t)] = (weakref.ref(t), state)
+
+    def pop(self, t, default=None):
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            return default
+        del self._d[id(t)]
+        return e[1]
+
+
 class _GuardMode(TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
         super().__init__()
         self.guard = guard
-        self.states: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.states = _States()
         self.suspended = 0
         self._popped: list = []
 
@@ -602,13 +664,28 @@ class _GuardMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.suspended:
             return func(*args, **kwargs)
+        # ``_walk(args)`` and ``_walk(kwargs)`` with the top level inlined: this runs for every
+        # torch call between sharded layers, most of them with a few flat tensor arguments.
         found: list = []
-        _walk(args, found)
-        if kwargs:
-            _walk(kwargs, found)
+        for a in args:
+            if isinstance(a, (torch.Tensor, LocalDerived)):
+                found.append(a)
+            elif isinstance(a, (list, tuple, dict)):
+                _walk(a, found, 1)
+        for a in kwargs.values():
+            if isinstance(a, (torch.Tensor, LocalDerived)):
+                found.append(a)
+            elif isinstance(a, (list, tuple, dict)):
+                _walk(a, found, 1)
         states = self.states
-        stateful = [t for t in found if isinstance(t, torch.Tensor) and t in states]
-        tagged = any(_is_tagged(v) for v in found)
+        stateful = []
+        tagged = False
+        for t in found:
+            if isinstance(t, torch.Tensor):
+                if t in states:
+                    stateful.append(t)
+            else:
+                tagged = True
         if not stateful and not tagged:
             return func(*args, **kwargs)
         if _called_from_library():
@@ -1660,7 +1737,7 @@ def install(
         kind = "sharded" if type(m) in sharded else ("reviewed" if name in reviewed_set or type(m) in REVIEWED else None)
         if kind is None:
             continue
-        hooks = _LayerHooks(kind)
+        hooks = _LayerHooks(kind, m)
         handles.append(m.register_forward_pre_hook(hooks.pre))
         handles.append(m.register_forward_hook(hooks.post, always_call=True))
     model.__dict__["_snn_guard_handles"] = handles

@@ -114,15 +114,15 @@ def _exchange(
             recv_right.copy_(send_left)
         return []
     ops = []
-    for tensor, peer, op, t in (
-        (send_right, right, dist.isend, tag),
-        (recv_left, left, dist.irecv, tag),
-        (send_left, left, dist.isend, tag + 1),
-        (recv_right, right, dist.irecv, tag + 1),
+    for tensor, peer, send, t in (
+        (send_right, right, True, tag),
+        (recv_left, left, False, tag),
+        (send_left, left, True, tag + 1),
+        (recv_right, right, False, tag + 1),
     ):
         if tensor is not None and tensor.numel():
-            ops.append(dist.P2POp(op, tensor, ring.ranks[peer], group=ring.group, tag=t))
-    return dist.batch_isend_irecv(ops) if ops else []
+            ops.append((tensor, peer, send, t))
+    return ring.start_p2p(ops)
 
 
 def _edge(x: torch.Tensor, dim: int, width: int, head: bool) -> torch.Tensor | None:
@@ -535,9 +535,9 @@ def _p2p(ring: AxisPeers, sends, recvs, tag: int) -> None:
     At most one message per ordered pair of ranks, so a single tag tells them apart on gloo, and
     every rank issues its operations in peer order, which keeps NCCL's issue-order matching.
     """
-    ops = [dist.P2POp(dist.isend, t, ring.ranks[peer], group=ring.group, tag=tag) for peer, t in sends if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, ring.ranks[peer], group=ring.group, tag=tag) for peer, t in recvs if t.numel()]
-    for w in dist.batch_isend_irecv(ops) if ops else []:
+    ops = [(t, peer, True, tag) for peer, t in sends if t.numel()]
+    ops += [(t, peer, False, tag) for peer, t in recvs if t.numel()]
+    for w in ring.start_p2p(ops):
         w.wait()
 
 

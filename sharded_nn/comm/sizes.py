@@ -333,16 +333,25 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
         inputs += (_code(t.dtype), t.requires_grad, t.dim(), *t.shape[:first])
     state: list = []
     add = state.append
-    for m in model.modules():
+    codes = _DTYPE_CODES
+    # Our own walk over ``_modules`` (each module once, in the same order on every rank):
+    # ``model.modules()`` builds a qualified name per module, half the cost of this function.
+    stack, seen = [model], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
         add(m.training)
         for p in m._parameters.values():
             if p is not None:
-                add(_code(p.dtype))
-                add(p.requires_grad)
-                add(p.is_cuda)
+                add((codes.get(p.dtype, -1), p.requires_grad, p.is_cuda))
         for b in m._buffers.values():
             if b is not None:
-                add(_code(b.dtype))
+                add(codes.get(b.dtype, -1))
+        for c in reversed(m._modules.values()):
+            if c is not None:
+                stack.append(c)
     autocast = tuple(
         v for dev in ("cpu", "cuda") for v in (int(torch.is_autocast_enabled(dev)), _code(torch.get_autocast_dtype(dev)))
     )

@@ -86,6 +86,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+#: The ``Traffic`` of the ``count_traffic`` block in progress (at most one).
+_ACTIVE: list[Traffic] = []
+
+
+def record_sends(tensors: list[torch.Tensor]) -> None:
+    """Count point-to-point operations started without torch.distributed's entry points
+    (``AxisPeers.start_p2p`` on gloo) as one ``batch_isend_irecv`` call sending ``tensors``."""
+    if _ACTIVE:
+        _ACTIVE[-1].add(_kind(), sum(_nbytes(t) for t in tensors))
+
+
 @contextmanager
 def count_traffic() -> Iterator[Traffic]:
     """Count the bytes this rank sends inside the block; see the module docstring.
@@ -127,7 +138,10 @@ def count_traffic() -> Iterator[Traffic]:
         wrap("reduce_scatter_tensor", second)
         wrap("all_to_all_single", second)
         wrap("all_gather", lambda out, t, *a, **k: _nbytes(t))
+        _ACTIVE.append(traffic)
         yield traffic
     finally:
+        if traffic in _ACTIVE:
+            _ACTIVE.remove(traffic)
         for name, fn in saved.items():
             setattr(dist, name, fn)
