@@ -317,13 +317,13 @@ def test_scope_answers_only_unambiguous_layouts(run):
 
 
 def _undeclared(sizes):
-    """A layer that declares no output layout (ConvTranspose2d) makes the next one agree again."""
+    """A layer that declares no output layout (Upsample) makes the next one agree again."""
     from sharded_nn.comm.sizes import enable_layout_scope
 
     m = mesh(len(sizes))
     torch.manual_seed(0)
     ref = nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.ConvTranspose2d(3, 3, 2, stride=2), nn.Conv2d(3, 2, 3, padding=1)
+        nn.Conv2d(2, 3, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(3, 2, 3, padding=1)
     ).double()
     model = enable_layout_scope(snn.convert(copy.deepcopy(ref), m))
     x = _rand((1, 2, sum(sizes), 4))
@@ -336,7 +336,7 @@ def _undeclared(sizes):
 
 def test_scope_forgets_after_an_undeclared_layout(run):
     for calls in run(3, _undeclared, (3, 3, 2)):
-        assert calls.get("metadata") == 3, calls  # conv, transposed conv, and the conv after it
+        assert calls.get("metadata") == 3, calls  # conv, upsample, and the conv after it
 
 
 def _scoped_errors():

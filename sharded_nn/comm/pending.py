@@ -12,13 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import traffic
 
 __all__ = ["PendingSum", "all_reduce_sum_start"]
-
-# count_traffic attributes calls by comm module; these are value reductions like those of
-# collectives.py. (Belongs in traffic._KIND_OF_MODULE; set here to keep traffic.py untouched.)
-traffic._KIND_OF_MODULE.setdefault(__name__, "reduction")
 
 
 class PendingSum:

@@ -37,6 +37,7 @@ _KIND_OF_MODULE = {
     "sharded_nn.comm.ring": "ring",
     "sharded_nn.comm.all_to_all": "all_to_all",
     "sharded_nn.comm.collectives": "reduction",
+    "sharded_nn.comm.pending": "reduction",
     "sharded_nn.comm.sizes": "metadata",
 }
 #: Functions whose traffic is metadata whatever module they live in.
