@@ -161,7 +161,9 @@ class AxisPeers:
         """
         if not ops:
             return []
-        if not self._direct_p2p:
+        # Under torch.compile the process group is an opaque script object whose methods dynamo
+        # cannot call: torch's own P2P path is traceable.
+        if torch.compiler.is_compiling() or not self._direct_p2p:
             return dist.batch_isend_irecv(
                 [dist.P2POp(dist.isend if send else dist.irecv, t, self.ranks[peer], group=self.group, tag=tag)
                  for t, peer, send, tag in ops]
