@@ -21,7 +21,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import sharded_nn as snn
@@ -30,8 +29,8 @@ from sharded_nn.forward_guard import _States
 
 from .harness import mesh
 from .reference import reduce_param_grads
+from .test_latency_paths import _all_gather, _rand
 
-D = torch.float64
 
 
 def _small_cnn() -> nn.Module:
@@ -42,16 +41,6 @@ def _small_cnn() -> nn.Module:
         nn.Conv2d(8, 8, 1),
         nn.Conv2d(8, 4, 3, padding=1),
     )
-
-
-def _rand(shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
-
-
-def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, t.detach())
-    return out
 
 
 def _counts(sizes: tuple[int, ...], repeats: int) -> list[tuple[dict, dict, dict]]:

@@ -13,26 +13,15 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sharded_nn as snn
 from sharded_nn.comm.traffic import count_traffic
 
 from .harness import mesh
 from .reference import reduce_param_grads
+from .test_latency_paths import _all_gather, _rand
 
-D = torch.float64
 T = 300  # whole-model cases on a loaded 2-core machine
-
-
-def _rand(shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
-
-
-def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, t.detach())
-    return out
 
 
 def _run(spatial_dims: int, sizes, rest, kwargs, train: bool):
