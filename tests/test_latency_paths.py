@@ -162,16 +162,22 @@ def _single_rank(mode: str):
         ref = ref.double()
         model = snn.convert(copy.deepcopy(ref), m)
         assert type(model).__name__.startswith("Sharded"), type(model)
-        x = _rand((2, 4, 9, 7, 5)[: ref.weight.dim() if hasattr(ref, "weight") else 4]).requires_grad_()
-        xs = x.detach().clone().requires_grad_()
-        with count_traffic() as t:
-            y = model(xs)
-        torch.testing.assert_close(y, ref(x), atol=0, rtol=0)
-        y.sum().backward()
-        ref(x).sum().backward()
-        torch.testing.assert_close(xs.grad, x.grad, atol=0, rtol=0)
-        out[type(ref).__name__] = dict(t.calls)
+        x = _rand((2, 4, 9, 7, 5)[: ref.weight.dim() if hasattr(ref, "weight") else 4])
+        out[type(ref).__name__] = _bitwise_at_one_rank(model, ref, x)
     return out
+
+
+def _bitwise_at_one_rank(model: nn.Module, ref: nn.Module, x: torch.Tensor) -> dict:
+    """Forward and input gradient of ``model`` equal ``ref``'s bit for bit; the traffic counted."""
+    x = x.requires_grad_()
+    xs = x.detach().clone().requires_grad_()
+    with count_traffic() as t:
+        y = model(xs)
+    torch.testing.assert_close(y, ref(x), atol=0, rtol=0)
+    y.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(xs.grad, x.grad, atol=0, rtol=0)
+    return dict(t.calls)
 
 
 @pytest.mark.parametrize("mode", ["zeros", "circular"])
@@ -204,17 +210,10 @@ def _single_rank_guard():
     model = snn.convert(copy.deepcopy(ref), mesh(1))
     # No per-layer hooks: the guard has nothing to follow when every tensor is whole.
     hooked = [n for n, m in model.named_modules() if m is not model and (m._forward_pre_hooks or m._forward_hooks)]
-    x = _rand((2, 3, 9, 7)).requires_grad_()
-    xs = x.detach().clone().requires_grad_()
-    with count_traffic() as t:
-        y = model(xs)
-    torch.testing.assert_close(y, ref(x), atol=0, rtol=0)
-    y.sum().backward()
-    ref(x).sum().backward()
-    torch.testing.assert_close(xs.grad, x.grad, atol=0, rtol=0)
+    calls = _bitwise_at_one_rank(model, ref, _rand((2, 3, 9, 7)))
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=n)
-    return hooked, model.seen, dict(t.calls)
+    return hooked, model.seen, calls
 
 
 def test_one_rank_guard_skips_layer_hooks(run):
