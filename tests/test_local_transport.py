@@ -66,7 +66,8 @@ def _p2p_out_of_order():
         works += [lt.start_send(t, group, peer, tag) for t, tag in zip(sends, tags)]
         works += [lt.start_recv(g, group, peer, tag) for g, tag in reversed(list(zip(got, tags)))]
     else:
-        works += [lt.start_recv(g, group, peer, tag) for g, tag in [(got[2], 13), (got[0], 11), (got[3], 14), (got[1], 12)]]
+        order = [(got[2], 13), (got[0], 11), (got[3], 14), (got[1], 12)]
+        works += [lt.start_recv(g, group, peer, tag) for g, tag in order]
         works += [lt.start_send(t, group, peer, tag) for t, tag in reversed(list(zip(sends, tags)))]
     for w in works:
         w.wait()
@@ -161,7 +162,8 @@ def _halo_and_ring(domain: int, transport: str):
             y.pow(2).sum().backward()
             rows = gather_ints([r, 3 + r], ring)
             (nxt,) = ring_pass(ring, [x.detach()], [(1, 1, 3 + ring.left(True), 6)]).wait()
-        return y.detach().tolist(), x.grad.tolist(), rows, nxt.tolist(), dict(t.calls), dict(t.sent)
+            s = all_reduce_sum(x.detach()[..., :2, :], ring.group) + all_reduce_sum_start(y[..., :1, :], ring.group).wait()
+        return y.detach().tolist(), x.grad.tolist(), rows, nxt.tolist(), s.tolist(), dict(t.calls), dict(t.sent)
 
 
 @pytest.mark.parametrize("domain", [2, 3])
@@ -169,8 +171,8 @@ def test_halo_ring_and_counts_same_with_and_without_transport(run, domain):
     local = run(domain, _halo_and_ring, domain, "local")
     gloo = run(domain, _halo_and_ring, domain, "gloo")
     assert local == gloo
-    calls = local[0][4]
-    assert calls["halo"] >= 2 and calls["metadata"] == 1 and calls["ring"] == 1, calls
+    calls = local[0][5]
+    assert calls["halo"] >= 2 and calls["metadata"] == 1 and calls["ring"] == 1 and calls["reduction"] == 2, calls
 
 
 def _bad_env():

@@ -80,7 +80,7 @@ _DEFAULT_MAX_BYTES = 256 * 1024
 _SOCK_BUF = 4 << 20
 #: Header of every message: group id, tag (collectives: negative), payload bytes.
 _HDR = struct.Struct("<QqQ")
-#: First bytes on a new connection: magic, the connecting rank, the store generation.
+#: First bytes on a new connection: magic, the connecting rank, reserved.
 _HELLO = struct.Struct("<QqQ")
 _MAGIC = 0x534E4E5452414E53  # "SNNTRANS"
 _POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
@@ -247,12 +247,13 @@ class _Conn:
 class _Transport:
     """This process's end of the transport: listener, connections, posted receives, stash."""
 
-    def __init__(self, default_group: dist.ProcessGroup, generation: int) -> None:
+    def __init__(self, default_group: dist.ProcessGroup) -> None:
         self.rank = dist.get_rank()
         self.default_group = weakref.ref(default_group)
         self.store = dist.distributed_c10d._get_default_store()
-        self.prefix = f"sharded_nn/transport/{generation}/"
-        self.generation = generation
+        # One key per rank, overwritten by a process group made after ``destroy_process_group``
+        # (usually on a fresh store); a connector that finds a stale entry retries (``conn``).
+        self.prefix = "sharded_nn/transport/"
         self.name = f"sharded_nn-{uuid.uuid4().hex}"
         self.host = socket.gethostname()
         try:
@@ -298,11 +299,26 @@ class _Transport:
         if peer > self.rank:
             # The lower rank connects; a listening socket accepts into its backlog at once, so
             # this never waits for the peer to reach any particular point.
-            _, _, name = self._peer_entry(peer)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            sock.connect("\0" + name)
-            sock.sendall(_HELLO.pack(_MAGIC, self.rank, self.generation))
+            deadline = time.monotonic() + timeout
+            while True:
+                _, _, name = self._peer_entry(peer)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect("\0" + name)
+                    break
+                except (ConnectionRefusedError, FileNotFoundError):
+                    # The entry of the peer's previous process group (its listener is closed):
+                    # wait for the peer to publish its new one.
+                    sock.close()
+                    if time.monotonic() > deadline:
+                        raise TransportError(
+                            f"sharded_nn transport: rank {self.rank} could not connect to rank {peer} within "
+                            f"{timeout:.0f} s (its published address refuses connections). Check rank {peer}'s "
+                            f"log, or set {ENV}=gloo to bypass the transport."
+                        ) from None
+                    time.sleep(0.01)
+            sock.sendall(_HELLO.pack(_MAGIC, self.rank, 0))
             self._add(peer, sock)
         else:
             # The peer connects to us; accept in the progress loop, which keeps flushing and
@@ -329,8 +345,8 @@ class _Transport:
         if len(hello) < _HELLO.size:
             sock.close()
             return
-        magic, who, gen = _HELLO.unpack(hello)
-        if magic != _MAGIC or gen != self.generation:
+        magic, who, _ = _HELLO.unpack(hello)
+        if magic != _MAGIC:
             sock.close()  # not one of this run's ranks
             return
         old = self.conns.pop(who, None)
@@ -353,7 +369,8 @@ class _Transport:
 
     def send(self, peer: int, gid: int, tag: int, t: torch.Tensor, work: _Work) -> None:
         c = self.conn(peer, work.timeout)
-        self._check(c, work)
+        if c.error is not None:
+            return  # ``work.wait()`` raises; meanwhile the caller still serves its other peers
         body = _bytes_of(t)
         hdr = _HDR.pack(gid, tag, len(body))
         views = [memoryview(hdr), body]
@@ -363,8 +380,8 @@ class _Transport:
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as e:
-                self._fail(c, e)
-                self._check(c, work)
+                self._fail(c, e)  # ``work.wait()`` raises
+                return
             views = _advance(views, n)
             if not views:
                 work.done = True
@@ -400,8 +417,7 @@ class _Transport:
             if not q:
                 del self.stash[r.key]
             return
-        self._check(c, r)
-        self.posted.setdefault(r.key, deque()).append(r)
+        self.posted.setdefault(r.key, deque()).append(r)  # on a failed connection ``wait()`` raises
 
     def _read(self, c: _Conn) -> None:
         while True:
@@ -534,7 +550,7 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-_STATE: dict[str, object] = {"transport": None, "generation": 0}
+_STATE: dict[str, object] = {"transport": None}
 _STATE_LOCK = threading.Lock()
 
 
@@ -550,8 +566,7 @@ def _transport() -> _Transport:
             return t  # type: ignore[return-value]
         if t is not None:
             t.close()  # type: ignore[union-attr]
-            _STATE["generation"] = int(_STATE["generation"]) + 1  # type: ignore[arg-type]
-        t = _STATE["transport"] = _Transport(default, int(_STATE["generation"]))  # type: ignore[arg-type]
+        t = _STATE["transport"] = _Transport(default)
         return t
 
 
@@ -589,8 +604,16 @@ def close_connection_to(peer: int) -> None:
 def p2p_route(group: dist.ProcessGroup, peer: int, nbytes: int) -> bool:
     """Whether a point-to-point message of ``nbytes`` to or from global rank ``peer`` on ``group``
     goes through the transport: the same answer on both ends."""
-    if nbytes > max_bytes() or not enabled():
-        return False
+    return nbytes <= p2p_limit() and peer_is_local(group, peer)
+
+
+def p2p_limit() -> int:
+    """The largest point-to-point payload routed through the transport now (-1: none)."""
+    return max_bytes() if enabled() else -1
+
+
+def peer_is_local(group: dist.ProcessGroup, peer: int) -> bool:
+    """Whether ``group`` is a gloo group and global rank ``peer`` (not this one) is on this host."""
     if not _group(group).gloo:
         return False
     t = _transport()
@@ -658,17 +681,19 @@ def _exchange_all(g: _Group, x: torch.Tensor, bufs: Sequence[torch.Tensor | None
 def start_all_reduce(y: torch.Tensor, g: _Group, op: str = "sum") -> _Collective:
     """Reduce contiguous CPU ``y`` in place over the group (``op``: ``sum`` or ``max``), in
     group-rank order on every rank (bitwise the same result everywhere)."""
-    mine = y.clone()  # what this rank sends (``y`` receives the result)
-    bufs = [mine if i == g.index else torch.empty_like(y) for i in range(len(g.ranks))]
-    parts = _exchange_all(g, mine, bufs, f"an all_reduce ({op}) of {_nbytes(y)} bytes")
+    n, me = len(g.ranks), g.index
+    # ``y`` is sent as it is and receives the result. Group ranks 0 and 1 fold their own value
+    # in at the first step (the element-wise ``out=y`` reads it before writing); the others need
+    # it later, so they keep a copy.
+    mine = y if me < 2 else y.clone()
+    bufs = [mine if i == me else torch.empty_like(y) for i in range(n)]
+    parts = _exchange_all(g, y, bufs, f"an all_reduce ({op}) of {_nbytes(y)} bytes")
+    fn = torch.add if op == "sum" else torch.maximum
 
     def finish() -> None:
-        y.copy_(bufs[0])
-        for b in bufs[1:]:
-            if op == "sum":
-                y.add_(b)
-            else:
-                torch.maximum(y, b, out=y)
+        fn(bufs[0], bufs[1], out=y)  # a + b == b + a bitwise, so every rank's first step agrees
+        for b in bufs[2:]:
+            fn(y, b, out=y)
 
     return _Collective(parts, finish)
 

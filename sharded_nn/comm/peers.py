@@ -175,14 +175,16 @@ class AxisPeers:
             )
         record_sends([t for t, _, send, _ in ops if send])
         group, granks, ranks = self.group, self.group_ranks, self.ranks
-        transport = local_transport.enabled()
+        limit = local_transport.p2p_limit()  # -1 with the transport off or under compile
         works = []
         for t, peer, send, tag in ops:
             if t.is_complex():
                 t = torch.view_as_real(t)
             # Small messages to a peer on this host: the caller-thread transport (the same
             # decision on both ends: a receive buffer has the size of the message).
-            if transport and t.is_contiguous() and local_transport.p2p_route(group, ranks[peer], t.numel() * t.element_size()):
+            nbytes = t.numel() * t.element_size()
+            if (nbytes <= limit and t.device.type == "cpu" and t.is_contiguous()
+                    and local_transport.peer_is_local(group, ranks[peer])):
                 start = local_transport.start_send if send else local_transport.start_recv
                 works.append(start(t, group, ranks[peer], tag))
             else:
