@@ -52,6 +52,18 @@ class _Env:
                 os.environ[k] = v
 
 
+def _transport_on(fn):
+    """Run ``fn`` with the transport on whatever the environment of the test run says."""
+
+    def wrapped(*args):
+        with _Env(SHARDED_NN_TRANSPORT="local"):
+            return fn(*args)
+
+    wrapped.__name__ = wrapped.__qualname__ = fn.__name__
+    return wrapped
+
+
+@_transport_on
 def _p2p_out_of_order():
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -80,6 +92,7 @@ def test_p2p_matches_tags_out_of_order(run):
         assert got == [10.0 * (1 - rank) + i for i in range(4)], (rank, got)
 
 
+@_transport_on
 def _both_directions_big(n_msgs: int, numel: int):
     rank = dist.get_rank()
     group = dist.group.WORLD
@@ -102,6 +115,7 @@ def test_p2p_both_directions_beyond_socket_buffers(run):
     assert run(2, _both_directions_big, 8, 240 * 128) == [True, True]
 
 
+@_transport_on
 def _start_p2p_paths(numel: int):
     m = mesh(2)
     ring = axis_peers(m, "domain")
@@ -124,6 +138,7 @@ def test_start_p2p_routes_small_messages_only(run):
     assert big == [([False, False], True)] * 2
 
 
+@_transport_on
 def _collectives_match_gloo(domain: int):
     m = mesh(domain)
     group = snn.domain_group(m)
@@ -189,6 +204,7 @@ def test_env_switch_rejects_unknown_values(run):
     assert all("SHARDED_NN_TRANSPORT='nccl-ish'" in o and "'gloo'" in o for o in out), out
 
 
+@_transport_on
 def _env_switch_off():
     group = dist.group.WORLD
     x = torch.ones(3, dtype=D)
@@ -202,6 +218,7 @@ def test_env_switch_turns_transport_off(run):
     assert run(2, _env_switch_off) == [((True, False), (False, True))] * 2
 
 
+@_transport_on
 def _peer_closes(world: int):
     rank = dist.get_rank()
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=20))
@@ -230,6 +247,7 @@ def test_peer_that_closes_gives_clear_error_on_every_other_rank(run, world):
     assert out[-1] == "none"
 
 
+@_transport_on
 def _peer_raises(world: int):
     rank = dist.get_rank()
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=3))
