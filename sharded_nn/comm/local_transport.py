@@ -26,6 +26,12 @@ rank sends its tensor to every other member and reduces the tensors in group-ran
 rank gets the bitwise same result (gloo's ring sums in another order: results agree with gloo up
 to rounding, exactly for integers).
 
+Why 256 KiB: larger messages are faster here too (1 MiB: 1.2 against 4.2 ms per exchange), but
+nothing moves a queued send while its process computes or blocks in a gloo call; only the
+process's next transport call does. A message that fits an empty socket buffer (about 416 KiB
+with Linux's stock limits) is in the kernel as soon as it is sent, so below that limit a send
+never waits on its own process.
+
 The size rule is decidable identically on both ends: a receive buffer has the size of the message
 sent into it, and collectives have the same shapes on every rank, so a message never waits on the
 wrong path. ``SHARDED_NN_TRANSPORT_MAX_BYTES`` must therefore be the same on every rank.
