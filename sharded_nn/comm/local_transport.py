@@ -267,6 +267,12 @@ class _Transport:
                 self.boot = f.read().strip()
         except OSError:
             self.boot = ""
+        try:
+            # Abstract socket names are per network namespace: containers on one host that do
+            # not share it cannot reach each other's listeners, so they count as other hosts.
+            self.boot += "|" + os.readlink("/proc/self/ns/net")
+        except OSError:
+            pass
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + self.name)
         self.listener.listen(256)
@@ -290,8 +296,8 @@ class _Transport:
         return host, boot, name
 
     def is_local(self, peer: int) -> bool:
-        """Whether ``peer`` runs on this host (same hostname and boot id); symmetric, so both
-        ends of a message decide its path alike."""
+        """Whether ``peer`` runs on this host (same hostname, boot id and network namespace);
+        symmetric, so both ends of a message decide its path alike."""
         ok = self.local.get(peer)
         if ok is None:
             host, boot, _ = self._peer_entry(peer)
