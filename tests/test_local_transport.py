@@ -5,6 +5,7 @@
 * collectives through it equal gloo's, bitwise the same on every rank (P = 2, 3, 4);
 * failures: a peer that closes its connection, or raises instead of joining a collective, gives
   every other rank a ``TransportError`` naming it, within the group's timeout;
+* a waiting rank sleeps in ``poll`` (no spinning: its CPU time stays far below the wait);
 * ``SHARDED_NN_TRANSPORT=gloo`` turns it off, and ``count_traffic`` counts the same calls and bytes
   either way.
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -273,3 +275,29 @@ def test_peer_that_raises_times_out_with_clear_error(run, world):
     for rank, err in enumerate(out):
         if rank != 1:
             assert err.startswith("TransportError") and "waited 3 s" in err and "rank 1" in err, (rank, err)
+
+
+@_transport_on
+def _wait_sleeps():
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    t = torch.zeros(4, dtype=D)
+    # Connect first (rank 1 -> 0), so that only the wait below is timed.
+    if rank == 1:
+        lt.start_send(t, group, 0, 7).wait()
+    else:
+        lt.start_recv(t, group, 1, 7).wait()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)  # the peer waits meanwhile
+        lt.start_send(t + 1, group, 0, 8).wait()
+        return 0.0
+    c0, w0 = time.thread_time(), time.perf_counter()
+    lt.start_recv(t, group, 1, 8).wait()
+    return (time.thread_time() - c0, time.perf_counter() - w0, t.tolist())
+
+
+def test_waiting_rank_sleeps_instead_of_spinning(run):
+    cpu, wall, got = run(2, _wait_sleeps)[0]
+    assert got == [1.0] * 4 and wall >= 0.9
+    assert cpu < 0.1 * wall, (cpu, wall)  # blocked in poll, not spinning

@@ -211,10 +211,10 @@ class _Recv(_Work):
 class _Collective:
     """A collective in flight: its sends and receives, then a local reduction in group-rank order."""
 
-    __slots__ = ("_parts", "_finish", "_result")
+    __slots__ = ("_parts", "_finish")
 
     def __init__(self, parts: list[_Work], finish: Callable[[], None]) -> None:
-        self._parts, self._finish, self._result = parts, finish, None
+        self._parts, self._finish = parts, finish
 
     def is_completed(self) -> bool:
         return all(p.is_completed() for p in self._parts)
