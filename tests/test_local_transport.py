@@ -301,3 +301,24 @@ def test_waiting_rank_sleeps_instead_of_spinning(run):
     cpu, wall, got = run(2, _wait_sleeps)[0]
     assert got == [1.0] * 4 and wall >= 0.9
     assert cpu < 0.1 * wall, (cpu, wall)  # blocked in poll, not spinning
+
+
+@_transport_on
+def _mixed_sizes_one_exchange():
+    m = mesh(2)
+    ring = axis_peers(m, "domain")
+    me, peer = ring.index, 1 - ring.index
+    big_n = lt.max_bytes() // 8 + 5
+    small, big = torch.full((3,), float(me), dtype=D), torch.arange(big_n, dtype=D) + me
+    rs, rb = torch.empty(3, dtype=D), torch.empty(big_n, dtype=D)
+    tag = ring.next_tags(2)
+    # One exchange whose messages take both paths; the ranks list them in different orders.
+    ops = [(small, peer, True, tag), (big, peer, True, tag + 1), (rs, peer, False, tag), (rb, peer, False, tag + 1)]
+    works = ring.start_p2p(ops if me == 0 else ops[::-1])
+    for w in works:
+        w.wait()
+    return torch.equal(rs, torch.full((3,), float(peer), dtype=D)), torch.equal(rb, torch.arange(big_n, dtype=D) + peer)
+
+
+def test_one_exchange_mixing_transport_and_gloo_messages(run):
+    assert run(2, _mixed_sizes_one_exchange) == [(True, True)] * 2
