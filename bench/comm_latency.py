@@ -8,7 +8,10 @@ load change on a shared machine hits them alike):
   what a halo exchange does), 4 B and 64 KiB; the same on the domain axis group with halo tags,
   and through ``AxisPeers.start_p2p`` (gloo: ``ProcessGroup.send``/``recv`` directly);
 * raw ``dist.all_reduce``, 4 B and 64 KiB;
-* our ``all_reduce_sum``, ``halo_cat`` (64 KiB halo per side), ``gather_layouts``;
+* our ``all_reduce_sum``, ``halo_cat`` (64 KiB halo per side), ``gather_layouts``, each through
+  the same-host transport (``comm/local_transport.py``, the default) and through gloo
+  (``SHARDED_NN_TRANSPORT=gloo``, rows marked ``[gloo]``), interleaved;
+* the transport's own neighbour exchange (``start_p2p``), 4 B and 64 KiB, against gloo's;
 * the floors: a plain TCP socket ping-pong between the same two processes, and a shared-memory
   ping-pong (spinning on a flag in an anonymous shared mapping).
 
@@ -100,6 +103,16 @@ def _measure(iters: int, warmup: int) -> dict[str, float]:
                 w.wait()
         return f
 
+    def via_gloo(fn):
+        # The same call with the same-host transport turned off (read at every call).
+        def f():
+            os.environ["SHARDED_NN_TRANSPORT"] = "gloo"
+            try:
+                fn()
+            finally:
+                os.environ.pop("SHARDED_NN_TRANSPORT", None)
+        return f
+
     def exchange_direct(t, r):
         # The same tagged exchange through ``AxisPeers.start_p2p`` (what halo_cat uses): on gloo
         # straight to ProcessGroup.send/recv, without torch's per-op wrappers.
@@ -181,15 +194,23 @@ def _measure(iters: int, warmup: int) -> dict[str, float]:
                   "tcp socket 1B": tcp, "shm spin": shm_pingpong}, iters, warmup)
     out |= _time({"exchange 4B": exchange(small, rs), "exch 4B axis group": exchange_on(small, rs, ring.group, False),
                   "exch 4B axis tagged": exchange_on(small, rs, ring.group, True),
-                  "exch 4B start_p2p": exchange_direct(small, rs)}, iters, warmup)
+                  "exch 4B start_p2p": via_gloo(exchange_direct(small, rs)),
+                  "exch 4B transport": exchange_direct(small, rs)}, iters, warmup)
+    out |= _time({"exch 64K start_p2p": via_gloo(exchange_direct(big, rb)),
+                  "exch 64K transport": exchange_direct(big, rb)}, iters, warmup)
     out |= _time({"exchange 4B": exchange(small, rs), "exchange 4B poll": exchange_poll(small, rs),
                   "exchange 64K": exchange(big, rb), "exchange 64K poll": exchange_poll(big, rb),
                   "isend+irecv 4B": isend_irecv(small, rs)}, iters, warmup)
     out |= _time({"all_reduce 4B": lambda: dist.all_reduce(small), "all_reduce 64K": lambda: dist.all_reduce(big),
                   "all_reduce_sum 4B": lambda: all_reduce_sum(small, dist.group.WORLD),
-                  "all_reduce_sum 64K": lambda: all_reduce_sum(big, dist.group.WORLD)}, iters, warmup)
-    out |= _time({"halo_cat 4B": lambda: halo_cat(xs, spec, ring), "halo_cat 64K": lambda: halo_cat(xb, spec, ring),
-                  "gather_layouts": lambda: gather_layouts(xb.shape, mesh, (0,), what="bench")}, iters, warmup)
+                  "all_reduce_sum 4B [gloo]": via_gloo(lambda: all_reduce_sum(small, dist.group.WORLD)),
+                  "all_reduce_sum 64K": lambda: all_reduce_sum(big, dist.group.WORLD),
+                  "all_reduce_sum 64K [gloo]": via_gloo(lambda: all_reduce_sum(big, dist.group.WORLD))}, iters, warmup)
+    gl = lambda: gather_layouts(xb.shape, mesh, (0,), what="bench")  # noqa: E731
+    hs, hb = (lambda: halo_cat(xs, spec, ring)), (lambda: halo_cat(xb, spec, ring))
+    out |= _time({"halo_cat 4B": hs, "halo_cat 4B [gloo]": via_gloo(hs),
+                  "halo_cat 64K": hb, "halo_cat 64K [gloo]": via_gloo(hb),
+                  "gather_layouts": gl, "gather_layouts [gloo]": via_gloo(gl)}, iters, warmup)
     dist.barrier()
     sock.close()
     shm.close()
@@ -206,9 +227,9 @@ def main() -> None:
     args = ap.parse_args()
     r = snn.launch(_measure, 2, args.iters, args.warmup, device_type="cpu", threads=1)
     print(f"2 local processes, gloo, 1 thread each, {args.iters} calls, slowest rank")
-    print(f"{'':>20} {'wall us':>9} {'caller CPU us':>14} {'process CPU us':>15} {'vol. ctx sw':>12}")
+    print(f"{'':>26} {'wall us':>9} {'caller CPU us':>14} {'process CPU us':>15} {'vol. ctx sw':>12}")
     for k, (w, c, p, n) in r.items():
-        print(f"{k:>20} {w * 1e6:9.1f} {c * 1e6:14.1f} {p * 1e6:15.1f} {n:12.1f}")
+        print(f"{k:>26} {w * 1e6:9.1f} {c * 1e6:14.1f} {p * 1e6:15.1f} {n:12.1f}")
 
 
 if __name__ == "__main__":

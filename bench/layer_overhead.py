@@ -16,6 +16,9 @@ computation itself is small enough for it to show.
   inside a ``layout_scope`` that already knows its input's layout (what each layer of a model
   converted with ``enable_layout_scope`` pays after the first: no all-gather, only the halo
   exchange with the neighbour).
+* P=2 transports: the sharded layer and the converted model run both through the same-host
+  transport for small CPU messages (``comm/local_transport.py``, the default) and through gloo
+  (``SHARDED_NN_TRANSPORT=gloo``, columns ``[gloo]``), interleaved in the same loop.
 * ``gather_layouts`` alone: the layout agreement every sharded layer makes per call (one
   all-gather of a few integers on the domain group, or on its CPU side group on NCCL meshes),
   next to one all-reduce of a single integer on the same group (the latency floor of any
@@ -90,12 +93,26 @@ def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, flo
         inp = inp.detach().requires_grad_()
         model(inp).sum().backward()
 
+    def via_gloo(fn):
+        # The same call with the same-host transport turned off (read at every call).
+        def f():
+            os.environ["SHARDED_NN_TRANSPORT"] = "gloo"
+            try:
+                fn()
+            finally:
+                os.environ.pop("SHARDED_NN_TRANSPORT", None)
+        return f
+
     with torch.no_grad():
-        got = _time({"plain": lambda: plain(x_loc), "sharded": lambda: sharded(x_loc)}, iters, warmup)
-        got |= _time({"plain2": lambda: plain2(x_loc), "model2": lambda: conv2(x_loc)}, iters, warmup)
+        got = _time({"plain": lambda: plain(x_loc), "sharded": lambda: sharded(x_loc),
+                     "sharded gloo": via_gloo(lambda: sharded(x_loc))}, iters, warmup)
+        got |= _time({"plain2": lambda: plain2(x_loc), "model2": lambda: conv2(x_loc),
+                      "model2 gloo": via_gloo(lambda: conv2(x_loc))}, iters, warmup)
     out |= {f"{k} fwd": v for k, v in got.items()}
-    got = _time({"plain": lambda: step(plain, x_loc), "sharded": lambda: step(sharded, x_loc)}, iters, warmup)
-    got |= _time({"plain2": lambda: step(plain2, x_loc), "model2": lambda: step(conv2, x_loc)}, iters, warmup)
+    got = _time({"plain": lambda: step(plain, x_loc), "sharded": lambda: step(sharded, x_loc),
+                 "sharded gloo": via_gloo(lambda: step(sharded, x_loc))}, iters, warmup)
+    got |= _time({"plain2": lambda: step(plain2, x_loc), "model2": lambda: step(conv2, x_loc),
+                  "model2 gloo": via_gloo(lambda: step(conv2, x_loc))}, iters, warmup)
     out |= {f"{k} fwd+bwd": v for k, v in got.items()}
     with layout_scope():  # the first call agrees and remembers the layout; the timed ones derive it
         sharded(x_loc)
@@ -105,12 +122,13 @@ def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, flo
     # The floor for any agreement: one all-reduce of a single integer on the same group.
     one = torch.zeros(1, dtype=torch.int64)
     group = snn.domain_group(mesh)
+    gl = lambda: gather_layouts(x_loc.shape, mesh, (2,), what="bench")  # noqa: E731
     got = _time(
-        {"g": lambda: gather_layouts(x_loc.shape, mesh, (2,), what="bench"), "a": lambda: dist.all_reduce(one, group=group)},
+        {"g": gl, "gg": via_gloo(gl), "a": lambda: dist.all_reduce(one, group=group)},
         iters,
         warmup,
     )
-    out["gather_layouts"], out["all_reduce"] = got["g"], got["a"]
+    out["gather_layouts"], out["gather_layouts gloo"], out["all_reduce"] = got["g"], got["gg"], got["a"]
     return out
 
 
@@ -125,15 +143,18 @@ def main() -> None:
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
     print(f"{'P':>2} {'':>8} {'plain':>9} {'sharded':>9} {'ratio':>6} {'scoped':>9} {'ratio':>6}"
-          f" {'plain x2':>9} {'convert':>9} {'ratio':>6}   gather_layouts  1-int all_reduce")
+          f" {'plain x2':>9} {'convert':>9} {'ratio':>6}   {'[gloo] sharded':>14} {'convert':>8}"
+          f"   gather_layouts [gloo]  1-int gloo all_reduce")
     for p in args.worlds:
         r = snn.launch(_measure, p, args.channels, args.size, args.iters, args.warmup, device_type="cpu", threads=1)
         for kind in ("fwd", "fwd+bwd"):
             a, b, c = r[f"plain {kind}"], r[f"sharded {kind}"], r[f"scoped {kind}"]
             a2, b2 = r[f"plain2 {kind}"], r[f"model2 {kind}"]
-            extra = f"   {r['gather_layouts'] * 1e6:14.0f}  {r['all_reduce'] * 1e6:16.0f}" if kind == "fwd" else ""
+            g1, g2 = r[f"sharded gloo {kind}"], r[f"model2 gloo {kind}"]
+            extra = (f"   {r['gather_layouts'] * 1e6:14.0f} {r['gather_layouts gloo'] * 1e6:6.0f}"
+                     f"  {r['all_reduce'] * 1e6:20.0f}" if kind == "fwd" else "")
             print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f} {c * 1e6:9.0f} {c / a:6.2f}"
-                  f" {a2 * 1e6:9.0f} {b2 * 1e6:9.0f} {b2 / a2:6.2f}{extra}")
+                  f" {a2 * 1e6:9.0f} {b2 * 1e6:9.0f} {b2 / a2:6.2f}   {g1 * 1e6:14.0f} {g2 * 1e6:8.0f}{extra}")
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from .peers import AxisPeers
 
@@ -31,9 +30,9 @@ def _exchange(
             continue
         buf = torch.empty(recv_shapes[j], dtype=like.dtype, device=like.device)
         recvs.append(buf)
-        ops.append(dist.P2POp(dist.isend, sends[j].contiguous(), ring.ranks[j], group=ring.group, tag=tag))
-        ops.append(dist.P2POp(dist.irecv, buf, ring.ranks[j], group=ring.group, tag=tag))
-    for w in dist.batch_isend_irecv(ops) if ops else []:
+        ops.append((sends[j].contiguous(), j, True, tag))
+        ops.append((buf, j, False, tag))
+    for w in ring.start_p2p(ops):
         w.wait()
     return recvs
 

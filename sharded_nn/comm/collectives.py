@@ -14,6 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from . import local_transport
+from .traffic import record_call
+
 
 def _size(group: dist.ProcessGroup | None) -> int:
     """The group's size without ``dist.get_world_size``'s checks (it runs once per collective)."""
@@ -27,7 +30,27 @@ def _pad_to(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return F.pad(x, pads) if any(pads) else x.contiguous()
 
 
+def _all_reduce(y: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum") -> None:
+    """All-reduce ``y`` in place (``op``: ``sum`` or ``max``): small CPU tensors of same-host gloo
+    groups through ``local_transport`` (summed in group-rank order, the same bits on every rank),
+    everything else through ``dist.all_reduce``."""
+    g = local_transport.collective_route(group, y)
+    if g is None:
+        dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+        return
+    record_call(y.numel() * y.element_size())
+    buf = y if y.is_contiguous() else y.contiguous()
+    local_transport.start_all_reduce(buf, g, op).wait()
+    if buf is not y:
+        y.copy_(buf)
+
+
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    g = local_transport.collective_route(group, x)
+    if g is not None:
+        record_call(x.numel() * x.element_size())
+        local_transport.start_all_gather(out, x, g).wait()
+        return
     # torch 2.14 renamed all_gather_into_tensor; keep working on older releases too. Looked up at
     # call time, so that ``comm.traffic.count_traffic`` sees the call.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,7 +75,7 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         # forward under no_grad, the backward's own all-reduces).
         y = x.detach().clone()
         if _size(group) > 1:
-            dist.all_reduce(y, group=group)
+            _all_reduce(y, group)
         return y
     return _AllReduceSum.apply(x, group)
 
@@ -63,7 +86,7 @@ class _AllReduceSum(torch.autograd.Function):
         ctx.group = group
         y = x.clone()
         if _size(group) > 1:
-            dist.all_reduce(y, group=group)
+            _all_reduce(y, group)
         return y
 
     @staticmethod
@@ -76,7 +99,7 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Element-wise max over ``group`` (no gradient)."""
     y = x.detach().clone()
     if _size(group) > 1:
-        dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(y, group, "max")
     return y
 
 
@@ -146,7 +169,7 @@ class _AllGatherGrid(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):  # noqa: D102
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
+        _all_reduce(g, ctx.group)
         return g[_slab_index(ctx.dims, ctx.coord, ctx.sizes, g.dim())].contiguous(), None, None, None, None, None
 
 

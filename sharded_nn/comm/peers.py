@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..mesh import axis_global_ranks, axis_group, axis_index, domain_axes, domain_group, mesh_cached
+from . import local_transport
 from .sizes import metadata_group
 from .traffic import record_sends
 
@@ -147,17 +148,21 @@ class AxisPeers:
         backend = self.group._get_backend(torch.device("cpu"))
         return not getattr(backend, "supports_coalescing", False)
 
-    def start_p2p(self, ops: list[tuple[torch.Tensor, int, bool, int]]) -> list[dist.Work]:
+    def start_p2p(self, ops: list[tuple[torch.Tensor, int, bool, int]]) -> list:
         """Start point-to-point operations ``(tensor, peer coordinate, is_send, tag)``, in order.
 
         The same messages, in the same order, as ``dist.batch_isend_irecv`` of the matching
         ``P2POp`` list; on gloo they go straight to ``ProcessGroup.send``/``recv``, skipping
         torch's per-op argument checks and rank translation (P=2, 16x64 floats each way: about
         70 us less caller CPU per exchange, 15-35% of a round trip, ``bench/comm_latency.py``'s
-        host). ``comm.traffic.count_traffic`` counts them as one ``batch_isend_irecv`` call.
+        host). Messages of at most ``local_transport.max_bytes()`` to a peer on this host travel
+        through ``comm/local_transport.py`` instead (no gloo thread hand-offs; off with
+        ``SHARDED_NN_TRANSPORT=gloo``). ``comm.traffic.count_traffic`` counts them as one
+        ``batch_isend_irecv`` call.
 
         Returns:
-            The works to wait on (empty when ``ops`` is).
+            The works to wait on (empty when ``ops`` is): ``dist.Work`` or the transport's
+            works, both with ``wait()``.
         """
         if not ops:
             return []
@@ -169,12 +174,21 @@ class AxisPeers:
                  for t, peer, send, tag in ops]
             )
         record_sends([t for t, _, send, _ in ops if send])
-        group, granks = self.group, self.group_ranks
+        group, granks, ranks = self.group, self.group_ranks, self.ranks
+        limit = local_transport.p2p_limit()  # -1 with the transport off or under compile
         works = []
         for t, peer, send, tag in ops:
             if t.is_complex():
                 t = torch.view_as_real(t)
-            works.append(group.send([t], granks[peer], tag) if send else group.recv([t], granks[peer], tag))
+            # Small messages to a peer on this host: the caller-thread transport (the same
+            # decision on both ends: a receive buffer has the size of the message).
+            nbytes = t.numel() * t.element_size()
+            if (nbytes <= limit and t.device.type == "cpu" and t.is_contiguous()
+                    and local_transport.peer_is_local(group, ranks[peer])):
+                start = local_transport.start_send if send else local_transport.start_recv
+                works.append(start(t, group, ranks[peer], tag))
+            else:
+                works.append(group.send([t], granks[peer], tag) if send else group.recv([t], granks[peer], tag))
         return works
 
     def next_tags(self, n: int) -> int:

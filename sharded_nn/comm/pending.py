@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import local_transport
+from .traffic import record_call
+
 
 __all__ = ["PendingSum", "all_reduce_sum_start"]
 
@@ -19,7 +22,7 @@ __all__ = ["PendingSum", "all_reduce_sum_start"]
 class PendingSum:
     """An all-reduce in flight; ``wait()`` returns the sum (the same tensor on later calls)."""
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None) -> None:
+    def __init__(self, tensor: torch.Tensor, work) -> None:
         self._tensor, self._work = tensor, work
 
     def wait(self) -> torch.Tensor:
@@ -39,4 +42,9 @@ def all_reduce_sum_start(x: torch.Tensor, group: dist.ProcessGroup | None) -> Pe
     y = x.detach().clone(memory_format=torch.contiguous_format)
     if group is None:
         return PendingSum(y, None)
+    g = local_transport.collective_route(group, y)
+    if g is not None:
+        # Small same-host CPU sums: the caller-thread transport (see ``local_transport``).
+        record_call(y.numel() * y.element_size())
+        return PendingSum(y, local_transport.start_all_reduce(y, g))
     return PendingSum(y, dist.all_reduce(y, group=group, async_op=True))

@@ -13,7 +13,6 @@ import itertools
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .peers import AxisPeers
@@ -37,8 +36,7 @@ def _move(x: torch.Tensor, dim: int, old: Sequence[int], new: Sequence[int], rin
     for q in range(ring.size):
         lo, hi = max(a, nb[q][0]), min(b, nb[q][1])
         if hi > lo and q != me:
-            ops.append(dist.P2POp(dist.isend, x.narrow(dim, lo - a, hi - lo).contiguous(), ring.ranks[q],
-                                  group=ring.group, tag=tag))
+            ops.append((x.narrow(dim, lo - a, hi - lo).contiguous(), q, True, tag))
     c, d = nb[me]
     for q in range(ring.size):
         lo, hi = max(c, ob[q][0]), min(d, ob[q][1])
@@ -51,8 +49,8 @@ def _move(x: torch.Tensor, dim: int, old: Sequence[int], new: Sequence[int], rin
             shape[dim] = hi - lo
             buf = x.new_empty(shape)
             pieces[q] = buf
-            ops.append(dist.P2POp(dist.irecv, buf, ring.ranks[q], group=ring.group, tag=tag))
-    for w in dist.batch_isend_irecv(ops) if ops else []:
+            ops.append((buf, q, False, tag))
+    for w in ring.start_p2p(ops):
         w.wait()
     if not pieces:
         shape = list(x.shape)

@@ -93,7 +93,6 @@ def ring_pass(
         if out is not None:
             return RingHandle([], [r.copy_(t) for r, t in zip(out, send)], [])
         return RingHandle([], list(send), [])
-    right, left = ring.ranks[ring.right(True)], ring.ranks[ring.left(True)]
     if out is None:
         received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device) for t, s in zip(send, recv_shapes)]
     else:
@@ -102,12 +101,10 @@ def ring_pass(
             if tuple(r.shape) != tuple(s) or not r.is_contiguous():
                 raise ValueError(f"ring_pass: out must be contiguous with shape {tuple(s)}, got {tuple(r.shape)}.")
     sent = [t.contiguous() for t in send]
-    ops = []
     # Every rank issues its sends before its receives, in the same order; NCCL matches by issue
-    # order and gloo by tag, so both pair the messages correctly even when left == right (see
-    # peers.py for what overlapping hops need on each backend).
-    for i, t in enumerate(sent):
-        ops.append(dist.P2POp(dist.isend, t, right, group=ring.group, tag=tag + i))
-    for i, r in enumerate(received):
-        ops.append(dist.P2POp(dist.irecv, r, left, group=ring.group, tag=tag + i))
-    return RingHandle(dist.batch_isend_irecv(ops), received, sent)
+    # order and gloo (and the same-host transport) by tag, so both pair the messages correctly
+    # even when left == right (see peers.py for what overlapping hops need on each backend).
+    rp, lp = ring.right(True), ring.left(True)
+    ops = [(t, rp, True, tag + i) for i, t in enumerate(sent)]
+    ops += [(r, lp, False, tag + i) for i, r in enumerate(received)]
+    return RingHandle(ring.start_p2p(ops), received, sent)

@@ -98,6 +98,13 @@ def record_sends(tensors: list[torch.Tensor]) -> None:
         _ACTIVE[-1].add(_kind(), sum(_nbytes(t) for t in tensors))
 
 
+def record_call(nbytes: int) -> None:
+    """Count one collective made without torch.distributed's entry points (the same-host
+    transport, ``comm/local_transport.py``) that contributes ``nbytes``: as the wrapped call would."""
+    if _ACTIVE:
+        _ACTIVE[-1].add(_kind(), nbytes)
+
+
 @contextmanager
 def count_traffic() -> Iterator[Traffic]:
     """Count the bytes this rank sends inside the block; see the module docstring.
