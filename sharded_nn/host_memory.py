@@ -3,7 +3,7 @@
 Not part of the top-level API. ``import sharded_nn`` applies the library's policy to its own
 process (:func:`apply_process_defaults`; opt out with ``SHARDED_NN_HOST_TUNING=0``), so that a
 run under torchrun gets it without exporting anything: torch's transparent-huge-page allocation,
-and glibc's mmap threshold fixed at 2 MiB (``DEFAULT_MMAP_THRESHOLD``). ``sharded_nn.launch``
+and glibc's mmap threshold fixed at 1 MiB (``DEFAULT_MMAP_THRESHOLD``). ``sharded_nn.launch``
 sets the same in the processes it starts (``mmap_threshold=None`` leaves glibc's own).
 """
 
@@ -28,23 +28,22 @@ GLIBC_TUNABLES_ENV = "GLIBC_TUNABLES"
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
-#: The library's mmap threshold (2 MiB): every CPU buffer of at least 2 MiB (an activation of a
-#: big sample) is its own mapping and goes back to the OS when freed; smaller ones (halos, strips,
-#: statistics, per-head pieces) are reused from glibc's heap without page faults. Why: a rank's
-#: resident memory then follows its live tensors, which halve at P=2, whatever their size.
-#: glibc's own threshold rises to the largest mapped block freed so far (up to 32 MiB), and a
-#: fixed 16 MiB one keeps every smaller activation in the heap: there, activations that live
-#: until backward and temporaries that die at once interleave, the holes are not reused and not
-#: returned, and resident memory drifts far above the tensors (1.3-1.9x of them at P=2 in the
-#: measurements below, 1.1x with 2 MiB). 2 MiB is torch's huge-page size: torch aligns its
-#: buffers of that size and more to 2 MiB, which in the heap leaves holes of its own, and as
-#: mappings they get whole huge pages.
-#: Measured (``bench/host_alloc.py``, fwd+bwd, peak resident size above the start, P=2 per rank
-#: over P=1, both under the policy; the tensors themselves, ``mallinfo2``: 0.51x in every case):
-#: vit_small 1024^2 (4 blocks) 0.53x glibc, 0.62x 16 MiB, 0.54x 1 MiB; 3-D UNet 96^3 0.67x,
-#: 0.55x, 0.54x; 2-D UNet 512x896 0.65x, 0.74x, 0.53x. The price: fresh pages for every buffer
-#: of 2 MiB and more on every step (glibc already maps every one above 32 MiB afresh).
-DEFAULT_MMAP_THRESHOLD = 2 << 20
+#: The library's mmap threshold (1 MiB): every CPU buffer of 1 MiB or more (an activation of a
+#: big sample, a ring attention piece) is its own mapping and goes back to the OS when freed;
+#: smaller ones (halos, strips, statistics, per-head pieces) are reused from glibc's heap without
+#: page faults. Why: a rank's resident memory then follows its live tensors, which halve at P=2,
+#: whatever the model and the size of its activations. glibc's own threshold rises to the largest
+#: mapped block freed so far (up to 32 MiB), and any fixed one above an activation's size keeps it
+#: in the heap: there, activations saved for backward and temporaries that die at once
+#: interleave, the holes are neither reused nor returned, and resident memory drifts far above
+#: the tensors. Measured (``bench/host_alloc.py``, fwd+bwd, peak resident size above the start,
+#: P=2 per rank over P=1 under the same policy; the tensors alone, ``mallinfo2``, are 0.50-0.51x
+#: in every case), glibc / 16 MiB / 2 MiB / 1 MiB: vit_small 1024^2 (4 blocks) 0.53 / 0.62 /
+#: 0.57 / 0.54x, vit_small 1024^2 -- / -- / 0.55 / 0.52x, vit_tiny 1024^2 -- / -- / 0.61 / see
+#: the README, 3-D UNet 96^3 0.67 / 0.55 / 0.55 / 0.54x, 2-D UNet 512x896 0.65 / 0.74 / 0.53 /
+#: 0.53x. The price: buffers of 1 MiB and more are faulted in afresh on every step (glibc maps
+#: every one above 32 MiB afresh anyway); see the README's host-allocator paragraph.
+DEFAULT_MMAP_THRESHOLD = 1 << 20
 
 
 def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
@@ -55,7 +54,7 @@ def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     fragment, so resident memory drifts above what the live tensors need. A fixed threshold (as
     ``MALLOC_MMAP_THRESHOLD_`` would set) keeps a rank's resident memory close to its live
     tensors; buffers at or above it are faulted in afresh on every step. ``import sharded_nn``
-    and ``launch`` call this with ``DEFAULT_MMAP_THRESHOLD`` (2 MiB; see that constant for the
+    and ``launch`` call this with ``DEFAULT_MMAP_THRESHOLD`` (1 MiB; see that constant for the
     measurements). Calling it again later is safe: it applies to the allocations that follow.
 
     Args:
@@ -138,7 +137,7 @@ def apply_process_defaults() -> bool:
       the first tensor is created, as in the usual ``import torch, sharded_nn`` preamble;
       otherwise export it. A value the user set (``0`` included) is kept. The variable is
       inherited by processes this one starts.
-    * glibc's mmap threshold fixed at ``DEFAULT_MMAP_THRESHOLD`` (2 MiB, ``mallopt``), so that
+    * glibc's mmap threshold fixed at ``DEFAULT_MMAP_THRESHOLD`` (1 MiB, ``mallopt``), so that
       a rank's resident memory follows its live tensors (see that constant). This applies to
       every allocation after the import, whenever it happens. A threshold the user set in the
       environment (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in

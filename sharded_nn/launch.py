@@ -214,7 +214,7 @@ def launch(
             already set), so that torch puts large CPU tensors on transparent huge pages; see
             ``sharded_nn.host_memory``. Under torchrun, export the variable yourself.
         mmap_threshold: glibc's mmap threshold in bytes, fixed in every process (default
-            ``host_memory.DEFAULT_MMAP_THRESHOLD``, 2 MiB, what ``import sharded_nn`` sets under
+            ``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB, what ``import sharded_nn`` sets under
             torchrun too: freed buffers below it are reused from the heap without page faults,
             the activations above it go back to the OS, so a rank's resident memory follows its
             live tensors; see that constant for the measurements). ``None`` leaves glibc's own

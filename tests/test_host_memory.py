@@ -1,5 +1,5 @@
 """What ``import sharded_nn`` and ``launch`` set for their processes: torch's huge-page switch and
-glibc's mmap threshold (``host_memory.DEFAULT_MMAP_THRESHOLD``, 2 MiB), and how users opt out.
+glibc's mmap threshold (``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB), and how users opt out.
 
 Each import case runs in a fresh interpreter, because torch reads the variable once per process
 and glibc's dynamic threshold, once fixed, stays fixed.
@@ -80,23 +80,23 @@ def _retained_mib(second_mib: int = 20) -> float:
     return (rss_kib() - base) / 1024
 
 
-@pytest.mark.parametrize("second_mib", [20, 6])
+@pytest.mark.parametrize("second_mib", [20, 6, 2])
 def test_launch_unmaps_freed_slabs_by_default(second_mib):
-    # 20 MiB: a 3-D UNet slab at P=2; 6 MiB: a ViT activation at P=2 (below the 16 MiB
+    # 20 MiB: a 3-D UNet slab at P=2; 6 and 2 MiB: ViT activations at P=2 (below the 16 MiB
     # threshold launch had before, where such buffers stayed resident).
     import sharded_nn as snn
 
     glibc = snn.launch(_retained_mib, 1, second_mib, mmap_threshold=None)
-    fixed = snn.launch(_retained_mib, 1, second_mib)  # DEFAULT_MMAP_THRESHOLD: 2 MiB
+    fixed = snn.launch(_retained_mib, 1, second_mib)  # DEFAULT_MMAP_THRESHOLD: 1 MiB
     assert glibc >= second_mib * 0.8, glibc
     assert fixed < 2, fixed
 
 
-# A 6 MiB activation after a freed 30 MiB one: glibc's dynamic threshold has risen to 30 MiB by
-# then, so the 6 MiB buffer comes from the heap (and stays resident there once freed); under the
-# library's 2 MiB threshold it is a mapping of its own. A 1 MiB buffer stays in the heap either
-# way (reused without page faults). Printed: whether each was mapped (glibc's mallinfo2 counts
-# mapped blocks in ``hblks``).
+# After a freed 30 MiB buffer glibc's dynamic threshold has risen to 30 MiB, so a 6 MiB and a
+# 1.5 MiB activation (vit_small's and vit_tiny's tokens at 1024^2, P=2) come from the heap (and
+# stay resident there once freed); under the library's 1 MiB threshold they are mappings of their
+# own. A 512 KiB buffer (a halo strip) stays in the heap either way, reused without page faults.
+# Printed: whether each was mapped (glibc's mallinfo2 counts mapped blocks in ``hblks``).
 _MAPPED_PROBE = (
     "import ctypes, torch, sharded_nn\n"
     "class M(ctypes.Structure):\n"
@@ -108,22 +108,45 @@ _MAPPED_PROBE = (
     "    before = f().hblks\n"
     "    x = torch.empty(nbytes, dtype=torch.uint8)\n"
     "    return f().hblks > before\n"
-    "print(mapped(6 << 20), mapped(1 << 20))\n"
+    "print(mapped(6 << 20), mapped(3 << 19), mapped(1 << 19))\n"
 )
 
 
-def _mapped(**env: str) -> tuple[bool, bool]:
-    six, one = _run(_MAPPED_PROBE, **env).split()
-    return six == "True", one == "True"
+def _mapped(**env: str) -> tuple[bool, ...]:
+    return tuple(v == "True" for v in _run(_MAPPED_PROBE, **env).split())
 
 
 def test_import_fixes_the_mmap_threshold():
-    assert _mapped() == (True, False)
+    assert _mapped() == (True, True, False)
 
 
 def test_import_threshold_opt_out_and_user_values_are_kept():
-    # Opted out: glibc's dynamic threshold (30 MiB by then) serves both from the heap.
-    assert _mapped(SHARDED_NN_HOST_TUNING="0") == (False, False)
+    # Opted out: glibc's dynamic threshold (30 MiB by then) serves all three from the heap.
+    assert _mapped(SHARDED_NN_HOST_TUNING="0") == (False, False, False)
     # The user's own threshold, through either of glibc's variables, wins over the library's.
-    assert _mapped(MALLOC_MMAP_THRESHOLD_=str(64 << 20)) == (False, False)
-    assert _mapped(GLIBC_TUNABLES=f"glibc.malloc.mmap_threshold={64 << 20}") == (False, False)
+    assert _mapped(MALLOC_MMAP_THRESHOLD_=str(64 << 20)) == (False, False, False)
+    assert _mapped(GLIBC_TUNABLES=f"glibc.malloc.mmap_threshold={64 << 20}") == (False, False, False)
+
+
+def _refault_count() -> int:
+    """Minor page faults of allocating, touching and freeing a 512 KiB buffer 20 times."""
+    import resource
+
+    import torch
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.empty(1 << 17).fill_(1.0)  # 512 KiB (a halo strip), freed at once
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_launch_reuses_small_buffers_from_the_heap():
+    # Below the 1 MiB threshold a freed buffer is reused without page faults; a 64 KiB threshold
+    # unmaps it, so each allocation faults its 128 pages in again (at least a quarter of them
+    # each time: the kernel may map a few pages per fault).
+    import sharded_nn as snn
+
+    reused = snn.launch(_refault_count, 1)
+    fixed = snn.launch(_refault_count, 1, mmap_threshold=1 << 16)
+    assert fixed >= 20 * 32, fixed
+    assert reused * 4 < fixed, (reused, fixed)
