@@ -39,10 +39,12 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 #: the tensors. Measured (``bench/host_alloc.py``, fwd+bwd, peak resident size above the start,
 #: P=2 per rank over P=1 under the same policy; the tensors alone, ``mallinfo2``, are 0.50-0.51x
 #: in every case), glibc / 16 MiB / 2 MiB / 1 MiB: vit_small 1024^2 (4 blocks) 0.53 / 0.62 /
-#: 0.57 / 0.54x, vit_small 1024^2 -- / -- / 0.55 / 0.52x, vit_tiny 1024^2 -- / -- / 0.61 / see
-#: the README, 3-D UNet 96^3 0.67 / 0.55 / 0.55 / 0.54x, 2-D UNet 512x896 0.65 / 0.74 / 0.53 /
-#: 0.53x. The price: buffers of 1 MiB and more are faulted in afresh on every step (glibc maps
-#: every one above 32 MiB afresh anyway); see the README's host-allocator paragraph.
+#: 0.57 / 0.54x, vit_small 1024^2 (12 blocks) 0.55x at 2 MiB, 0.52x at 1 MiB, vit_tiny 1024^2
+#: 0.61x and 0.53x, 3-D UNet 96^3 0.67 / 0.55 / 0.55 / 0.54x, 2-D UNet 512x896 0.65 / 0.74 /
+#: 0.53 / 0.53x. The price: buffers of 1 MiB and more are faulted in afresh on every step (glibc
+#: maps every one above 32 MiB afresh anyway), 4 KiB at a time below torch's 2 MiB huge pages;
+#: a forward-only (inference) run, whose heap does not fragment, is cheaper with a higher
+#: threshold. See the README's torchrun paragraph for fault counts and CPU times.
 DEFAULT_MMAP_THRESHOLD = 1 << 20
 
 
