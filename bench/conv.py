@@ -64,6 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import sharded_nn as snn
 from sharded_nn.demo import PeakRSS
+from sharded_nn.host_memory import DEFAULT_MMAP_THRESHOLD
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -104,6 +105,11 @@ class RunResult:
         """Median iteration time in seconds."""
         return statistics.median(self.times)
 
+
+
+def _mmap_threshold(text: str) -> int | None:
+    """``--mmap-threshold``: bytes, or ``glibc`` (None: glibc's own dynamic threshold)."""
+    return None if text == "glibc" else int(text)
 
 def build_stack(spatial_dims: int, dtype: torch.dtype) -> nn.Sequential:
     """The single-device model: ``LAYERS`` convs with ReLUs between them, seeded weights."""
@@ -247,7 +253,8 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, varia
 
 
 def run_case(
-    case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool, extra: bool
+    case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool, extra: bool,
+    mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
 ) -> dict[str, RunResult]:
     """P=1 then P=2 (and, with ``extra``, plain torch at P=1 and P=2 without overlap).
 
@@ -260,7 +267,10 @@ def run_case(
     for label, p, variant in runs:
         t0 = time.perf_counter()
         prof = want_profile and variant == "sharded"
-        res = snn.launch(rank_main, p, case, dtype_name, iters, prof, variant, timeout=timeout, threads=1)
+        res = snn.launch(
+            rank_main, p, case, dtype_name, iters, prof, variant, timeout=timeout, threads=1,
+            mmap_threshold=mmap_threshold,
+        )
         print(
             f"  {case.name} {label}: median {res.median:.3f} s over {iters} iters "
             f"(all {', '.join(f'{v:.3f}' for v in res.times)}; CPU s/rank, max over ranks, median "
@@ -364,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "--size", type=int, default=None, help="spatial size of every dim (default: 128 for conv3d, 2048 for conv2d)"
     )
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
+    parser.add_argument("--mmap-threshold", type=_mmap_threshold, default=DEFAULT_MMAP_THRESHOLD, help="glibc mmap threshold in the ranks, bytes, or 'glibc' for glibc's own dynamic one (default: sharded_nn.launch's, host_memory.DEFAULT_MMAP_THRESHOLD)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch (default 1800)")
     parser.add_argument(
         "--profile", action="store_true", help="profile one more iteration per run; print where the time goes"
@@ -389,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     busy_before = busy_cores()
     rows = []
     for case in cases:
-        rows.append((case, run_case(case, args.dtype, args.iters, args.timeout, args.profile, not args.quick)))
+        rows.append((case, run_case(case, args.dtype, args.iters, args.timeout, args.profile, not args.quick, args.mmap_threshold)))
     report(rows, args.dtype)
     busy_after = busy_cores()
     print(f"\ncores busy with other work (1 s sample) before: {busy_before:.2f}, after: {busy_after:.2f}", end="")

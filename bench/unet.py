@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 import sharded_nn as snn
 from sharded_nn.demo import PeakRSS
+from sharded_nn.host_memory import DEFAULT_MMAP_THRESHOLD
 from sharded_nn.alignment import alignment
 from sharded_nn.zoo import create_model
 
@@ -75,6 +76,11 @@ class RunResult:
     loss: float
     grads: torch.Tensor
 
+
+
+def _mmap_threshold(text: str) -> int | None:
+    """``--mmap-threshold``: bytes, or ``glibc`` (None: glibc's own dynamic threshold)."""
+    return None if text == "glibc" else int(text)
 
 def build(case: Case, mesh):
     """The plain UNet (``mesh=None``) or the converted one, with the same seeded weights."""
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small sizes (32^3, 128 x 224), one iteration")
     parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--mmap-threshold", type=_mmap_threshold, default=DEFAULT_MMAP_THRESHOLD, help="glibc mmap threshold in the ranks, bytes, or 'glibc' for glibc's own dynamic one (default: sharded_nn.launch's, host_memory.DEFAULT_MMAP_THRESHOLD)")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
@@ -168,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in cases if args.case in ("all", c.name)]
     lines = []
     for case in cases:
-        r1 = snn.launch(rank_main, 1, case, iters, timeout=args.timeout, threads=1)
-        r2 = snn.launch(rank_main, 2, case, iters, timeout=args.timeout, threads=1)
+        r1 = snn.launch(rank_main, 1, case, iters, timeout=args.timeout, threads=1, mmap_threshold=args.mmap_threshold)
+        r2 = snn.launch(rank_main, 2, case, iters, timeout=args.timeout, threads=1, mmap_threshold=args.mmap_threshold)
         shape = "x".join(map(str, case.global_shape))
         out_err = ((r2.out - r1.out).abs().max() / r1.out.abs().max()).item()
         grad_err = ((r2.grads - r1.grads).norm() / r1.grads.norm()).item()

@@ -1,11 +1,10 @@
 """Host (CPU) memory tuning for the processes of a run: glibc's mmap threshold, huge pages.
 
-Not part of the top-level API. ``import sharded_nn`` turns huge pages on for its own process
-(:func:`apply_process_defaults`; opt out with ``SHARDED_NN_HOST_TUNING=0``), so that a run under
-torchrun gets them without exporting anything. ``sharded_nn.launch`` fixes glibc's mmap threshold
-in the processes it starts (``DEFAULT_MMAP_THRESHOLD``, 16 MiB; ``mmap_threshold=None`` leaves
-glibc's own, ``65536`` keeps resident memory closest to the live tensors at the price of page
-faults on every step).
+Not part of the top-level API. ``import sharded_nn`` applies the library's policy to its own
+process (:func:`apply_process_defaults`; opt out with ``SHARDED_NN_HOST_TUNING=0``), so that a
+run under torchrun gets it without exporting anything: torch's transparent-huge-page allocation,
+and glibc's mmap threshold fixed at 1 MiB (``DEFAULT_MMAP_THRESHOLD``). ``sharded_nn.launch``
+sets the same in the processes it starts (``mmap_threshold=None`` leaves glibc's own).
 """
 
 from __future__ import annotations
@@ -22,32 +21,43 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 #: Set to ``0`` to keep ``import sharded_nn`` from touching the process's allocator settings.
 OPT_OUT_ENV = "SHARDED_NN_HOST_TUNING"
 
+#: glibc's own ways to set the threshold from the environment; a process started with one of
+#: them keeps the user's value (``import sharded_nn`` does not override it).
+GLIBC_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+GLIBC_TUNABLES_ENV = "GLIBC_TUNABLES"
+
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
-#: ``launch``'s default mmap threshold (16 MiB). glibc's own threshold rises to the size of the
-#: largest mapped block freed so far, up to 32 MiB; after that, freed 16-32 MiB activations stay
-#: in the heap, fragmented and resident. At P=2 the slabs of a big model fall in exactly that
-#: range where P=1's full tensors (above 32 MiB) are always unmapped: the fwd+bwd peak of the
-#: sharded 3-D UNet at 96^3 was 999-1058 MiB per rank (0.62-0.65x of P=1's 1624) with glibc's
-#: threshold and 889-920 MiB (0.55-0.57x) with 16 MiB, at the same CPU time; smaller buffers
-#: (halos, strips, statistics) are still reused from the heap without page faults, unlike with
-#: 64 KiB (see ``tune_host_allocator``).
-DEFAULT_MMAP_THRESHOLD = 16 << 20
+#: The library's mmap threshold (1 MiB): every CPU buffer of 1 MiB or more (an activation of a
+#: big sample, a ring attention piece) is its own mapping and goes back to the OS when freed;
+#: smaller ones (halos, strips, statistics, per-head pieces) are reused from glibc's heap without
+#: page faults. Why: a rank's resident memory then follows its live tensors, which halve at P=2,
+#: whatever the model and the size of its activations. glibc's own threshold rises to the largest
+#: mapped block freed so far (up to 32 MiB), and any fixed one above an activation's size keeps it
+#: in the heap: there, activations saved for backward and temporaries that die at once
+#: interleave, the holes are neither reused nor returned, and resident memory drifts far above
+#: the tensors. Measured (``bench/host_alloc.py``, fwd+bwd, peak resident size above the start,
+#: P=2 per rank over P=1 under the same policy; the tensors alone, ``mallinfo2``, are 0.50-0.51x
+#: in every case), glibc / 16 MiB / 2 MiB / 1 MiB: vit_small 1024^2 (4 blocks) 0.53 / 0.62 /
+#: 0.57 / 0.54x, vit_small 1024^2 (12 blocks) 0.55x at 2 MiB, 0.52x at 1 MiB, vit_tiny 1024^2
+#: 0.61x and 0.53x, 3-D UNet 96^3 0.67 / 0.55 / 0.55 / 0.54x, 2-D UNet 512x896 0.65 / 0.74 /
+#: 0.53 / 0.53x. The price: buffers of 1 MiB and more are faulted in afresh on every step (glibc
+#: maps every one above 32 MiB afresh anyway), 4 KiB at a time below torch's 2 MiB huge pages;
+#: a forward-only (inference) run, whose heap does not fragment, is cheaper with a higher
+#: threshold. See the README's torchrun paragraph for fault counts and CPU times.
+DEFAULT_MMAP_THRESHOLD = 1 << 20
 
 
 def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold so that freed large CPU tensors go back to the OS at once.
 
-    glibc raises its mmap threshold each time a mapped block is freed; after that, mid-sized
-    buffers (halos, boundary strips) are served from heap arenas, which keep freed memory and
+    glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB); after
+    that, activations below it are served from heap arenas, which keep freed memory and
     fragment, so resident memory drifts above what the live tensors need. A fixed threshold (as
     ``MALLOC_MMAP_THRESHOLD_`` would set) keeps a rank's resident memory close to its live
-    tensors, but every step then faults its buffers in again (kernel time).
-    ``launch`` calls this in every worker (``DEFAULT_MMAP_THRESHOLD``, 16 MiB, unless told
-    otherwise); under torchrun, call it at start-up (or export ``MALLOC_MMAP_THRESHOLD_``).
-    16 MiB keeps the buffers a step reuses most (halos, strips, statistics) in the heap and
-    unmaps only the big activations; 64 KiB follows the live tensors closest but refaults
-    every buffer on every step.
+    tensors; buffers at or above it are faulted in afresh on every step. ``import sharded_nn``
+    and ``launch`` call this with ``DEFAULT_MMAP_THRESHOLD`` (1 MiB; see that constant for the
+    measurements). Calling it again later is safe: it applies to the allocations that follow.
 
     Args:
         mmap_threshold: allocations of at least this many bytes are served by ``mmap``.
@@ -60,6 +70,36 @@ def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
     except (OSError, AttributeError):
         return False
+
+
+def user_set_mmap_threshold() -> bool:
+    """Whether this process was started with glibc's threshold set in its environment."""
+    return GLIBC_THRESHOLD_ENV in os.environ or "glibc.malloc.mmap_threshold" in os.environ.get(GLIBC_TUNABLES_ENV, "")
+
+
+@contextmanager
+def glibc_defaults_for_children(enabled: bool = True) -> Iterator[None]:
+    """Set ``SHARDED_NN_HOST_TUNING=0`` while child processes are started; restore it afterwards.
+
+    For ``launch(..., mmap_threshold=None)``: the children import sharded_nn (to unpickle the
+    function they run), and that import would otherwise fix their threshold. The huge-page
+    variable is ``launch``'s to set (``huge_pages``), so nothing else changes for the children.
+
+    Args:
+        enabled: False leaves the environment untouched.
+    """
+    if not enabled:
+        yield
+        return
+    before = os.environ.get(OPT_OUT_ENV)
+    os.environ[OPT_OUT_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OPT_OUT_ENV, None)
+        else:
+            os.environ[OPT_OUT_ENV] = before
 
 
 @contextmanager
@@ -87,23 +127,35 @@ def huge_pages_for_children(enabled: bool = True) -> Iterator[None]:
 
 
 def apply_process_defaults() -> bool:
-    """Turn torch's transparent-huge-page allocations on for this process, unless told otherwise.
+    """Apply the library's host-allocator policy to this process, unless told otherwise.
 
-    Why the library does it itself: every fresh activation buffer of a big sample is otherwise
-    faulted in 4 KiB at a time, which cost a sharded Conv3d stack at 1x16x128^3 about 10% of its
-    time (1.73x instead of 1.91x at P=2), and users run under torchrun with the default
-    environment, not with allocator variables exported.
+    Two settings, because users run under torchrun with the default environment, not with
+    allocator variables exported:
 
-    torch reads ``THP_MEM_ALLOC_ENABLE`` once, at the first CPU allocation of the process (any
-    size), so this only takes effect when ``sharded_nn`` is imported before the first tensor is
-    created, as in the usual ``import torch, sharded_nn`` preamble; otherwise export the variable.
-    A value the user set (``0`` included) is kept, and ``SHARDED_NN_HOST_TUNING=0`` leaves the
-    environment untouched. The variable is inherited by processes this one starts.
+    * ``THP_MEM_ALLOC_ENABLE=1``: torch puts CPU buffers of 2 MiB and more on transparent huge
+      pages, faulted in 2 MiB at a time instead of 4 KiB (a 1x16x128^3 Conv3d stack spent about
+      10% of its time in page faults without it). torch reads the variable once, at the first CPU
+      allocation of the process, so this only takes effect when ``sharded_nn`` is imported before
+      the first tensor is created, as in the usual ``import torch, sharded_nn`` preamble;
+      otherwise export it. A value the user set (``0`` included) is kept. The variable is
+      inherited by processes this one starts.
+    * glibc's mmap threshold fixed at ``DEFAULT_MMAP_THRESHOLD`` (1 MiB, ``mallopt``), so that
+      a rank's resident memory follows its live tensors (see that constant). This applies to
+      every allocation after the import, whenever it happens. A threshold the user set in the
+      environment (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in
+      ``GLIBC_TUNABLES``) is kept.
+
+    ``SHARDED_NN_HOST_TUNING=0`` leaves both alone.
 
     Returns:
-        True when the variable was set by this call.
+        True when this call changed a setting.
     """
-    if os.environ.get(OPT_OUT_ENV, "1") == "0" or THP_ENV in os.environ:
+    if os.environ.get(OPT_OUT_ENV, "1") == "0":
         return False
-    os.environ[THP_ENV] = "1"
-    return True
+    changed = False
+    if THP_ENV not in os.environ:
+        os.environ[THP_ENV] = "1"
+        changed = True
+    if not user_set_mmap_threshold():
+        changed = tune_host_allocator() or changed
+    return changed

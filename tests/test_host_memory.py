@@ -1,6 +1,8 @@
-"""What ``import sharded_nn`` sets for its own process: torch's huge-page switch, and nothing else.
+"""What ``import sharded_nn`` and ``launch`` set for their processes: torch's huge-page switch and
+glibc's mmap threshold (``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB), and how users opt out.
 
-Each case runs in a fresh interpreter, because torch reads the variable once per process.
+Each import case runs in a fresh interpreter, because torch reads the variable once per process
+and glibc's dynamic threshold, once fixed, stays fixed.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ _PROBE = (
 )
 
 
-def _probe(**env: str) -> tuple[str, int]:
-    full = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "SHARDED_NN_HOST_TUNING")}
+_ENV_KEYS = ("THP_MEM_ALLOC_ENABLE", "SHARDED_NN_HOST_TUNING", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def _run(code: str, **env: str) -> str:
+    full = {k: v for k, v in os.environ.items() if k not in _ENV_KEYS}
     full.update(env)
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, check=True)
-    value, huge = out.stdout.split()
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True).stdout
+
+
+def _probe(**env: str) -> tuple[str, int]:
+    value, huge = _run(_PROBE, **env).split()
     return value, int(huge)
 
 
@@ -56,8 +64,8 @@ def test_opt_out_leaves_environment_alone():
     assert value == "None"
 
 
-def _retained_mib() -> float:
-    """Resident MiB kept after freeing a 20 MiB buffer that followed a freed 30 MiB one."""
+def _retained_mib(second_mib: int = 20) -> float:
+    """Resident MiB kept after freeing a ``second_mib`` MiB buffer that followed a freed 30 MiB one."""
     import torch
 
     def rss_kib() -> int:
@@ -68,14 +76,77 @@ def _retained_mib() -> float:
     # second comes from the heap and stays resident after it is freed.
     torch.empty(30 << 20, dtype=torch.uint8).fill_(1)
     base = rss_kib()
-    torch.empty(20 << 20, dtype=torch.uint8).fill_(1)
+    torch.empty(second_mib << 20, dtype=torch.uint8).fill_(1)
     return (rss_kib() - base) / 1024
 
 
-def test_launch_unmaps_freed_slabs_by_default():
+@pytest.mark.parametrize("second_mib", [20, 6, 2])
+def test_launch_unmaps_freed_slabs_by_default(second_mib):
+    # 20 MiB: a 3-D UNet slab at P=2; 6 and 2 MiB: ViT activations at P=2 (below the 16 MiB
+    # threshold launch had before, where such buffers stayed resident).
     import sharded_nn as snn
 
-    glibc = snn.launch(_retained_mib, 1, mmap_threshold=None)
-    fixed = snn.launch(_retained_mib, 1)  # DEFAULT_MMAP_THRESHOLD: 16 MiB
-    assert glibc >= 16, glibc
-    assert fixed < 4, fixed
+    glibc = snn.launch(_retained_mib, 1, second_mib, mmap_threshold=None)
+    fixed = snn.launch(_retained_mib, 1, second_mib)  # DEFAULT_MMAP_THRESHOLD: 1 MiB
+    assert glibc >= second_mib * 0.8, glibc
+    assert fixed < 2, fixed
+
+
+# After a freed 30 MiB buffer glibc's dynamic threshold has risen to 30 MiB, so a 6 MiB and a
+# 1.5 MiB activation (vit_small's and vit_tiny's tokens at 1024^2, P=2) come from the heap (and
+# stay resident there once freed); under the library's 1 MiB threshold they are mappings of their
+# own. A 512 KiB buffer (a halo strip) stays in the heap either way, reused without page faults.
+# Printed: whether each was mapped (glibc's mallinfo2 counts mapped blocks in ``hblks``).
+_MAPPED_PROBE = (
+    "import ctypes, torch, sharded_nn\n"
+    "class M(ctypes.Structure):\n"
+    "    _fields_ = [(n, ctypes.c_size_t) for n in 'arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost'.split()]\n"
+    "f = ctypes.CDLL('libc.so.6').mallinfo2\n"
+    "f.restype = M\n"
+    "torch.empty(30 << 20, dtype=torch.uint8).fill_(1)\n"
+    "def mapped(nbytes):\n"
+    "    before = f().hblks\n"
+    "    x = torch.empty(nbytes, dtype=torch.uint8)\n"
+    "    return f().hblks > before\n"
+    "print(mapped(6 << 20), mapped(3 << 19), mapped(1 << 19))\n"
+)
+
+
+def _mapped(**env: str) -> tuple[bool, ...]:
+    return tuple(v == "True" for v in _run(_MAPPED_PROBE, **env).split())
+
+
+def test_import_fixes_the_mmap_threshold():
+    assert _mapped() == (True, True, False)
+
+
+def test_import_threshold_opt_out_and_user_values_are_kept():
+    # Opted out: glibc's dynamic threshold (30 MiB by then) serves all three from the heap.
+    assert _mapped(SHARDED_NN_HOST_TUNING="0") == (False, False, False)
+    # The user's own threshold, through either of glibc's variables, wins over the library's.
+    assert _mapped(MALLOC_MMAP_THRESHOLD_=str(64 << 20)) == (False, False, False)
+    assert _mapped(GLIBC_TUNABLES=f"glibc.malloc.mmap_threshold={64 << 20}") == (False, False, False)
+
+
+def _refault_count() -> int:
+    """Minor page faults of allocating, touching and freeing a 512 KiB buffer 20 times."""
+    import resource
+
+    import torch
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.empty(1 << 17).fill_(1.0)  # 512 KiB (a halo strip), freed at once
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_launch_reuses_small_buffers_from_the_heap():
+    # Below the 1 MiB threshold a freed buffer is reused without page faults; a 64 KiB threshold
+    # unmaps it, so each allocation faults its 128 pages in again (at least a quarter of them
+    # each time: the kernel may map a few pages per fault).
+    import sharded_nn as snn
+
+    reused = snn.launch(_refault_count, 1)
+    fixed = snn.launch(_refault_count, 1, mmap_threshold=1 << 16)
+    assert fixed >= 20 * 32, fixed
+    assert reused * 4 < fixed, (reused, fixed)
