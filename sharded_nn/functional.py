@@ -508,11 +508,55 @@ def _unit(k, v, pad, c: _Chunk) -> list[torch.Tensor]:
     return [_kv_heads(k, c), _kv_heads(v, c)] + ([pad[c.b0 : c.b1]] if pad is not None else [])
 
 
-def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int):
+class _ChunkBuffers:
+    """Free buffers for the travelling K/V chunks of one ring-attention call, reused by shape.
+
+    Why: every hop otherwise receives into fresh chunk-sized tensors (and every chunk's first hop
+    sends fresh contiguous copies). Chunks are sized around 1 MiB, where glibc maps and unmaps
+    each allocation (``host_memory``'s threshold), so every fresh one was faulted in page by page:
+    about 80k page faults per vit_small 1024^2 training step at P=2. Successive chunks and steps
+    mostly have the same shapes (all of them when the slabs are even), so a chunk whose hop has
+    completed serves the next one instead.
+
+    Ownership is explicit: only ``_travel`` takes buffers, and it gives back a chunk once its hop
+    has completed and the caller has resumed the iteration (no computation reads it any more).
+    At most ``cap`` buffers are held (the oldest is dropped): two chunks' worth, the double
+    buffer itself, so the pool adds at most that much to what the hops held before.
+    """
+
+    def __init__(self, cap: int = 6) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._order: list[tuple] = []  # keys of the held buffers, oldest first
+        self._cap = cap
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (tuple(shape), dtype, device)
+        free = self._free.get(key)
+        if free:
+            self._order.remove(key)
+            return free.pop()
+        return torch.empty(key[0], dtype=dtype, device=device)
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``t`` (the same bits as ``t.contiguous()``) in a pooled buffer."""
+        return self.take(t.shape, t.dtype, t.device).copy_(t)
+
+    def give(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            key = (tuple(t.shape), t.dtype, t.device)
+            self._free.setdefault(key, []).append(t)
+            self._order.append(key)
+            if len(self._order) > self._cap:
+                self._free[self._order.pop(0)].pop(0)
+
+
+def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, keep_first: bool = False):
     """Yield ``(step, src, k, v, pad)`` for chunk ``c`` of the blocks of every rank in turn.
 
     Step ``s`` holds the chunk of rank ``me - s``. Double buffering: the next chunk is already
-    travelling from the left neighbour while the caller computes on the one yielded.
+    travelling from the left neighbour while the caller computes on the one yielded. The caller
+    must not keep a yielded chunk past the iteration that yields it (its buffers go back to
+    ``bufs`` when the iteration resumes), except the step-0 chunk with ``keep_first``.
     """
     ring, me, p = plan.ring, plan.ring.index, plan.ring.size
     unit = _unit(k, v, pad, c)
@@ -520,16 +564,21 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int):
         # The first hop sends contiguous copies anyway; computing on them too gives the owner's
         # blocks the same memory layout as the received ones, so that replicated queries get the
         # same bits on every rank.
-        unit = [t.contiguous() for t in unit]
+        unit = [bufs.copy_of(t) for t in unit]
     for step in range(p):
         src = (me - step) % p
         hop = None
         if step < p - 1:
             shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, pad is not None)
-            hop = ring_pass(ring, unit, shapes, tag=tag)
+            out = [bufs.take(s, t.dtype, t.device) for s, t in zip(shapes, unit)]
+            hop = ring_pass(ring, unit, shapes, tag=tag, out=out)
         yield step, src, unit[0], unit[1], (unit[2] if pad is not None else None)
-        # Rebinding drops this step's chunk as soon as the next one has arrived.
-        unit = hop.wait() if hop is not None else []
+        received = hop.wait() if hop is not None else []
+        # This step's chunk has been sent (the hop completed) and computed on (the caller
+        # resumed): its buffers serve the next chunk. With one rank ``unit`` is the caller's k, v.
+        if p > 1 and not (keep_first and step == 0):
+            bufs.give(unit)
+        unit = received
 
 
 def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb, vb, mb, rq_c, acc):
@@ -603,11 +652,12 @@ class _RingAttention(torch.autograd.Function):
                 torch.empty((p, *rq.shape[:3], v.shape[3]), dtype=acc, device=q.device),
                 torch.empty((p, *rq.shape[:3]), dtype=acc, device=q.device),
             )
+        bufs = _ChunkBuffers(2 * (3 if pad is not None else 2))
         for c in plan.chunks:
             qc = _q_heads(q, c, g)
             oc, lc = _q_heads(out, c, g), _q_heads(lse, c, g)
             fresh = True  # nothing written to this chunk's output rows yet
-            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV):
+            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
                 if rq is not None:
                     rbd = None if drop is None else drop.rq_block(c, g, src, q.device)
                     o_r, l_r = block_forward(_q_heads(rq, c, g), kb, vb, mb, plan.scale, False, rbd)
@@ -716,6 +766,7 @@ class _RingAttention(torch.autograd.Function):
                 _kv_heads(dv, home[1]).add_(got[1])
                 home = None
 
+        bufs = _ChunkBuffers(2 * (3 if pad is not None else 2))
         for ci, c in enumerate(plan.chunks):
             qc, lc = _q_heads(q, c, g), _q_heads(lse, c, g)
             # Views, no copies: the kernels take strided query-side tensors (the output and its
@@ -723,7 +774,7 @@ class _RingAttention(torch.autograd.Function):
             doc, oc = _q_heads(dout, c, g), _q_heads(out, c, g)
             dqc = None if dq is None else _q_heads(dq, c, g)
             defer = p > 1 and ci == len(plan.chunks) - 1
-            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV):
+            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, ctx.tag + _BWD_KV, bufs, keep_first=defer):
                 if defer and step == 0:
                     deferred = (c, qc, lc, doc, oc, kb, vb, mb)
                     del kb, vb, mb
