@@ -74,3 +74,17 @@ def test_depthwise_halo_rows_avoid_grouped_conv1d(run, k, s):
         assert "aten::conv1d" not in ops, ops
         assert not [o for o in ops if "slow_conv" in o or "thnn" in o], ops
         assert "aten::mkldnn_convolution" in ops, ops
+
+
+@pytest.mark.parametrize("shape", [(1, 1152, 64), (2, 96, 300), (3, 7, 11), (1, 4, 1 << 17)])
+def test_blocked_moments_single_block_and_blocked_agree(shape):
+    # The one-block fast path (small layers) and the blocked loop (big slabs) both match the
+    # float64 statistics, with a mean far from zero (where E[x^2] - E[x]^2 would cancel).
+    from sharded_nn.layers.norm import _MOMENT_BLOCK, _blocked_moments
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3 + 1000
+    mean, var = _blocked_moments(x)
+    rv, rm = torch.var_mean(x.double(), dim=(0, 2), correction=0)
+    assert (shape[0] * shape[1] * shape[2] <= _MOMENT_BLOCK) == (shape != (1, 4, 1 << 17))
+    torch.testing.assert_close(mean.double(), rm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(var.double(), rv, rtol=1e-4, atol=0)
