@@ -88,3 +88,16 @@ def test_blocked_moments_single_block_and_blocked_agree(shape):
     assert (shape[0] * shape[1] * shape[2] <= _MOMENT_BLOCK) == (shape != (1, 4, 1 << 17))
     torch.testing.assert_close(mean.double(), rm, rtol=1e-6, atol=0)
     torch.testing.assert_close(var.double(), rv, rtol=1e-4, atol=0)
+
+
+def test_guard_walk_skips_plain_scalars_but_finds_tagged_sizes():
+    # The guard's argument walk skips exact ints, floats, bools, strings and None without a call
+    # (a conv's stride/padding tuples), but still finds tensors and tagged local sizes (an int
+    # subclass) nested in lists and tuples.
+    from sharded_nn.forward_guard import LocalDerived, _walk
+
+    t = torch.zeros(1)
+    tagged = LocalDerived(5)
+    found: list = []
+    _walk(((1, 2), [3.0, None, True, "same"], (tagged, (t,)), {"k": t}), found)
+    assert len(found) == 3 and found[0] is tagged and found[1] is t and found[2] is t
