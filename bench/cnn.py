@@ -28,11 +28,16 @@ Run from the repository root::
 
     python bench/cnn.py                                     # 5 models x 3 sizes (long)
     python bench/cnn.py --models regnetx_002 --sizes 512x256 --iters 2   # quick
+    python bench/cnn.py --models efficientnet_b0 --sizes 512x256 --transport both   # transport A/B
+
+``--transport gloo`` sets ``SHARDED_NN_TRANSPORT=gloo`` in the P=2 ranks (every message through
+gloo); ``both`` runs P=2 once with each and prints a row per variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -72,7 +77,12 @@ def _median_time(fn, iters: int, sync) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def rank_main(name: str, h: int, w: int, iters: int, sharded: bool, dtype: torch.dtype = torch.float32) -> dict:
+def rank_main(
+    name: str, h: int, w: int, iters: int, sharded: bool, dtype: torch.dtype = torch.float32, transport: str = "local"
+) -> dict:
+    # Read by the communication layer at every call: "gloo" sends every message through gloo
+    # (the A/B of the same-host transport, ``--transport``).
+    os.environ["SHARDED_NN_TRANSPORT"] = transport
     model = _build(name).to(dtype)
     x_full = torch.randn(1, 3, h, w, generator=torch.Generator().manual_seed(SEED + 1)).to(dtype)
     weights = torch.randn(1, 10, generator=torch.Generator().manual_seed(SEED + 2)).to(dtype)
@@ -122,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--no-f64", action="store_true", help="skip the float64 reference (errors against P=1)")
+    parser.add_argument(
+        "--transport", choices=("local", "gloo", "both"), default="local",
+        help="P=2 messages: the same-host transport (default), gloo only, or both (one P=2 run each, A/B)",
+    )
     args = parser.parse_args(argv)
     rows = []
     ref_tag = "P=1" if args.no_f64 else "float64"
@@ -129,7 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         h, w = (int(v) for v in size.split("x"))
         for name in args.models:
             ref = snn.launch(rank_main, 1, name, h, w, args.iters, False, threads=1, timeout=args.timeout)
-            got = snn.launch(rank_main, 2, name, h, w, args.iters, True, threads=1, timeout=args.timeout)
+            variants = ("local", "gloo") if args.transport == "both" else (args.transport,)
+            runs = {
+                t: snn.launch(
+                    rank_main, 2, name, h, w, args.iters, True, torch.float32, t, threads=1, timeout=args.timeout
+                )
+                for t in variants
+            }
+            got = runs[variants[0]]
             if args.no_f64:
                 exact = ref
             else:
@@ -139,9 +160,17 @@ def main(argv: list[str] | None = None) -> int:
                 for tag, run in (("P=1", ref), ("P=2", got))
             }
             err = " ".join(f"{tag} {lo:.1e}/{gr:.1e}" for tag, (lo, gr) in errs.items() if tag != ref_tag)
-            rows.append((name, size, ref, got, err))
-            print(f"{name} {size}: fwd {ref['fwd']:.3f}/{got['fwd']:.3f} s, fwd+bwd {ref['step']:.3f}/{got['step']:.3f} s, "
-                  f"rel. err vs {ref_tag} (logits/grad) {err}", flush=True)  # fmt: skip
+            for t, run in runs.items():
+                label = name if len(runs) == 1 else f"{name} ({t})"
+                if run is not got:
+                    lo, gr = _rel(run["logits"], exact["logits"]), _rel(run["grad"], exact["grad"])
+                    err = f"P=2 {lo:.1e}/{gr:.1e}"
+                    if not args.no_f64:
+                        err = f"P=1 {errs['P=1'][0]:.1e}/{errs['P=1'][1]:.1e} {err}"
+                rows.append((label, size, ref, run, err))
+                print(f"{label} {size}: fwd {ref['fwd']:.3f}/{run['fwd']:.3f} s, "
+                      f"fwd+bwd {ref['step']:.3f}/{run['step']:.3f} s, "
+                      f"rel. err vs {ref_tag} (logits/grad) {err}", flush=True)  # fmt: skip
     print(f"\n| model | size | fwd P=1 (s) | fwd P=2 (s) | speedup | fwd+bwd P=1 (s) | fwd+bwd P=2 (s) | speedup | "
           f"rel. error vs {ref_tag} (logits/grad) | target |")  # fmt: skip
     print("| --- " * 10 + "|")

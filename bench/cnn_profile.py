@@ -4,6 +4,7 @@ Reports, per rank, process user/sys CPU seconds, minor page faults and the torch
 with the most self CPU time, for the forward (eval, no_grad) or the train step (fwd+bwd).
 
     python bench/cnn_profile.py regnetx_002 512x256 step
+    python bench/cnn_profile.py --taps     # halo tap rows: folded conv1d vs thin conv2d
 """
 
 from __future__ import annotations
@@ -82,7 +83,42 @@ def rank_main(name: str, h: int, w: int, what: str, sharded: bool, iters: int, t
     return text
 
 
+def taps_bench() -> None:
+    """Halo tap rows of 2-D convolutions: the folded grouped conv1d against the thin conv2d.
+
+    One output row from T received planes under T kernel rows (``conv._tap_conv``), one thread,
+    ``time.thread_time`` per call; geometries of efficientnet_b0 (depthwise), regnetx_002
+    (grouped) and dense convolutions at 512x256, P=2.
+    """
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+
+    def per_call(f, n=30):
+        f()
+        f()
+        t0 = time.thread_time()
+        for _ in range(n):
+            f()
+        return (time.thread_time() - t0) / n * 1e6
+
+    cases = [(3, 32, 1, 128, 1, 3, 2), (32, 32, 32, 128, 1, 3, 1), (144, 144, 144, 64, 2, 5, 2),
+             (672, 672, 672, 16, 2, 5, 1), (1152, 1152, 1152, 8, 2, 5, 1), (56, 56, 7, 64, 1, 3, 1),
+             (368, 368, 46, 8, 1, 3, 1), (64, 64, 1, 64, 1, 3, 1), (256, 256, 1, 16, 1, 3, 1)]
+    for cin, cout, g, w, t, k, s in cases:
+        planes = torch.randn(1, cin, t, w)
+        wt = torch.randn(cout, cin // g, k, k)[:, :, k - t :]
+        folded_in, folded_w = planes.reshape(1, cin * t, w), wt.reshape(cout, cin // g * t, k)
+        fold = per_call(lambda: F.conv1d(folded_in, folded_w, None, s, k // 2, 1, g))
+        thin = per_call(lambda: F.conv2d(planes, wt, None, (1, s), (0, k // 2), 1, g))
+        print(f"C_in={cin} C_out={cout} groups={g} W={w} taps={t} k={k} stride={s}: "
+              f"folded conv1d {fold:.0f} us, thin conv2d {thin:.0f} us")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--taps"]:
+        taps_bench()
+        sys.exit(0)
     name, size, what = sys.argv[1], sys.argv[2], sys.argv[3]
     p = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     iters = int(sys.argv[5]) if len(sys.argv) > 5 else 3

@@ -267,12 +267,18 @@ def _classify(func) -> tuple[str, str, bool]:
 # ------------------------------------------------------------------------------- argument walk
 
 
+#: Exact types that are never a tensor nor a tagged size (``LocalDerived`` subclasses int, so its
+#: type is not ``int``): the walk skips them without a call, e.g. a conv's stride and padding.
+_PLAIN_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
 def _walk(obj, out: list, depth: int = 0) -> None:
     if isinstance(obj, torch.Tensor) or _is_tagged(obj):
         out.append(obj)
     elif depth < 3 and isinstance(obj, (list, tuple)):
         for o in obj:
-            _walk(o, out, depth + 1)
+            if type(o) not in _PLAIN_TYPES:
+                _walk(o, out, depth + 1)
     elif depth < 2 and isinstance(obj, dict):
         for o in obj.values():
             _walk(o, out, depth + 1)

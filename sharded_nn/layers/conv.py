@@ -132,11 +132,26 @@ def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation,
     Sharded convolutions correct their first and last output rows with the few taps that read
     the halos (``window.apply_linear``). A convolution over a volume one or two planes thick runs
     on torch's slow reference kernel (about 7x slower per output than a slab for ``conv3d`` on
-    CPU), so the taps are folded into the channels instead: an ``(n-1)``-d convolution with
-    ``C_in * len(taps)`` input channels, on the fast kernels. Equals the sum over ``taps`` of the
-    tap's weights applied to its plane, with no bias; the result has size 1 along ``dim``.
+    CPU), so for 1-d and 3-d the taps are folded into the channels instead: an ``(n-1)``-d
+    convolution with ``C_in * len(taps)`` input channels, on the fast kernels. 2-d convolutions
+    convolve the planes directly (a thin ``conv2d`` is on oneDNN's fast path). Equals the sum
+    over ``taps`` of the tap's weights applied to its plane, with no bias; the result has size 1
+    along ``dim``.
     """
     i, t = dim - 2, len(taps)
+    if n == 2:
+        # 2-D: a convolution over the T planes themselves, T rows thick, whose kernel keeps only
+        # the rows ``taps`` (stride 1, no padding and no dilation along ``dim``: the planes are
+        # already the ones the taps read). oneDNN runs this thin conv2d on its fast kernels; for
+        # depthwise weights with several taps it is 2-4x faster than the folded conv1d below,
+        # whose grouped 1-d kernels are slow there (measured, one thread, efficientnet_b0's
+        # depthwise halo rows: 1152 channels x 8 columns, 2 taps of a 5x5 kernel: 729 us folded,
+        # 165-200 us thin; one-tap rows of dense or grouped weights within the noise of each
+        # other, 0.02-0.4 ms either way: bench/cnn_profile.py --taps).
+        wt = select_along(weight, dim, taps)
+        st, pd, dl = list(stride), list(padding), list(dilation)
+        st[i], pd[i], dl[i] = 1, 0, 1
+        return F.conv2d(planes, wt, None, st, pd, dl, groups)
     # (N, C, T, ...) -> (N, C*T, ...): channel index c*T + tap, a view for one contiguous plane.
     u = planes.movedim(dim, 2)
     u = u.reshape(u.shape[0], u.shape[1] * t, *u.shape[3:])
