@@ -49,12 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from .host_memory import (
-    DEFAULT_MMAP_THRESHOLD,
-    glibc_defaults_for_children,
-    huge_pages_for_children,
-    tune_host_allocator,
-)
+from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
 from .mesh import backend_for, default_device_type
 
 #: Seconds the other ranks get to end by themselves after a failure, and again after SIGTERM.
@@ -214,12 +209,11 @@ def launch(
             already set), so that torch puts large CPU tensors on transparent huge pages; see
             ``sharded_nn.host_memory``. Under torchrun, export the variable yourself.
         mmap_threshold: glibc's mmap threshold in bytes, fixed in every process (default
-            ``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB, what ``import sharded_nn`` sets under
-            torchrun too: freed buffers below it are reused from the heap without page faults,
+            ``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB; under torchrun call
+            ``host_memory.tune_host_allocator()`` for the same: freed buffers below it are reused from the heap without page faults,
             the activations above it go back to the OS, so a rank's resident memory follows its
-            live tensors; see that constant for the measurements). ``None`` leaves glibc's own
-            dynamic threshold (the children's ``import sharded_nn`` is told to leave it alone):
-            it rises to 32 MiB, and freed activations below it stay resident in a fragmenting
+            live tensors, at the price of page faults on every step; see that constant for the
+            measurements). ``None`` leaves glibc's own dynamic threshold: it rises to 32 MiB, and freed activations below it stay resident in a fragmenting
             heap. ``65536``: every freed buffer above 64 KiB goes back to the OS at once, at the
             cost of page faults and kernel time on every step (a timm RegNet at 1024x512 spent
             as much time in the kernel as in torch).
@@ -237,7 +231,7 @@ def launch(
         worker_args = (
             nprocs, store.port, collective_timeout, device_type, threads, mmap_threshold, os.getpid(), outdir, fn, args,
         )
-        context = _start(worker_args, nprocs, huge_pages, mmap_threshold is None)
+        context = _start(worker_args, nprocs, huge_pages)
         try:
             _wait(context, timeout)
         except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as exc:
@@ -250,12 +244,10 @@ def launch(
         return pickle.loads(result.read_bytes())
 
 
-def _start(
-    worker_args: tuple[Any, ...], nprocs: int, huge_pages: bool, glibc_threshold: bool
-) -> torch_mp.ProcessContext:
+def _start(worker_args: tuple[Any, ...], nprocs: int, huge_pages: bool) -> torch_mp.ProcessContext:
     before = set(mp.active_children())
     try:
-        with huge_pages_for_children(huge_pages), glibc_defaults_for_children(glibc_threshold):
+        with huge_pages_for_children(huge_pages):
             # Not daemonic: a rank may start processes of its own (DataLoader workers); the
             # parent stops the ranks itself, and they die with it (die_with_parent).
             return torch_mp.start_processes(

@@ -1,5 +1,6 @@
-"""What ``import sharded_nn`` and ``launch`` set for their processes: torch's huge-page switch and
-glibc's mmap threshold (``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB), and how users opt out.
+"""What ``import sharded_nn`` and ``launch`` set for their processes: torch's huge-page switch (both)
+and glibc's mmap threshold (``launch``'s ranks only: ``host_memory.DEFAULT_MMAP_THRESHOLD``,
+1 MiB), and how users opt out.
 
 Each import case runs in a fresh interpreter, because torch reads the variable once per process
 and glibc's dynamic threshold, once fixed, stays fixed.
@@ -94,8 +95,8 @@ def test_launch_unmaps_freed_slabs_by_default(second_mib):
 
 # After a freed 30 MiB buffer glibc's dynamic threshold has risen to 30 MiB, so a 6 MiB and a
 # 1.5 MiB activation (vit_small's and vit_tiny's tokens at 1024^2, P=2) come from the heap (and
-# stay resident there once freed); under the library's 1 MiB threshold they are mappings of their
-# own. A 512 KiB buffer (a halo strip) stays in the heap either way, reused without page faults.
+# stay resident there once freed); under ``tune_host_allocator()``'s 1 MiB threshold (``launch``'s
+# ranks) they are mappings of their own. A 512 KiB buffer (a halo strip) stays in the heap either way, reused without page faults.
 # Printed: whether each was mapped (glibc's mallinfo2 counts mapped blocks in ``hblks``).
 _MAPPED_PROBE = (
     "import ctypes, torch, sharded_nn\n"
@@ -116,16 +117,13 @@ def _mapped(**env: str) -> tuple[bool, ...]:
     return tuple(v == "True" for v in _run(_MAPPED_PROBE, **env).split())
 
 
-def test_import_fixes_the_mmap_threshold():
-    assert _mapped() == (True, True, False)
-
-
-def test_import_threshold_opt_out_and_user_values_are_kept():
-    # Opted out: glibc's dynamic threshold (30 MiB by then) serves all three from the heap.
-    assert _mapped(SHARDED_NN_HOST_TUNING="0") == (False, False, False)
-    # The user's own threshold, through either of glibc's variables, wins over the library's.
-    assert _mapped(MALLOC_MMAP_THRESHOLD_=str(64 << 20)) == (False, False, False)
-    assert _mapped(GLIBC_TUNABLES=f"glibc.malloc.mmap_threshold={64 << 20}") == (False, False, False)
+def test_import_leaves_the_mmap_threshold_alone():
+    # The threshold applies to every allocation of the process, the user's own plain torch code
+    # included, so the import keeps glibc's (30 MiB by then: all three from the heap) ...
+    assert _mapped() == (False, False, False)
+    # ... and ``tune_host_allocator()`` (what ``launch`` runs in its ranks) fixes it at 1 MiB.
+    tuned = _MAPPED_PROBE.replace("import ctypes, torch, sharded_nn\n", "import ctypes, torch, sharded_nn\nsharded_nn.host_memory.tune_host_allocator()\n")
+    assert tuple(v == "True" for v in _run(tuned).split()) == (True, True, False)
 
 
 def _refault_count() -> int:
