@@ -388,29 +388,6 @@ def test_host_memory_is_not_top_level_api():
     assert host_memory.tune_host_allocator() is True  # glibc's mallopt accepts the threshold here
 
 
-def _refault_count() -> int:
-    """Minor page faults of allocating, touching and freeing a 512 KiB buffer 20 times."""
-    import resource
-
-    import torch
-
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        torch.empty(1 << 17).fill_(1.0)  # 512 KiB (under torch's 2 MiB huge-page size), freed at once
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-def test_launch_keeps_glibc_buffer_reuse_unless_asked():
-    # By default a rank reuses a freed 512 KiB buffer (below launch's 1 MiB threshold); a fixed
-    # 64 KiB threshold unmaps it, so every allocation faults its
-    # pages in again (at least a quarter of its 128 pages each time; the kernel may map a few
-    # pages per fault).
-    reused = snn.launch(_refault_count, 1)
-    fixed = snn.launch(_refault_count, 1, mmap_threshold=1 << 16)
-    assert fixed >= 20 * 32, fixed
-    assert reused * 4 < fixed, (reused, fixed)
-
-
 @pytest.mark.parametrize(("user", "enabled", "inside"), [(None, True, "1"), ("0", True, "0"), (None, False, None)])
 def test_huge_pages_for_children_restores_environment(monkeypatch, user, enabled, inside):
     from sharded_nn.host_memory import THP_ENV, huge_pages_for_children
