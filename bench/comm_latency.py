@@ -39,6 +39,20 @@ import sharded_nn as snn  # noqa: E402
 from sharded_nn.comm import HaloSpec, all_reduce_sum, axis_peers, gather_layouts, halo_cat  # noqa: E402
 
 
+def via_gloo(fn):
+    """``fn`` with the same-host transport turned off (``SHARDED_NN_TRANSPORT`` is read at every
+    call), for A/B rows against gloo in one run."""
+
+    def f():
+        os.environ["SHARDED_NN_TRANSPORT"] = "gloo"
+        try:
+            fn()
+        finally:
+            os.environ.pop("SHARDED_NN_TRANSPORT", None)
+
+    return f
+
+
 def _time(fns: dict, iters: int, warmup: int) -> dict[str, tuple[float, float, float, float]]:
     """Per call: (median wall s, mean caller-thread CPU s, mean process CPU s, mean voluntary
     context switches), slowest rank. CPU times and switch counts barely move with the load of a
@@ -101,16 +115,6 @@ def _measure(iters: int, warmup: int) -> dict[str, float]:
             ops = [dist.P2POp(dist.isend, t, gpeer, group=group, tag=tag), dist.P2POp(dist.irecv, r, gpeer, group=group, tag=tag)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        return f
-
-    def via_gloo(fn):
-        # The same call with the same-host transport turned off (read at every call).
-        def f():
-            os.environ["SHARDED_NN_TRANSPORT"] = "gloo"
-            try:
-                fn()
-            finally:
-                os.environ.pop("SHARDED_NN_TRANSPORT", None)
         return f
 
     def exchange_direct(t, r):

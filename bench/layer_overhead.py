@@ -55,6 +55,8 @@ import sharded_nn as snn  # noqa: E402
 from sharded_nn.comm import gather_layouts  # noqa: E402
 from sharded_nn.comm.sizes import layout_scope  # noqa: E402
 
+from bench.comm_latency import via_gloo  # noqa: E402
+
 
 def _time(fns: dict, iters: int, warmup: int) -> dict[str, float]:
     """Median seconds per call of each of ``fns``, slowest rank; the calls are interleaved
@@ -92,16 +94,6 @@ def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, flo
     def step(model, inp):
         inp = inp.detach().requires_grad_()
         model(inp).sum().backward()
-
-    def via_gloo(fn):
-        # The same call with the same-host transport turned off (read at every call).
-        def f():
-            os.environ["SHARDED_NN_TRANSPORT"] = "gloo"
-            try:
-                fn()
-            finally:
-                os.environ.pop("SHARDED_NN_TRANSPORT", None)
-        return f
 
     with torch.no_grad():
         got = _time({"plain": lambda: plain(x_loc), "sharded": lambda: sharded(x_loc),
