@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import host_cache
+
 #: model name -> (default size, what --size means)
 MODELS: dict[str, tuple[int, str]] = {
     "vit": (1024, "image side in pixels (a multiple of 16)"),
@@ -109,6 +111,9 @@ class PeakRSS:
     """
 
     def __init__(self) -> None:
+        # Blocks the host cache keeps from before (model building) go back to the OS first: the
+        # step would reuse them, and their pages, already resident, would hide part of its peak.
+        host_cache.empty_cache()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from . import host_cache as _host_cache
 from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
 from .mesh import backend_for, default_device_type
 
@@ -144,6 +145,7 @@ def _worker(
     device_type: str | None,
     threads: int | None,
     mmap_threshold: int | None,
+    host_cache: bool,
     parent_pid: int,
     outdir: str,
     fn: Callable[..., Any],
@@ -153,6 +155,8 @@ def _worker(
     try:
         if mmap_threshold is not None:
             tune_host_allocator(mmap_threshold)
+        if host_cache:
+            _host_cache.install_default()
         if threads is not None:
             torch.set_num_threads(threads)
         init_worker(rank, world_size, store_port, timeout, device_type)
@@ -190,6 +194,7 @@ def launch(
     threads: int | None = None,
     huge_pages: bool = True,
     mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
+    host_cache: bool = True,
 ) -> Any:
     """Run ``fn(*args)`` on ``nprocs`` local processes with a process group; return rank 0's result.
 
@@ -217,6 +222,10 @@ def launch(
             heap. ``65536``: every freed buffer above 64 KiB goes back to the OS at once, at the
             cost of page faults and kernel time on every step (a timm RegNet at 1024x512 spent
             as much time in the kernel as in torch).
+        host_cache: make ``sharded_nn.host_cache`` torch's CPU allocator in every process (unless
+            ``SHARDED_NN_HOST_CACHE=0``): large buffers are reused by size instead of faulted in
+            afresh on every step, and what it holds stays within the peak of the live tensors.
+            False keeps torch's own allocator (a plain-torch baseline).
 
     Raises:
         The first failing rank's exception, with its remote traceback as ``__cause__``;
@@ -229,8 +238,14 @@ def launch(
     store = rendezvous_store(collective_timeout)
     with tempfile.TemporaryDirectory(prefix="sharded_nn-launch-") as outdir:
         worker_args = (
-            nprocs, store.port, collective_timeout, device_type, threads, mmap_threshold, os.getpid(), outdir, fn, args,
+            nprocs, store.port, collective_timeout, device_type, threads, mmap_threshold, host_cache, os.getpid(),
+            outdir, fn, args,
         )
+        if host_cache and _host_cache.wanted():
+            # Compile once here rather than in every rank (they would queue on the build lock);
+            # a failure is the ranks' to report, with the reason.
+            with contextlib.suppress(RuntimeError, OSError):
+                _host_cache.build()
         context = _start(worker_args, nprocs, huge_pages)
         try:
             _wait(context, timeout)

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import host_cache
+
 DATA_AXIS = "data"
 DOMAIN_AXIS = "domain"
 #: Collectives that wait longer than this raise instead of hanging (see DESIGN.md section 4).
@@ -77,6 +79,10 @@ def init_mesh(
     """
     device_type = device_type or default_device_type()
     ensure_process_group(device_type, timeout)
+    if device_type == "cpu":
+        # Reuse large activation buffers instead of faulting them in on every step (torchrun has
+        # no launch to do it); SHARDED_NN_HOST_CACHE=0 keeps torch's allocator.
+        host_cache.install_default()
     world = dist.get_world_size()
     if data < 1:
         raise ValueError(f"init_mesh: data must be >= 1, got {data}. Pass data=1 (no data-parallel axis) or more.")

@@ -1,0 +1,204 @@
+"""A caching CPU allocator for torch: large buffers are reused by size instead of faulted afresh.
+
+Not part of the top-level API; ``sharded_nn.launch`` installs it in its ranks and
+``init_mesh(device_type="cpu")`` in the process that calls it (torchrun), unless
+``SHARDED_NN_HOST_CACHE=0``.
+
+Why. A step of a model allocates the same activation sizes every time. glibc serves a large
+buffer either from a fresh mapping (every page faulted in again on every step: on this VM the
+faults of a 1024x512 ``resnet50`` forward cost a quarter of its time) or from heap arenas that
+fragment and keep resident memory above the live tensors (``host_memory`` has the measurements).
+The cache (``csrc/host_cache.cpp``, installed with ``c10::SetCPUAllocator``) keeps each freed
+buffer of ``MIN_BYTES`` or more as a whole mapping and hands it to the next request of nearly the
+same size (at most an eighth larger). What it holds is bounded: before mapping a new block it
+releases the longest-unused cached ones until the mapped total is within the peak of the live
+large buffers (this one counted) plus a sixteenth, so resident memory follows the live tensors as
+with a low mmap threshold. Buffers of 2 MiB and more go on transparent huge pages where the
+process asked for them (``THP_MEM_ALLOC_ENABLE=1``, which ``import sharded_nn`` sets).
+
+Results are unchanged: the cache only decides where a tensor's bytes live. Tensors allocated
+before the install keep their own deleter. :func:`empty_cache` returns what the cache holds to the
+OS (as ``torch.cuda.empty_cache`` does for the GPU); the memory profiler of ``torch.profiler`` does
+not see the cache's blocks.
+
+The allocator is C++ compiled on first use with the machine's C++ compiler against the installed
+torch's headers (about two seconds, once per torch version; the library lands in
+``$SHARDED_NN_CACHE_DIR``, default ``~/.cache/sharded_nn``). Without a compiler, :func:`install`
+returns False, :func:`why_not` says why, and torch's own allocator stays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+#: ``0`` keeps ``launch`` and ``init_mesh`` from installing the cache.
+OPT_OUT_ENV = "SHARDED_NN_HOST_CACHE"
+#: Where the compiled library is kept (default ``~/.cache/sharded_nn``).
+CACHE_DIR_ENV = "SHARDED_NN_CACHE_DIR"
+
+#: Buffers below this go to torch's own allocator (glibc's heap reuses them without faults).
+MIN_BYTES = 256 << 10
+
+_SOURCE = Path(__file__).with_name("csrc") / "host_cache.cpp"
+_STAT_NAMES = ("hits", "misses", "live_bytes", "cached_bytes", "peak_live_bytes", "evictions", "peak_mapped_bytes")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+_warned = False
+
+
+def wanted() -> bool:
+    """False when ``SHARDED_NN_HOST_CACHE=0`` asks to keep torch's own CPU allocator."""
+    return os.environ.get(OPT_OUT_ENV, "1") != "0"
+
+
+def installed() -> bool:
+    """Whether this process's CPU tensors come from the cache."""
+    return _lib is not None
+
+
+def why_not() -> str | None:
+    """Why the last :func:`install` failed (no compiler, a compile error), or None."""
+    return _why_not
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "sharded_nn"
+
+
+def _compile_command(out: Path) -> list[str] | None:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None or shutil.which(cxx) is None:
+        return None
+    torch_dir = Path(torch.__file__).resolve().parent
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    return [
+        cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-I", str(torch_dir / "include"), str(_SOURCE),
+        "-L", str(torch_dir / "lib"), "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out),
+    ]
+
+
+def _library_path() -> Path:
+    # One build per source, torch build and Python ABI: a new torch gets a fresh library.
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(str(Path(torch.__file__).resolve()).encode())
+    key.update((sysconfig.get_config_var("SOABI") or "").encode())
+    return _cache_dir() / f"host_cache-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the allocator (once; concurrent ranks wait on a file lock) and return its path.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the compile failed (its output is in the message).
+    """
+    path = _library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # another rank built it while this one waited
+            return path
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.partial")
+        os.close(fd)
+        cmd = _compile_command(Path(tmp))
+        if cmd is None:
+            os.unlink(tmp)
+            raise RuntimeError(
+                "no C++ compiler found (tried $CXX, c++, g++); install one (e.g. `apt install g++`) "
+                f"or set {OPT_OUT_ENV}=0 to keep torch's own CPU allocator"
+            )
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n$ {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)
+    return path
+
+
+def install(min_bytes: int = MIN_BYTES, *, huge_pages: bool | None = None, warn: bool = False) -> bool:
+    """Make the cache torch's CPU allocator for the rest of this process (idempotent).
+
+    Args:
+        min_bytes: buffers of at least this many bytes are cached; smaller ones stay with torch's
+            allocator.
+        huge_pages: offer blocks of 2 MiB and more transparent huge pages; default: as torch
+            does, when ``THP_MEM_ALLOC_ENABLE=1`` is set.
+        warn: on failure, warn once per process (with the reason and how to silence it).
+
+    Returns:
+        True when the cache is installed (now or before); False when it could not be built or
+        loaded, with the reason in :func:`why_not`.
+    """
+    global _lib, _why_not, _warned
+    with _lock:
+        if _lib is not None:
+            return True
+        if not sys.platform.startswith("linux"):
+            _why_not = f"the host cache needs Linux (mmap, madvise); this is {sys.platform}"
+            return False
+        if huge_pages is None:
+            huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (RuntimeError, OSError) as exc:
+            _why_not = str(exc)
+            if warn and not _warned:
+                _warned = True
+                warnings.warn(
+                    f"sharded_nn: torch's own CPU allocator stays (large buffers are page-faulted "
+                    f"afresh on every step): {exc}. Set {OPT_OUT_ENV}=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return False
+        lib.snn_host_cache_install.argtypes = (ctypes.c_uint64, ctypes.c_int)
+        lib.snn_host_cache_install.restype = ctypes.c_int
+        lib.snn_host_cache_stats.argtypes = (ctypes.POINTER(ctypes.c_uint64),)
+        lib.snn_host_cache_stats.restype = None
+        lib.snn_host_cache_empty.restype = None
+        lib.snn_host_cache_install(int(min_bytes), int(bool(huge_pages)))
+        _lib, _why_not = lib, None
+        return True
+
+
+def install_default() -> bool:
+    """What ``launch`` and ``init_mesh`` call: :func:`install` unless opted out, warning on failure."""
+    return wanted() and install(warn=True)
+
+
+def stats() -> dict[str, int]:
+    """Counters of the cache: ``hits``/``misses`` (requests served from a cached block or by a new
+    mapping), ``live_bytes``/``cached_bytes`` (in tensors / held for reuse), their peaks
+    ``peak_live_bytes`` and ``peak_mapped_bytes`` (live + cached), ``evictions`` (blocks returned
+    to the OS to stay within the bound). All zero when the cache is not installed."""
+    if _lib is None:
+        return dict.fromkeys(_STAT_NAMES, 0)
+    out = (ctypes.c_uint64 * len(_STAT_NAMES))()
+    _lib.snn_host_cache_stats(out)
+    return dict(zip(_STAT_NAMES, (int(v) for v in out)))
+
+
+def empty_cache() -> None:
+    """Return every cached (unused) block to the OS; live tensors are untouched."""
+    if _lib is not None:
+        _lib.snn_host_cache_empty()

@@ -1,0 +1,165 @@
+"""The host cache (sharded_nn/host_cache.py): torch's CPU allocator replaced by one that reuses
+large buffers by size, within the peak of the live ones.
+
+Each case runs in fresh processes (``snn.launch``): installing the cache is for the rest of a
+process, and the test process keeps torch's own allocator.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sharded_nn as snn
+from sharded_nn import host_cache
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the host cache uses mmap/madvise (Linux)")
+
+MIB = 1 << 20
+
+
+def _reuse() -> dict:
+    assert host_cache.installed(), host_cache.why_not()
+    before = host_cache.stats()
+    for _ in range(10):
+        a = torch.empty(8 * MIB // 4)  # 8 MiB, freed at the end of each iteration
+        a.fill_(1.0)
+        del a
+    after = host_cache.stats()
+    return {k: after[k] - before[k] for k in ("hits", "misses")}
+
+
+def test_launch_installs_the_cache_and_reuses_a_freed_block() -> None:
+    got = snn.launch(_reuse, 1)
+    assert got == {"hits": 9, "misses": 1}
+
+
+def _bound() -> dict:
+    assert host_cache.installed()
+    g = torch.Generator().manual_seed(0)
+    held = []
+    for step in range(200):
+        # Sizes from 256 KiB to 12 MiB, some tensors kept a while: a pattern with misses that
+        # must evict instead of growing.
+        n = int(torch.randint(64 << 10, 3 << 20, (1,), generator=g))
+        held.append(torch.ones(n))
+        if len(held) > 4 or step % 7 == 0:
+            held.pop(int(torch.randint(0, len(held), (1,), generator=g)))
+    s = host_cache.stats()
+    live_now = s["live_bytes"]
+    del held
+    host_cache.empty_cache()
+    return {**s, "live_now": live_now, "after_empty": host_cache.stats()}
+
+
+def test_mapped_total_stays_within_the_peak_of_live_buffers() -> None:
+    s = snn.launch(_bound, 1)
+    assert s["misses"] > 0 and s["hits"] > 0
+    assert s["evictions"] > 0  # the bound was hit and enforced
+    # Within a sixteenth of the live peak, plus one request's size (the budget counts it).
+    assert s["peak_mapped_bytes"] <= s["peak_live_bytes"] * 17 // 16 + 12 * MIB
+    after = s["after_empty"]
+    assert after["cached_bytes"] == 0 and after["live_bytes"] == 0
+
+
+def _model_step(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    # Convolutions (oneDNN scratch buffers go through the allocator's raw path), a norm, an
+    # in-place op, a resize, sizes above and below the cache's threshold.
+    torch.manual_seed(seed)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+    norm = torch.nn.GroupNorm(4, 16)
+    x = torch.randn(2, 8, 96, 80, requires_grad=True)
+    outs = []
+    for _ in range(3):
+        y = F.gelu(norm(conv(x)))
+        y = torch.cat([y, y.flip(2)], 1).relu_()
+        outs.append(y.sum(dim=(1,)))
+    z = torch.stack(outs).sum()
+    z.backward()
+    r = torch.empty(0)
+    r.resize_(3 << 20)
+    r.fill_(2.0)
+    return z.detach(), x.grad, conv.weight.grad, host_cache.installed() and r.sum().item() == 2.0 * (3 << 20)
+
+
+def test_results_are_bit_identical_with_and_without_the_cache() -> None:
+    with_cache = snn.launch(_model_step, 1, 7)
+    without = snn.launch(_model_step, 1, 7, host_cache=False)
+    assert with_cache[3] is True and without[3] is False
+    for a, b in zip(with_cache[:3], without[:3]):
+        assert torch.equal(a, b)
+
+
+def _installed() -> tuple[bool, bool]:
+    # init_mesh is what a torchrun script calls: it installs the cache on CPU meshes.
+    before = host_cache.installed()
+    snn.init_mesh(device_type="cpu")
+    return before, host_cache.installed()
+
+
+def test_init_mesh_installs_it_and_the_opt_out_keeps_torchs_allocator(monkeypatch) -> None:
+    assert snn.launch(_installed, 2, host_cache=False) == (False, True)
+    monkeypatch.setenv(host_cache.OPT_OUT_ENV, "0")  # inherited by the spawned ranks
+    assert snn.launch(_installed, 2) == (False, False)
+
+
+def _no_compiler(cache_dir: str) -> tuple[bool, str | None]:
+    os.environ[host_cache.CACHE_DIR_ENV] = cache_dir
+    os.environ["CXX"] = "/nonexistent/c++"
+    with pytest.warns(RuntimeWarning, match="SHARDED_NN_HOST_CACHE=0"):
+        ok = host_cache.install_default()
+    t = torch.ones(4 * MIB)  # torch's allocator still serves
+    return ok and t.sum().item() > 0, host_cache.why_not()
+
+
+def test_without_a_compiler_torchs_allocator_stays_with_one_warning(tmp_path) -> None:
+    ok, why = snn.launch(_no_compiler, 1, str(tmp_path), host_cache=False)
+    assert ok is False
+    assert why is not None and "compiler" in why
+
+
+def test_the_source_ships_with_the_package() -> None:
+    # The wheel must carry the C++ source that install() compiles (pyproject package-data).
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "csrc/*.cpp" in data["sharded_nn"]
+    assert (Path(host_cache.__file__).with_name("csrc") / "host_cache.cpp").is_file()
+
+
+def _fork_under_load() -> int:
+    # A thread allocating and freeing while the main thread forks (a DataLoader worker started by
+    # fork): the child must find the cache's lock free and be able to allocate.
+    import threading
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            torch.empty(2 * MIB).fill_(1.0)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    failures = 0
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                ok = torch.ones(3 * MIB // 4).sum().item() == 3 * MIB // 4
+                os._exit(0 if ok else 1)
+            _, status = os.waitpid(pid, 0)
+            failures += status != 0
+    finally:
+        stop.set()
+        t.join()
+    return failures
+
+
+def test_fork_while_another_thread_allocates() -> None:
+    assert snn.launch(_fork_under_load, 1, timeout=120) == 0
