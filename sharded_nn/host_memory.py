@@ -1,5 +1,10 @@
 """Host (CPU) memory tuning for the processes of a run: glibc's mmap threshold, huge pages.
 
+Since session 22 the buffers that matter (tensors of 256 KiB and more) bypass glibc in the
+processes of ``launch`` and of ``init_mesh`` on CPU: ``sharded_nn.host_cache`` serves them, reused
+by size without page faults. The threshold below still governs everything else (smaller tensors,
+non-tensor buffers) and processes where the cache is off or could not be built.
+
 Not part of the top-level API. ``import sharded_nn`` turns torch's transparent-huge-page
 allocation on for its own process (:func:`apply_process_defaults`; opt out with
 ``SHARDED_NN_HOST_TUNING=0``). ``sharded_nn.launch`` also fixes glibc's mmap threshold at 1 MiB
