@@ -10,7 +10,8 @@ script measures the way a user would instead:
   imported sharded_nn).
 * **P=2, ours**: ``python -m torch.distributed.run --standalone --nproc_per_node 2`` on the same
   script, the default environment (no variables exported), so what the library sets for itself
-  at ``import sharded_nn`` (see ``sharded_nn.host_memory``) is all it gets.
+  at ``import sharded_nn`` and ``init_mesh`` (``sharded_nn.host_memory``, ``sharded_nn.host_cache``)
+  is all it gets.
 * **P=1, plain torch with huge pages** (``THP_MEM_ALLOC_ENABLE=1`` exported): what the P=1 user
   could get by tuning; printed so that the library's own gain and the allocator's gain can be
   told apart.
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The user's default environment: nothing of ours, no allocator variables, one thread.
     base = {k: v for k, v in os.environ.items()
-            if k not in ("THP_MEM_ALLOC_ENABLE", "SHARDED_NN_HOST_TUNING", "MALLOC_MMAP_THRESHOLD_")}
+            if k not in ("THP_MEM_ALLOC_ENABLE", "SHARDED_NN_HOST_TUNING", "SHARDED_NN_HOST_CACHE", "MALLOC_MMAP_THRESHOLD_")}
     base["OMP_NUM_THREADS"] = "1"
     script = str(Path(__file__).resolve())
     rows = []
