@@ -15,7 +15,8 @@ for KiB: ``t256k``), ``+top<N>`` (``M_TOP_PAD``), ``+trim<N>`` (``M_TRIM_THRESHO
 (``M_MMAP_MAX=0``), ``+hugetlb`` (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: glibc madvises its own
 heap and mapped blocks for transparent huge pages), ``+nothp`` (``THP_MEM_ALLOC_ENABLE=0``),
 ``+arena1`` (``M_ARENA_MAX=1``), ``+lib`` (``sharded_nn.host_memory.tune_host_allocator()`` with no
-argument: the library's policy). Example::
+argument: the library's policy), ``+cache`` (``sharded_nn.host_cache``, the caching CPU allocator
+``launch`` installs by default; every other policy runs with torch's own allocator). Example::
 
     python bench/host_alloc.py --cases vit_small:1024:4 unet3d:96 --policies glibc t16 lib
 """
@@ -37,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
+from sharded_nn import host_cache  # noqa: E402
 from sharded_nn.demo import PeakRSS  # noqa: E402
 
 _M = {"trim": -1, "top": -2, "mmap": -3, "mmapmax": -4, "arena": -8}
@@ -47,12 +49,13 @@ def _size(text: str) -> int:
 
 
 def parse_policy(name: str) -> tuple[list[tuple[int, int]], dict[str, str], bool]:
-    """(mallopt calls, environment for the ranks, call tune_host_allocator()) of a policy name."""
+    """(mallopt calls, environment for the ranks, call tune_host_allocator()) of a policy name
+    (``+cache`` is read by ``_uses_cache``)."""
     opts: list[tuple[int, int]] = []
     env: dict[str, str] = {}
     lib = False
     for part in name.split("+"):
-        if part in ("glibc", ""):
+        if part in ("glibc", "", "cache"):
             continue
         if part == "lib":
             lib = True
@@ -75,6 +78,10 @@ def parse_policy(name: str) -> tuple[list[tuple[int, int]], dict[str, str], bool
     return opts, env, lib
 
 
+def _uses_cache(policy: str) -> bool:
+    return "cache" in policy.split("+")
+
+
 class _Mallinfo(ctypes.Structure):
     _fields_ = [
         (n, ctypes.c_size_t)
@@ -91,7 +98,8 @@ class _AllocPeak(TorchDispatchMode):
 
     def used(self) -> int:
         m = self._fn()
-        return m.uordblks + m.hblkhd
+        # Tensors of 256 KiB and more bypass malloc under the host cache: count its live bytes.
+        return m.uordblks + m.hblkhd + host_cache.stats()["live_bytes"]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -171,7 +179,10 @@ def run(case: str, mode: str, policy: str, p: int, warmup: int) -> dict:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return snn.launch(_worker, p, case, mode, policy, warmup, threads=1, device_type="cpu", timeout=3600, mmap_threshold=None)
+        return snn.launch(
+            _worker, p, case, mode, policy, warmup, threads=1, device_type="cpu", timeout=3600, mmap_threshold=None,
+            host_cache=_uses_cache(policy),
+        )
     finally:
         for k, v in saved.items():
             if v is None:

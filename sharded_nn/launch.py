@@ -157,6 +157,9 @@ def _worker(
             tune_host_allocator(mmap_threshold)
         if host_cache:
             _host_cache.install_default()
+        else:
+            # Also for init_mesh inside fn, which installs the cache on CPU meshes by default.
+            os.environ[_host_cache.OPT_OUT_ENV] = "0"
         if threads is not None:
             torch.set_num_threads(threads)
         init_worker(rank, world_size, store_port, timeout, device_type)
@@ -225,7 +228,8 @@ def launch(
         host_cache: make ``sharded_nn.host_cache`` torch's CPU allocator in every process (unless
             ``SHARDED_NN_HOST_CACHE=0``): large buffers are reused by size instead of faulted in
             afresh on every step, and what it holds stays within the peak of the live tensors.
-            False keeps torch's own allocator (a plain-torch baseline).
+            False keeps torch's own allocator (a plain-torch baseline), also where ``fn`` calls
+            ``init_mesh``.
 
     Raises:
         The first failing rank's exception, with its remote traceback as ``__cause__``;

@@ -95,19 +95,43 @@ def test_results_are_bit_identical_with_and_without_the_cache() -> None:
 
 
 def _installed() -> tuple[bool, bool]:
-    # init_mesh is what a torchrun script calls: it installs the cache on CPU meshes.
     before = host_cache.installed()
     snn.init_mesh(device_type="cpu")
     return before, host_cache.installed()
 
 
-def test_init_mesh_installs_it_and_the_opt_out_keeps_torchs_allocator(monkeypatch) -> None:
-    assert snn.launch(_installed, 2, host_cache=False) == (False, True)
+def test_launch_without_the_cache_keeps_torchs_allocator_in_init_mesh_too(monkeypatch) -> None:
+    assert snn.launch(_installed, 2, host_cache=False) == (False, False)
     monkeypatch.setenv(host_cache.OPT_OUT_ENV, "0")  # inherited by the spawned ranks
     assert snn.launch(_installed, 2) == (False, False)
 
 
+_TORCHRUN_PROBE = """
+import sharded_nn as snn
+from sharded_nn import host_cache
+before = host_cache.installed()
+snn.init_mesh(device_type="cpu")
+print(before, host_cache.installed())
+"""
+
+
+def test_init_mesh_installs_it_under_torchrun() -> None:
+    # What a torchrun rank runs: no launch, the process group from the environment.
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.pop(host_cache.OPT_OUT_ENV, None)
+    out = subprocess.run([sys.executable, "-c", _TORCHRUN_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
 def _no_compiler(cache_dir: str) -> tuple[bool, str | None]:
+    os.environ.pop(host_cache.OPT_OUT_ENV, None)  # launch(host_cache=False) opted this rank out
     os.environ[host_cache.CACHE_DIR_ENV] = cache_dir
     os.environ["CXX"] = "/nonexistent/c++"
     with pytest.warns(RuntimeWarning, match="SHARDED_NN_HOST_CACHE=0"):
