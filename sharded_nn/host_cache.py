@@ -13,7 +13,9 @@ buffer of ``MIN_BYTES`` or more as a whole mapping and hands it to the next requ
 same size (at most an eighth larger). What it holds is bounded: before mapping a new block it
 releases the longest-unused cached ones until the mapped total is within the peak of the live
 large buffers (this one counted) plus a sixteenth, so resident memory follows the live tensors as
-with a low mmap threshold. Buffers of 2 MiB and more go on transparent huge pages where the
+with a low mmap threshold; at that bound a request resizes a cached block (cuts a larger one's
+tail, or grows a smaller one in place with ``mremap``) rather than releasing blocks and faulting
+in a new one (mobilenetv3 1024x512 training: misses per step 84 -> 26 at P=1, 73 -> 21 at P=2). Buffers of 2 MiB and more go on transparent huge pages where the
 process asked for them (``THP_MEM_ALLOC_ENABLE=1``, which ``import sharded_nn`` sets).
 
 Results are unchanged: the cache only decides where a tensor's bytes live. Tensors allocated
@@ -53,7 +55,9 @@ CACHE_DIR_ENV = "SHARDED_NN_CACHE_DIR"
 MIN_BYTES = 256 << 10
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_cache.cpp"
-_STAT_NAMES = ("hits", "misses", "live_bytes", "cached_bytes", "peak_live_bytes", "evictions", "peak_mapped_bytes")
+_STAT_NAMES = (
+    "hits", "misses", "live_bytes", "cached_bytes", "peak_live_bytes", "evictions", "peak_mapped_bytes", "reshapes",
+)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -190,7 +194,9 @@ def stats() -> dict[str, int]:
     """Counters of the cache: ``hits``/``misses`` (requests served from a cached block or by a new
     mapping), ``live_bytes``/``cached_bytes`` (in tensors / held for reuse), their peaks
     ``peak_live_bytes`` and ``peak_mapped_bytes`` (live + cached), ``evictions`` (blocks returned
-    to the OS to stay within the bound). All zero when the cache is not installed."""
+    to the OS to stay within the bound), ``reshapes`` (requests served, at the bound, by cutting
+    the tail off a larger cached block or growing a smaller one in place of a new mapping). All
+    zero when the cache is not installed."""
     if _lib is None:
         return dict.fromkeys(_STAT_NAMES, 0)
     out = (ctypes.c_uint64 * len(_STAT_NAMES))()

@@ -75,6 +75,33 @@ def test_mapped_total_stays_within_the_peak_of_live_buffers() -> None:
     assert after["cached_bytes"] == 0 and after["live_bytes"] == 0
 
 
+def _unpaired_sizes() -> dict:
+    # Each step frees an 8 MiB buffer and then asks for 4 MiB and 6 MiB (sizes that do not pair
+    # up): at the bound (8.5 MiB) a cached block is resized instead of released and remapped.
+    assert host_cache.installed()
+    for _ in range(5):
+        before = host_cache.stats()
+        a = torch.ones(2 * MIB)  # 8 MiB
+        del a
+        b = torch.ones(MIB)  # 4 MiB
+        del b
+        c = torch.ones(3 * MIB // 2)  # 6 MiB
+        del c
+    after = host_cache.stats()
+    return {k: after[k] - before[k] for k in ("hits", "misses", "reshapes", "evictions")} | {
+        "peak_mapped_mib": after["peak_mapped_bytes"] / MIB
+    }
+
+
+@needs_compiler
+def test_at_the_bound_a_cached_block_is_resized_not_remapped() -> None:
+    s = snn.launch(_unpaired_sizes, 1)
+    # The last step: no new mapping, every request served by a cached or resized block.
+    assert s["misses"] == 0 and s["evictions"] == 0
+    assert s["reshapes"] >= 2
+    assert s["peak_mapped_mib"] <= 8.5
+
+
 def _model_step(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     # Convolutions (oneDNN scratch buffers go through the allocator's raw path), a norm, an
     # in-place op, a resize, sizes above and below the cache's threshold.

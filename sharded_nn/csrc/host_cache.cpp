@@ -7,10 +7,15 @@
 // and resident memory drifts above the live tensors. This allocator keeps whole mappings, reuses
 // them by size, and bounds what it holds so that the process's mapped total never exceeds the
 // peak of its live large buffers (plus a sixteenth): resident memory follows the live tensors as
-// with a low mmap threshold, without the faults.
+// with a low mmap threshold, without the faults. At the bound, a request with no cached block of
+// its size resizes one (cuts a larger one's tail, or grows a smaller one with mremap) instead of
+// releasing blocks and mapping a new one: only the grown part is faulted in.
 //
 // Loaded by sharded_nn/host_cache.py through ctypes (plain C entry points, no Python API), and
 // installed with c10::SetCPUAllocator. Buffers below `min_bytes` go to c10's own allocator.
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  // mremap
+#endif
 #include <c10/core/CPUAllocator.h>
 
 #include <pthread.h>
@@ -104,6 +109,7 @@ class HostCache final : public c10::Allocator {
     out[4] = peak_live_;
     out[5] = evictions_;
     out[6] = peak_mapped_;
+    out[7] = reshapes_;
   }
 
  private:
@@ -132,10 +138,22 @@ class HostCache final : public c10::Allocator {
         ++hits_;
         return p;
       }
-      // A miss maps a new block. Keep the mapped total (live + cached + new) within the peak of
-      // live bytes, counting this request, plus a sixteenth: evict the longest-unused first.
+      // A miss. Keep the mapped total (live + cached + new) within the peak of live bytes,
+      // counting this request, plus a sixteenth.
       size_t budget = std::max(peak_live_, live_ + size);
       budget += budget / 16;
+      if (live_ + cached_ + size > budget && !free_by_size_.empty()) {
+        // Over the budget a cached block would be released anyway: resize one to fit instead
+        // of releasing blocks and faulting in a whole new one (a step whose sizes do not pair
+        // up exactly would otherwise refault part of its buffers on every step).
+        void* q = reshape_cached(size);
+        if (q != nullptr) {
+          while (!free_order_.empty() && live_ + cached_ > budget) {
+            evict_oldest();
+          }
+          return q;
+        }
+      }
       while (!free_order_.empty() && live_ + cached_ + size > budget) {
         evict_oldest();
       }
@@ -148,6 +166,41 @@ class HostCache final : public c10::Allocator {
     peak_live_ = std::max(peak_live_, live_);
     peak_mapped_ = std::max(peak_mapped_, live_ + cached_);
     return p;
+  }
+
+  // Takes a cached block out of the cache and makes it `size` bytes (mu_ held): the smallest
+  // larger one loses its tail (munmap: no fault, the head's pages stay), else the largest
+  // smaller one grows (mremap moves its pages; only the new tail faults in). Null if mremap fails.
+  void* reshape_cached(size_t size) {
+    auto it = free_by_size_.lower_bound(size);
+    bool shrink = it != free_by_size_.end();
+    if (!shrink) {
+      it = std::prev(free_by_size_.end());
+    }
+    void* p = it->second;
+    size_t old = it->first;
+    void* q = p;
+    if (shrink) {
+      munmap(static_cast<char*>(p) + size, old - size);
+    } else {
+      q = mremap(p, old, size, MREMAP_MAYMOVE);
+      if (q == MAP_FAILED) {
+        return nullptr;
+      }
+      if (huge_pages_ && size >= kHuge) {
+        madvise(q, size, MADV_HUGEPAGE);
+      }
+    }
+    free_by_size_.erase(it);
+    auto b = blocks_.find(p);
+    free_order_.erase(b->second.lru);
+    blocks_.erase(b);
+    blocks_.emplace(q, Block{size, {}});
+    cached_ -= old;
+    live_ += size;
+    peak_live_ = std::max(peak_live_, live_);
+    ++reshapes_;
+    return q;
   }
 
   void* map(size_t size) {
@@ -204,7 +257,7 @@ class HostCache final : public c10::Allocator {
   std::multimap<size_t, void*> free_by_size_;  // cached blocks by size
   std::list<void*> free_order_;  // cached blocks, longest unused first
   size_t live_ = 0, cached_ = 0, peak_live_ = 0, peak_mapped_ = 0;
-  uint64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+  uint64_t hits_ = 0, misses_ = 0, evictions_ = 0, reshapes_ = 0;
 };
 
 HostCache* g_cache = nullptr;
@@ -236,10 +289,10 @@ int snn_host_cache_install(uint64_t min_bytes, int huge_pages) {
   return 0;
 }
 
-// hits, misses, live bytes, cached bytes, peak live bytes, evictions, peak mapped bytes.
+// hits, misses, live bytes, cached bytes, peak live bytes, evictions, peak mapped bytes, reshapes.
 void snn_host_cache_stats(uint64_t* out) {
   if (g_cache == nullptr) {
-    std::memset(out, 0, 7 * sizeof(uint64_t));
+    std::memset(out, 0, 8 * sizeof(uint64_t));
     return;
   }
   g_cache->stats(out);
