@@ -32,7 +32,6 @@ returns False, :func:`why_not` says why, and torch's own allocator stays.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
 import shutil
@@ -114,6 +113,10 @@ def build() -> Path:
     Raises:
         RuntimeError: no C++ compiler, or the compile failed (its output is in the message).
     """
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"the host cache needs Linux (mmap, mremap, madvise); this is {sys.platform}")
+    import fcntl  # here, not at import time: POSIX only
+
     path = _library_path()
     if path.exists():
         return path
