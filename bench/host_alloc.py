@@ -35,10 +35,11 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sharded_nn as snn  # noqa: E402
-from sharded_nn import host_cache  # noqa: E402
+from bench.vit import _MallinfoPeak  # noqa: E402  (malloc + host cache bytes, sampled per aten op)
 from sharded_nn.demo import PeakRSS  # noqa: E402
 
 _M = {"trim": -1, "top": -2, "mmap": -3, "mmapmax": -4, "arena": -8}
@@ -80,31 +81,6 @@ def parse_policy(name: str) -> tuple[list[tuple[int, int]], dict[str, str], bool
 
 def _uses_cache(policy: str) -> bool:
     return "cache" in policy.split("+")
-
-
-class _Mallinfo(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
-
-
-class _AllocPeak(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self._fn = ctypes.CDLL("libc.so.6").mallinfo2
-        self._fn.restype = _Mallinfo
-        self.base = self.peak = self.used()
-
-    def used(self) -> int:
-        m = self._fn()
-        # Tensors of 256 KiB and more bypass malloc under the host cache: count its live bytes.
-        return m.uordblks + m.hblkhd + host_cache.stats()["live_bytes"]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, self.used())
-        return out
 
 
 def _build(case: str, mesh):
@@ -154,9 +130,9 @@ def _worker(case: str, mode: str, policy: str, warmup: int) -> dict:
         out.float().square().mean().backward()
 
     peak = PeakRSS()
-    with _AllocPeak() as track:
+    with _MallinfoPeak() as track:
         step()
-    alloc = (track.peak - track.base) / 2**20
+    alloc = track.mib()
     for _ in range(warmup - 1):
         step()
     if mesh is not None:

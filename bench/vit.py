@@ -100,7 +100,7 @@ class _MallinfoPeak(TorchDispatchMode):
 
     def _used(self) -> int:
         # Tensors of 256 KiB and more bypass malloc under the host cache: count its live bytes.
-        cached = host_cache.stats()["live_bytes"] if host_cache.installed() else 0
+        cached = host_cache.stats()["live_bytes"]  # zero when the cache is not installed
         if self._fn is None:
             return cached
         m = self._fn()

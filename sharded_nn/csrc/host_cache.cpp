@@ -199,6 +199,7 @@ class HostCache final : public c10::Allocator {
     cached_ -= old;
     live_ += size;
     peak_live_ = std::max(peak_live_, live_);
+    peak_mapped_ = std::max(peak_mapped_, live_ + cached_);  // a grown block adds to the total
     ++reshapes_;
     return q;
   }
