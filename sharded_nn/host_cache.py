@@ -24,36 +24,30 @@ OS (as ``torch.cuda.empty_cache`` does for the GPU); the memory profiler of ``to
 not see the cache's blocks.
 
 The allocator is C++ compiled on first use with the machine's C++ compiler against the installed
-torch's headers (about two seconds, once per torch version; the library lands in
-``$SHARDED_NN_CACHE_DIR``, default ``~/.cache/sharded_nn``). Without a compiler, :func:`install`
-returns False, :func:`why_not` says why, and torch's own allocator stays.
+torch's headers (``sharded_nn.native``: about two seconds, once per torch version; the library
+lands in ``$SHARDED_NN_CACHE_DIR``, default ``~/.cache/sharded_nn``). Without a compiler,
+:func:`install` returns False, :func:`why_not` says why, and torch's own allocator stays.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
-import torch
+from . import native
 
 #: ``0`` keeps ``launch`` and ``init_mesh`` from installing the cache.
 OPT_OUT_ENV = "SHARDED_NN_HOST_CACHE"
-#: Where the compiled library is kept (default ``~/.cache/sharded_nn``).
-CACHE_DIR_ENV = "SHARDED_NN_CACHE_DIR"
+#: Where the compiled library is kept (default ``~/.cache/sharded_nn``; ``sharded_nn.native``).
+CACHE_DIR_ENV = native.CACHE_DIR_ENV
 
 #: Buffers below this go to torch's own allocator (glibc's heap reuses them without faults).
 MIN_BYTES = 256 << 10
 
-_SOURCE = Path(__file__).with_name("csrc") / "host_cache.cpp"
 _STAT_NAMES = (
     "hits", "misses", "live_bytes", "cached_bytes", "peak_live_bytes", "evictions", "peak_mapped_bytes", "reshapes",
 )
@@ -79,67 +73,14 @@ def why_not() -> str | None:
     return _why_not
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV)
-    return Path(root) if root else Path.home() / ".cache" / "sharded_nn"
-
-
-def _compile_command(out: Path) -> list[str] | None:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None or shutil.which(cxx) is None:
-        return None
-    torch_dir = Path(torch.__file__).resolve().parent
-    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
-    return [
-        cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        "-I", str(torch_dir / "include"), str(_SOURCE),
-        "-L", str(torch_dir / "lib"), "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out),
-    ]
-
-
-def _library_path() -> Path:
-    # One build per source, torch build and Python ABI: a new torch gets a fresh library.
-    key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
-    key.update(torch.__version__.encode())
-    key.update(str(Path(torch.__file__).resolve()).encode())
-    key.update((sysconfig.get_config_var("SOABI") or "").encode())
-    return _cache_dir() / f"host_cache-{key.hexdigest()[:16]}.so"
-
-
 def build() -> Path:
     """Compile the allocator (once; concurrent ranks wait on a file lock) and return its path.
 
     Raises:
         RuntimeError: no C++ compiler, or the compile failed (its output is in the message).
     """
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError(f"the host cache needs Linux (mmap, mremap, madvise); this is {sys.platform}")
-    import fcntl  # here, not at import time: POSIX only
-
-    path = _library_path()
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():  # another rank built it while this one waited
-            return path
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.partial")
-        os.close(fd)
-        cmd = _compile_command(Path(tmp))
-        if cmd is None:
-            os.unlink(tmp)
-            raise RuntimeError(
-                "no C++ compiler found (tried $CXX, c++, g++); install one (e.g. `apt install g++`) "
-                f"or set {OPT_OUT_ENV}=0 to keep torch's own CPU allocator"
-            )
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n$ {' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        os.replace(tmp, path)
-    return path
+    hint = f" or set {OPT_OUT_ENV}=0 to keep torch's own CPU allocator"
+    return native.build("host_cache", link_torch=True, opt_out_hint=hint)
 
 
 def install(min_bytes: int = MIN_BYTES, *, huge_pages: bool | None = None, warn: bool = False) -> bool:

@@ -50,6 +50,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from . import host_cache as _host_cache
+from . import moments as _moments
+from . import native as _native
 from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
 from .mesh import backend_for, default_device_type
 
@@ -245,11 +247,14 @@ def launch(
             nprocs, store.port, collective_timeout, device_type, threads, mmap_threshold, host_cache, os.getpid(),
             outdir, fn, args,
         )
+        # Compile the native libraries once here rather than in every rank (they would queue on
+        # the build lock); a failure is the ranks' to report (or to fall back from).
         if host_cache and _host_cache.wanted():
-            # Compile once here rather than in every rank (they would queue on the build lock);
-            # a failure is the ranks' to report, with the reason.
             with contextlib.suppress(RuntimeError, OSError):
                 _host_cache.build()
+        if os.environ.get(_moments.OPT_OUT_ENV, "1") != "0":
+            with contextlib.suppress(RuntimeError, OSError):
+                _native.build("moments")
         context = _start(worker_args, nprocs, huge_pages)
         try:
             _wait(context, timeout)

@@ -1,0 +1,93 @@
+"""Per-channel mean and variance of a slab in one pass over memory (the sharded norms' statistics).
+
+Not part of the public API; ``layers/norm.py`` calls :func:`local_moments` and falls back to its
+torch-only two-pass form where this returns None.
+
+Why. A sharded GroupNorm or BatchNorm takes its slab's statistics apart from the normalization:
+they are merged across ranks before anything is normalized, while torch's fused CPU kernels
+compute and apply their own statistics in one call. With torch's reductions the statistics read
+the slab twice (a sum, then the squared deviations from the mean), which made a GroupNorm at P=2
+cost as much as torch's whole ``group_norm`` at P=1 on twice the data. ``csrc/moments.cpp`` reads
+the slab once: each row is cut into blocks that stay in the L1 cache, each block's deviations from
+its own mean are squared while it is there, and blocks are merged in double precision with Chan's
+formula (as stable as the two-pass form; deterministic).
+
+Where it applies: contiguous float32/float64 CPU tensors, one torch thread (the kernel is
+single-threaded; with more threads torch's parallel reductions are kept), outside
+``torch.compile`` tracing and tensor subclasses (fake tensors have no data). The library is
+compiled on first use (``sharded_nn.native``); without a C++ compiler, or with
+``SHARDED_NN_NATIVE_MOMENTS=0``, the torch path runs. Both give the same statistics to rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from . import native
+
+#: ``0`` keeps the torch-only statistics.
+OPT_OUT_ENV = "SHARDED_NN_NATIVE_MOMENTS"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not: str | None = None
+_FUNCS = {torch.float32: "snn_moments_f32", torch.float64: "snn_moments_f64"}
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, _why_not
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                lib = ctypes.CDLL(str(native.build("moments", opt_out_hint=f", or set {OPT_OUT_ENV}=0")))
+                args = (ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p)
+                for fn in _FUNCS.values():
+                    getattr(lib, fn).argtypes = args
+                    getattr(lib, fn).restype = None
+                _lib = lib
+            except (RuntimeError, OSError) as exc:
+                _why_not = str(exc)
+            _tried = True
+    return _lib
+
+
+def why_not() -> str | None:
+    """Why the native kernel could not be loaded (no compiler, a compile error), or None."""
+    return _why_not
+
+
+def available() -> bool:
+    """Whether :func:`local_moments` can use the native kernel in this process (builds it once)."""
+    return os.environ.get(OPT_OUT_ENV, "1") != "0" and _load() is not None
+
+
+def local_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-``K`` mean and biased variance of an ``(A, K, B)`` tensor over ``A`` and ``B``, in its dtype.
+
+    None where the native kernel does not apply (see the module docstring): the caller computes
+    them with torch.
+    """
+    if not (
+        type(x3) is torch.Tensor
+        and x3.device.type == "cpu"
+        and x3.dtype in _FUNCS
+        and x3.dim() == 3
+        and x3.numel() > 0
+        and x3.is_contiguous()
+        and torch.get_num_threads() == 1
+        and not torch.compiler.is_compiling()
+        and available()
+    ):
+        return None
+    a, k, b = x3.shape
+    mean = torch.empty(k, dtype=torch.float64)
+    m2 = torch.empty(k, dtype=torch.float64)
+    getattr(_lib, _FUNCS[x3.dtype])(x3.data_ptr(), a, k, b, mean.data_ptr(), m2.data_ptr())
+    return mean.to(x3.dtype), (m2 / (a * b)).to(x3.dtype)
