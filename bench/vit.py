@@ -17,10 +17,12 @@ What is measured (DESIGN.md section 7):
   ``T1 / T2``. ``--repeat R`` launches P=1 and P=2 alternately R times (the medians are then over
   all R x iters iterations, and the spread of the per-launch ratios is printed), so that a slow
   phase of the machine does not land on one side only.
-* Memory: each rank's peak resident size (``VmHWM``, reset by
-  ``sharded_nn.demo.PeakRSS``) after a mode's iterations minus its value
-  after the model and the input were built (weights are replicated and not counted), maximum
-  over ranks; ratio P=2 / P=1. ``forward`` is measured before ``fwd+bwd`` in each launch.
+* Memory: each rank's peak resident size (``VmHWM``, reset by ``sharded_nn.demo.PeakRSS``)
+  during one untimed steady-state step after the warm-up, minus its value just before that step
+  (weights are replicated and not counted; the host cache is emptied first, so the step maps its
+  buffers afresh), maximum over ranks; ratio P=2 / P=1. Until session 23 the baseline was taken
+  before the first call, which added the library code that call pages in (about 13 MiB of
+  file-backed pages at every P, shared between the ranks' processes) to the small forward peaks.
   ``alloc``: the peak of the bytes held by malloc (glibc ``mallinfo2``) and by the host cache
   (``sharded_nn.host_cache``, which serves tensors of 256 KiB and more in ``launch``'s ranks),
   sampled after every aten op during the first warm-up iteration, above their value at its start, maximum over
@@ -148,7 +150,6 @@ def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1
         return out.detach(), xi.grad
 
     result = {}
-    peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     for mode, step in (("forward", fwd), ("fwd+bwd", fwd_bwd)):
         alloc = None
         for i in range(warmup):
@@ -158,6 +159,15 @@ def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1
                 alloc = track.mib()
             else:
                 step()
+        # The memory of a steady-state step, on its own untimed step after the warm-up: the
+        # library code a first call pages in (about 13 MiB of file-backed pages, the same at
+        # every P, shared between ranks) is resident by then, as in any run longer than one
+        # step. PeakRSS returns the host cache's blocks to the OS first, so this step maps its
+        # buffers afresh and its whole peak counts (the timed steps after it run warm).
+        peak = PeakRSS()  # also resets VmHWM: spawn children inherit the parent's ru_maxrss
+        barrier()
+        step()
+        peak_mib = peak.mib()
         times = []
         for _ in range(iters):
             barrier()
@@ -166,7 +176,7 @@ def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1
             barrier()
             times.append(time.perf_counter() - t0)
         t = torch.tensor(times, dtype=torch.float64)
-        mem = torch.tensor([peak.mib(), -1.0 if alloc is None else alloc], dtype=torch.float64)
+        mem = torch.tensor([peak_mib, -1.0 if alloc is None else alloc], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=group)
