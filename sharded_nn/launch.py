@@ -51,7 +51,6 @@ import torch.multiprocessing as torch_mp
 
 from . import host_cache as _host_cache
 from . import moments as _moments
-from . import native as _native
 from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
 from .mesh import backend_for, default_device_type
 
@@ -252,9 +251,9 @@ def launch(
         if host_cache and _host_cache.wanted():
             with contextlib.suppress(RuntimeError, OSError):
                 _host_cache.build()
-        if os.environ.get(_moments.OPT_OUT_ENV, "1") != "0":
+        if _moments.wanted():
             with contextlib.suppress(RuntimeError, OSError):
-                _native.build("moments")
+                _moments.build()
         context = _start(worker_args, nprocs, huge_pages)
         try:
             _wait(context, timeout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,16 @@ _why_not: str | None = None
 _FUNCS = {torch.float32: "snn_moments_f32", torch.float64: "snn_moments_f64"}
 
 
+def wanted() -> bool:
+    """False when ``SHARDED_NN_NATIVE_MOMENTS=0`` asks for the torch-only statistics."""
+    return os.environ.get(OPT_OUT_ENV, "1") != "0"
+
+
+def build() -> Path:
+    """Compile the kernel once (``sharded_nn.native.build``) and return the library's path."""
+    return native.build("moments", opt_out_hint=f", or set {OPT_OUT_ENV}=0")
+
+
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried, _why_not
     if _tried:
@@ -46,7 +57,7 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                lib = ctypes.CDLL(str(native.build("moments", opt_out_hint=f", or set {OPT_OUT_ENV}=0")))
+                lib = ctypes.CDLL(str(build()))
                 args = (ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p)
                 for fn in _FUNCS.values():
                     getattr(lib, fn).argtypes = args
@@ -65,7 +76,7 @@ def why_not() -> str | None:
 
 def available() -> bool:
     """Whether :func:`local_moments` can use the native kernel in this process (builds it once)."""
-    return os.environ.get(OPT_OUT_ENV, "1") != "0" and _load() is not None
+    return wanted() and _load() is not None
 
 
 def local_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

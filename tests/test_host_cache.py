@@ -8,7 +8,6 @@ process, and the test process keeps torch's own allocator.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import pytest
@@ -16,14 +15,14 @@ import torch
 import torch.nn.functional as F
 
 import sharded_nn as snn
-from sharded_nn import host_cache
+from sharded_nn import host_cache, native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the host cache uses mmap/madvise (Linux)")
 
 # The cache is compiled on first use; on a machine without a C++ compiler it stays off (the
 # last-but-one test checks that case) and the tests that need it cannot run.
 needs_compiler = pytest.mark.skipif(
-    not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler to build the host cache"
+    native.compiler() is None, reason="no C++ compiler to build the host cache"
 )
 
 MIB = 1 << 20
@@ -145,7 +144,7 @@ def test_launch_without_the_cache_keeps_torchs_allocator_in_init_mesh_too(monkey
 
 _TORCHRUN_PROBE = """
 import sharded_nn as snn
-from sharded_nn import host_cache
+from sharded_nn import host_cache, native
 before = host_cache.installed()
 snn.init_mesh(device_type="cpu")
 print(before, host_cache.installed())

@@ -7,18 +7,16 @@ so they go through this kernel too; these tests pin the kernel itself: every tai
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 
 import pytest
 import torch
 
-from sharded_nn import moments
+from sharded_nn import moments, native
 from sharded_nn.layers.norm import _blocked_moments
 
 needs_native = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
+    not sys.platform.startswith("linux") or native.compiler() is None,
     reason="the native moments kernel is compiled with a C++ compiler on Linux",
 )
 
@@ -103,6 +101,4 @@ def test_does_not_apply_where_it_cannot_read_the_data(one_thread) -> None:
 
 def test_the_source_ships_with_the_package() -> None:
     # Compiled from the installed package's csrc/ (pyproject package-data "csrc/*.cpp").
-    from sharded_nn import native
-
     assert native.source("moments").is_file()
