@@ -13,9 +13,13 @@ buffer of ``MIN_BYTES`` or more as a whole mapping and hands it to the next requ
 same size (at most an eighth larger). What it holds is bounded: before mapping a new block it
 releases the longest-unused cached ones until the mapped total is within the peak of the live
 large buffers (this one counted) plus a sixteenth, so resident memory follows the live tensors as
-with a low mmap threshold; at that bound a request resizes a cached block (cuts a larger one's
-tail, or grows a smaller one in place with ``mremap``) rather than releasing blocks and faulting
-in a new one (mobilenetv3 1024x512 training: misses per step 84 -> 26 at P=1, 73 -> 21 at P=2). Buffers of 2 MiB and more go on transparent huge pages where the
+with a low mmap threshold. The slack is also at most an eighth of the bytes that come and go (the
+peak above the lowest live total of the last thousand or so releases): what stays live, such as
+a model's weights, does not widen it (a ViT's 88 MiB of weights beside 36 MiB of activations). At
+that bound a request takes a larger cached block whole if it wastes at most half the request (a
+transformer's qkv projection in an MLP's block), else resizes one (cuts a larger one's tail, or
+grows a smaller one in place with ``mremap``) rather than releasing blocks and faulting in a new
+one (mobilenetv3 1024x512 training: misses per step 84 -> 26 at P=1, 73 -> 21 at P=2). Buffers of 2 MiB and more go on transparent huge pages where the
 process asked for them (``THP_MEM_ALLOC_ENABLE=1``, which ``import sharded_nn`` sets).
 
 Results are unchanged: the cache only decides where a tensor's bytes live. Tensors allocated
@@ -50,6 +54,7 @@ MIN_BYTES = 256 << 10
 
 _STAT_NAMES = (
     "hits", "misses", "live_bytes", "cached_bytes", "peak_live_bytes", "evictions", "peak_mapped_bytes", "reshapes",
+    "trough_live_bytes",
 )
 
 _lock = threading.Lock()
@@ -139,8 +144,10 @@ def stats() -> dict[str, int]:
     mapping), ``live_bytes``/``cached_bytes`` (in tensors / held for reuse), their peaks
     ``peak_live_bytes`` and ``peak_mapped_bytes`` (live + cached), ``evictions`` (blocks returned
     to the OS to stay within the bound), ``reshapes`` (requests served, at the bound, by cutting
-    the tail off a larger cached block or growing a smaller one in place of a new mapping). All
-    zero when the cache is not installed."""
+    the tail off a larger cached block or growing a smaller one in place of a new mapping),
+    ``trough_live_bytes`` (the lowest live total over the recent releases, which the slack is
+    measured from; the largest integer before the first release). All zero when the cache is not
+    installed."""
     if _lib is None:
         return dict.fromkeys(_STAT_NAMES, 0)
     out = (ctypes.c_uint64 * len(_STAT_NAMES))()

@@ -6,7 +6,8 @@
 // cost of a sharded CNN or UNet forward on a VM) or keeps it in heap arenas where holes fragment
 // and resident memory drifts above the live tensors. This allocator keeps whole mappings, reuses
 // them by size, and bounds what it holds so that the process's mapped total never exceeds the
-// peak of its live large buffers (plus a sixteenth): resident memory follows the live tensors as
+// peak of its live large buffers (plus a sixteenth, at most an eighth of the bytes that come and
+// go: weights that stay live widen no slack): resident memory follows the live tensors as
 // with a low mmap threshold, without the faults. At the bound, a request with no cached block of
 // its size resizes one (cuts a larger one's tail, or grows a smaller one with mremap) instead of
 // releasing blocks and mapping a new one: only the grown part is faulted in.
@@ -78,6 +79,7 @@ class HostCache final : public c10::Allocator {
       return;
     }
     live_ -= it->second.size;
+    note_live();
     cached_ += it->second.size;
     free_by_size_.emplace(it->second.size, p);
     free_order_.push_back(p);
@@ -110,6 +112,7 @@ class HostCache final : public c10::Allocator {
     out[5] = evictions_;
     out[6] = peak_mapped_;
     out[7] = reshapes_;
+    out[8] = trough();
   }
 
  private:
@@ -120,6 +123,33 @@ class HostCache final : public c10::Allocator {
     return (n + g - 1) / g * g;
   }
 
+  // The lowest live total over the last kWindow..2*kWindow releases (mu_ held; the live total's
+  // minima all follow a release): what stays live across them (weights, optimizer state, the
+  // input) is not counted in the slack.
+  void note_live() {
+    trough_now_ = std::min(trough_now_, live_);
+    if (++events_ % kWindow == 0) {
+      trough_prev_ = trough_now_;
+      trough_now_ = live_;
+    }
+  }
+  size_t trough() const {
+    return std::min(trough_prev_, trough_now_);
+  }
+
+  // Hands out the cached block at `it` whole (mu_ held).
+  void* take_cached(std::multimap<size_t, void*>::iterator it) {
+    void* p = it->second;
+    size_t got = it->first;
+    free_by_size_.erase(it);
+    free_order_.erase(blocks_.at(p).lru);
+    cached_ -= got;
+    live_ += got;
+    peak_live_ = std::max(peak_live_, live_);
+    ++hits_;
+    return p;
+  }
+
   void* take(size_t nbytes) {
     size_t size = round_size(nbytes);
     {
@@ -127,25 +157,24 @@ class HostCache final : public c10::Allocator {
       // Best fit among cached blocks, wasting at most an eighth of the request.
       auto it = free_by_size_.lower_bound(size);
       if (it != free_by_size_.end() && it->first <= size + size / 8) {
-        void* p = it->second;
-        size_t got = it->first;
-        free_by_size_.erase(it);
-        Block& b = blocks_.at(p);
-        free_order_.erase(b.lru);
-        cached_ -= got;
-        live_ += got;
-        peak_live_ = std::max(peak_live_, live_);
-        ++hits_;
-        return p;
+        return take_cached(it);
       }
       // A miss. Keep the mapped total (live + cached + new) within the peak of live bytes,
-      // counting this request, plus a sixteenth.
-      size_t budget = std::max(peak_live_, live_ + size);
-      budget += budget / 16;
+      // counting this request, plus a sixteenth of it, but at most an eighth of the bytes that
+      // come and go (the peak above the recent trough): weights that stay live do not widen
+      // the slack that a step's activations get (a ViT's 88 MiB beside 36 MiB of activations).
+      size_t top = std::max(peak_live_, live_ + size);
+      size_t budget = top + std::min(top / 16, (top - std::min(trough(), top)) / 8);
       if (live_ + cached_ + size > budget && !free_by_size_.empty()) {
-        // Over the budget a cached block would be released anyway: resize one to fit instead
-        // of releasing blocks and faulting in a whole new one (a step whose sizes do not pair
-        // up exactly would otherwise refault part of its buffers on every step).
+        // Over the budget a cached block would be released or cut anyway: a larger one that
+        // wastes at most half the request is taken whole (its tail would be faulted in again
+        // when its own size comes back: a transformer's 9 MiB qkv between its 12 MiB MLP blocks).
+        if (it != free_by_size_.end() && it->first <= size + size / 2) {
+          return take_cached(it);
+        }
+        // Otherwise resize one to fit instead of releasing blocks and faulting in a whole new
+        // one (a step whose sizes do not pair up exactly would otherwise refault part of its
+        // buffers on every step).
         void* q = reshape_cached(size);
         if (q != nullptr) {
           while (!free_order_.empty() && live_ + cached_ > budget) {
@@ -257,7 +286,10 @@ class HostCache final : public c10::Allocator {
   std::unordered_map<void*, Block> blocks_;  // every block we mapped, live or cached
   std::multimap<size_t, void*> free_by_size_;  // cached blocks by size
   std::list<void*> free_order_;  // cached blocks, longest unused first
+  static constexpr uint64_t kWindow = 1024;
   size_t live_ = 0, cached_ = 0, peak_live_ = 0, peak_mapped_ = 0;
+  size_t trough_now_ = SIZE_MAX, trough_prev_ = SIZE_MAX;  // no release yet: no slack
+  uint64_t events_ = 0;
   uint64_t hits_ = 0, misses_ = 0, evictions_ = 0, reshapes_ = 0;
 };
 
@@ -290,10 +322,11 @@ int snn_host_cache_install(uint64_t min_bytes, int huge_pages) {
   return 0;
 }
 
-// hits, misses, live bytes, cached bytes, peak live bytes, evictions, peak mapped bytes, reshapes.
+// hits, misses, live bytes, cached bytes, peak live bytes, evictions, peak mapped bytes, reshapes,
+// the recent trough of live bytes.
 void snn_host_cache_stats(uint64_t* out) {
   if (g_cache == nullptr) {
-    std::memset(out, 0, 8 * sizeof(uint64_t));
+    std::memset(out, 0, 9 * sizeof(uint64_t));
     return;
   }
   g_cache->stats(out);
