@@ -16,10 +16,8 @@ large buffers (this one counted) plus a sixteenth, so resident memory follows th
 with a low mmap threshold. The slack is also at most an eighth of the bytes that come and go (the
 peak above the lowest live total of the last thousand or so releases): what stays live, such as
 a model's weights, does not widen it (a ViT's 88 MiB of weights beside 36 MiB of activations). At
-that bound a request takes a larger cached block whole if it wastes at most half the request (a
-transformer's qkv projection in an MLP's block), else resizes one (cuts a larger one's tail, or
-grows a smaller one in place with ``mremap``) rather than releasing blocks and faulting in a new
-one (mobilenetv3 1024x512 training: misses per step 84 -> 26 at P=1, 73 -> 21 at P=2). Buffers of 2 MiB and more go on transparent huge pages where the
+that bound a request resizes a cached block (cuts a larger one's tail, or grows a smaller one in
+place with ``mremap``) rather than releasing blocks and faulting in a new one (mobilenetv3 1024x512 training: misses per step 84 -> 26 at P=1, 73 -> 21 at P=2). Buffers of 2 MiB and more go on transparent huge pages where the
 process asked for them (``THP_MEM_ALLOC_ENABLE=1``, which ``import sharded_nn`` sets).
 
 Results are unchanged: the cache only decides where a tensor's bytes live. Tensors allocated

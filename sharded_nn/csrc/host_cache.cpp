@@ -166,15 +166,9 @@ class HostCache final : public c10::Allocator {
       size_t top = std::max(peak_live_, live_ + size);
       size_t budget = top + std::min(top / 16, (top - std::min(trough(), top)) / 8);
       if (live_ + cached_ + size > budget && !free_by_size_.empty()) {
-        // Over the budget a cached block would be released or cut anyway: a larger one that
-        // wastes at most half the request is taken whole (its tail would be faulted in again
-        // when its own size comes back: a transformer's 9 MiB qkv between its 12 MiB MLP blocks).
-        if (it != free_by_size_.end() && it->first <= size + size / 2) {
-          return take_cached(it);
-        }
-        // Otherwise resize one to fit instead of releasing blocks and faulting in a whole new
-        // one (a step whose sizes do not pair up exactly would otherwise refault part of its
-        // buffers on every step).
+        // Over the budget a cached block would be released anyway: resize one to fit instead
+        // of releasing blocks and faulting in a whole new one (a step whose sizes do not pair
+        // up exactly would otherwise refault part of its buffers on every step).
         void* q = reshape_cached(size);
         if (q != nullptr) {
           while (!free_order_.empty() && live_ + cached_ > budget) {
