@@ -128,26 +128,13 @@ class HostCache final : public c10::Allocator {
   // input) is not counted in the slack.
   void note_live() {
     trough_now_ = std::min(trough_now_, live_);
-    if (++events_ % kWindow == 0) {
+    if (++releases_ % kWindow == 0) {
       trough_prev_ = trough_now_;
       trough_now_ = live_;
     }
   }
   size_t trough() const {
     return std::min(trough_prev_, trough_now_);
-  }
-
-  // Hands out the cached block at `it` whole (mu_ held).
-  void* take_cached(std::multimap<size_t, void*>::iterator it) {
-    void* p = it->second;
-    size_t got = it->first;
-    free_by_size_.erase(it);
-    free_order_.erase(blocks_.at(p).lru);
-    cached_ -= got;
-    live_ += got;
-    peak_live_ = std::max(peak_live_, live_);
-    ++hits_;
-    return p;
   }
 
   void* take(size_t nbytes) {
@@ -157,7 +144,16 @@ class HostCache final : public c10::Allocator {
       // Best fit among cached blocks, wasting at most an eighth of the request.
       auto it = free_by_size_.lower_bound(size);
       if (it != free_by_size_.end() && it->first <= size + size / 8) {
-        return take_cached(it);
+        void* p = it->second;
+        size_t got = it->first;
+        free_by_size_.erase(it);
+        Block& b = blocks_.at(p);
+        free_order_.erase(b.lru);
+        cached_ -= got;
+        live_ += got;
+        peak_live_ = std::max(peak_live_, live_);
+        ++hits_;
+        return p;
       }
       // A miss. Keep the mapped total (live + cached + new) within the peak of live bytes,
       // counting this request, plus a sixteenth of it, but at most an eighth of the bytes that
@@ -283,7 +279,7 @@ class HostCache final : public c10::Allocator {
   static constexpr uint64_t kWindow = 1024;
   size_t live_ = 0, cached_ = 0, peak_live_ = 0, peak_mapped_ = 0;
   size_t trough_now_ = SIZE_MAX, trough_prev_ = SIZE_MAX;  // no release yet: no slack
-  uint64_t events_ = 0;
+  uint64_t releases_ = 0;
   uint64_t hits_ = 0, misses_ = 0, evictions_ = 0, reshapes_ = 0;
 };
 
