@@ -52,7 +52,7 @@ MIN_BYTES = 256 << 10
 
 _STAT_NAMES = (
     "hits", "misses", "live_bytes", "cached_bytes", "peak_live_bytes", "evictions", "peak_mapped_bytes", "reshapes",
-    "trough_live_bytes",
+    "trough_live_bytes", "segments",
 )
 
 _lock = threading.Lock()
@@ -142,10 +142,11 @@ def stats() -> dict[str, int]:
     mapping), ``live_bytes``/``cached_bytes`` (in tensors / held for reuse), their peaks
     ``peak_live_bytes`` and ``peak_mapped_bytes`` (live + cached), ``evictions`` (blocks returned
     to the OS to stay within the bound), ``reshapes`` (requests served, at the bound, by cutting
-    the tail off a larger cached block or growing a smaller one in place of a new mapping),
+    a larger cached block or joining the pages of smaller ones in place of a new mapping),
     ``trough_live_bytes`` (the lowest live total over the recent releases, which the slack is
-    measured from; the largest integer before the first release). All zero when the cache is not
-    installed."""
+    measured from; the largest integer before the first release), ``segments`` (the pieces all
+    blocks are made of: one per block mapped whole, more for joined ones; each is at most one
+    kernel mapping). All zero when the cache is not installed."""
     if _lib is None:
         return dict.fromkeys(_STAT_NAMES, 0)
     out = (ctypes.c_uint64 * len(_STAT_NAMES))()

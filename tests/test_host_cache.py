@@ -101,6 +101,51 @@ def test_at_the_bound_a_cached_block_is_resized_not_remapped() -> None:
     assert s["peak_mapped_mib"] <= 8.5
 
 
+def _minflt() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _joined_and_cut() -> list[dict]:
+    # 4 MiB and 6 MiB buffers freed, then one of 10 MiB at the bound: the two cached blocks'
+    # pages are moved side by side (no new mapping, nothing faulted in), and the next step's
+    # 4 MiB request cuts the joined block instead of mapping. Memory handed back to the kernel
+    # and mapped again is faulted in afresh: none of that in a steady step.
+    assert host_cache.installed()
+    steps = []
+    for _ in range(40):
+        before = host_cache.stats()
+        a = torch.ones(MIB)  # 4 MiB
+        b = torch.ones(3 * MIB // 2)  # 6 MiB
+        del a, b
+        f0 = _minflt()
+        c = torch.empty(5 * MIB // 2)  # 10 MiB
+        c.fill_(2.0)
+        faults = _minflt() - f0
+        ok = c.min().item() == c.max().item() == 2.0  # no temporary: only a, b and c are cached
+        del c
+        after = host_cache.stats()
+        steps.append({k: after[k] - before[k] for k in ("hits", "misses", "reshapes", "evictions")} | {
+            "faults": faults, "ok": ok, "segments": after["segments"], "peak_mapped_mib": after["peak_mapped_bytes"] / MIB,
+        })
+    return steps
+
+
+@needs_compiler
+def test_at_the_bound_smaller_blocks_are_joined_and_larger_ones_cut() -> None:
+    steps = snn.launch(_joined_and_cut, 1)
+    assert all(s["ok"] for s in steps)
+    first, steady = steps[0], steps[1:]
+    assert first["misses"] == 2 and first["reshapes"] == 1  # a and b mapped; c joined from them
+    for s in steady:
+        assert s["misses"] == 0 and s["evictions"] == 0, s
+        assert s["faults"] < 64, s  # 2560 4 KiB pages if c were mapped afresh
+    assert max(s["peak_mapped_mib"] for s in steps) <= 10.7  # the 10 MiB peak plus its sixteenth
+    # Cutting and joining every step must not split the blocks into ever more pieces.
+    assert steps[-1]["segments"] <= steps[10]["segments"] + 1 <= 16
+
+
 def _weights_beside_activations() -> dict:
     # 64 MiB that stay live (a model's weights), then steps whose 3 MiB and 8 MiB buffers do not
     # pair up. The slack is measured on the 8 MiB that come and go, not on the 72 MiB live at

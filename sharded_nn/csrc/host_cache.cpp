@@ -9,8 +9,11 @@
 // peak of its live large buffers (plus a sixteenth, at most an eighth of the bytes that come and
 // go: weights that stay live widen no slack): resident memory follows the live tensors as
 // with a low mmap threshold, without the faults. At the bound, a request with no cached block of
-// its size resizes one (cuts a larger one's tail, or grows a smaller one with mremap) instead of
-// releasing blocks and mapping a new one: only the grown part is faulted in.
+// its size is served from cached pages: a larger block is cut (the rest stays cached), or the
+// pages of smaller ones are moved side by side into one range by mremap (page tables move;
+// nothing is copied or faulted in). Nothing is given back to the kernel in a steady step: on a
+// VM that reports free pages to its host (virtio free page reporting), memory given back and
+// mapped again is faulted in at the host too, 50-100x slower than a reuse here.
 //
 // Loaded by sharded_nn/host_cache.py through ctypes (plain C entry points, no Python API), and
 // installed with c10::SetCPUAllocator. Buffers below `min_bytes` go to c10's own allocator.
@@ -28,6 +31,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -36,6 +40,10 @@ constexpr size_t kHuge = size_t(2) << 20;
 
 struct Block {
   size_t size;  // mapped bytes (page multiple), starting at the key pointer
+  // Lengths of the consecutive pieces it is made of, each within one kernel mapping (mremap
+  // moves one mapping at a time): one for a block mapped whole, more for one joined from
+  // cached blocks.
+  std::vector<size_t> segs;
   std::list<void*>::iterator lru;  // position in `free_order_` while cached
 };
 
@@ -80,6 +88,15 @@ class HostCache final : public c10::Allocator {
     }
     live_ -= it->second.size;
     note_live();
+    if (it->second.segs.size() > kRefreshSegs) {
+      // Joined and cut over many steps: unmapped, so that a fresh mapping of one piece (and
+      // whole huge pages) replaces it, and no block's kernel mappings grow without bound.
+      size_t size = it->second.size;
+      blocks_.erase(it);
+      ++evictions_;
+      munmap(p, size);
+      return;
+    }
     cached_ += it->second.size;
     free_by_size_.emplace(it->second.size, p);
     free_order_.push_back(p);
@@ -113,6 +130,11 @@ class HostCache final : public c10::Allocator {
     out[6] = peak_mapped_;
     out[7] = reshapes_;
     out[8] = trough();
+    uint64_t segs = 0;
+    for (const auto& kv : blocks_) {
+      segs += kv.second.segs.size();
+    }
+    out[9] = segs;
   }
 
  private:
@@ -145,15 +167,9 @@ class HostCache final : public c10::Allocator {
       auto it = free_by_size_.lower_bound(size);
       if (it != free_by_size_.end() && it->first <= size + size / 8) {
         void* p = it->second;
-        size_t got = it->first;
-        free_by_size_.erase(it);
-        Block& b = blocks_.at(p);
-        free_order_.erase(b.lru);
-        cached_ -= got;
-        live_ += got;
-        peak_live_ = std::max(peak_live_, live_);
+        uncache(it);
         ++hits_;
-        return p;
+        return mark_live(p);
       }
       // A miss. Keep the mapped total (live + cached + new) within the peak of live bytes,
       // counting this request, plus a sixteenth of it, but at most an eighth of the bytes that
@@ -162,77 +178,180 @@ class HostCache final : public c10::Allocator {
       size_t top = std::max(peak_live_, live_ + size);
       size_t budget = top + std::min(top / 16, (top - std::min(trough(), top)) / 8);
       if (live_ + cached_ + size > budget && !free_by_size_.empty()) {
-        // Over the budget a cached block would be released anyway: resize one to fit instead
-        // of releasing blocks and faulting in a whole new one (a step whose sizes do not pair
-        // up exactly would otherwise refault part of its buffers on every step).
-        void* q = reshape_cached(size);
+        // Over the budget a cached block would be released anyway: serve the request from
+        // cached pages instead (a larger block is cut, smaller ones are moved side by side).
+        // Memory given back to the kernel and mapped again is faulted in afresh, and on a VM
+        // that reports free pages to its host each such fault is a host fault too: a step
+        // whose sizes do not pair up exactly refaulted part of its buffers on every step.
+        void* q = it != free_by_size_.end() ? cut_cached(it, size) : join_cached(size, budget);
         if (q != nullptr) {
-          while (!free_order_.empty() && live_ + cached_ > budget) {
-            evict_oldest();
-          }
+          ++reshapes_;
           return q;
         }
-      }
-      while (!free_order_.empty() && live_ + cached_ + size > budget) {
-        evict_oldest();
+        while (!free_order_.empty() && live_ + cached_ + size > budget) {
+          evict_oldest();
+        }
       }
       ++misses_;
     }
     void* p = map(size);
     std::lock_guard<std::mutex> g(mu_);
-    blocks_.emplace(p, Block{size, {}});
-    live_ += size;
+    blocks_.emplace(p, Block{size, {size}, {}});
+    return mark_live(p);
+  }
+
+  // Takes a cached block out of the cache (mu_ held); it stays in `blocks_`.
+  void uncache(std::multimap<size_t, void*>::iterator it) {
+    Block& b = blocks_.at(it->second);
+    free_order_.erase(b.lru);
+    cached_ -= b.size;
+    free_by_size_.erase(it);
+  }
+
+  void cache(void* p) {  // mu_ held; p is in `blocks_`
+    Block& b = blocks_.at(p);
+    cached_ += b.size;
+    free_by_size_.emplace(b.size, p);
+    free_order_.push_back(p);
+    b.lru = std::prev(free_order_.end());
+  }
+
+  void* mark_live(void* p) {  // mu_ held
+    live_ += blocks_.at(p).size;
     peak_live_ = std::max(peak_live_, live_);
     peak_mapped_ = std::max(peak_mapped_, live_ + cached_);
     return p;
   }
 
-  // Takes a cached block out of the cache and makes it `size` bytes (mu_ held): the smallest
-  // larger one loses its tail (munmap: no fault, the head's pages stay), else the largest
-  // smaller one grows (mremap moves its pages; only the new tail faults in). Null if mremap fails.
-  void* reshape_cached(size_t size) {
-    auto it = free_by_size_.lower_bound(size);
-    bool shrink = it != free_by_size_.end();
-    if (!shrink) {
-      it = std::prev(free_by_size_.end());
-    }
-    void* p = it->second;
-    size_t old = it->first;
-    void* q = p;
-    if (shrink) {
-      munmap(static_cast<char*>(p) + size, old - size);
-    } else {
-      q = mremap(p, old, size, MREMAP_MAYMOVE);
-      if (q == MAP_FAILED) {
-        return nullptr;
+  // Cuts block `p` (not cached) to its first `head` bytes; the rest becomes a cached block of
+  // its own, or is unmapped when smaller than the cache's threshold (mu_ held). No page moves.
+  void cut(void* p, size_t head) {
+    Block& b = blocks_.at(p);
+    char* tail = static_cast<char*>(p) + head;
+    size_t tail_size = b.size - head;
+    std::vector<size_t> head_segs, tail_segs;
+    size_t at = 0;
+    for (size_t len : b.segs) {
+      if (at + len <= head) {
+        head_segs.push_back(len);
+      } else if (at >= head) {
+        tail_segs.push_back(len);
+      } else {
+        head_segs.push_back(head - at);
+        tail_segs.push_back(at + len - head);
       }
-      if (huge_pages_ && size >= kHuge) {
-        madvise(q, size, MADV_HUGEPAGE);
-      }
+      at += len;
     }
-    free_by_size_.erase(it);
-    auto b = blocks_.find(p);
-    free_order_.erase(b->second.lru);
-    blocks_.erase(b);
-    blocks_.emplace(q, Block{size, {}});
-    cached_ -= old;
-    live_ += size;
-    peak_live_ = std::max(peak_live_, live_);
-    peak_mapped_ = std::max(peak_mapped_, live_ + cached_);  // a grown block adds to the total
-    ++reshapes_;
-    return q;
+    b.size = head;
+    b.segs = std::move(head_segs);
+    if (tail_size < min_bytes_) {
+      munmap(tail, tail_size);
+      ++evictions_;
+      return;
+    }
+    blocks_.emplace(tail, Block{tail_size, std::move(tail_segs), {}});
+    cache(tail);
   }
 
-  void* map(size_t size) {
-    // Blocks of 2 MiB and more start on a 2 MiB boundary and are offered transparent huge pages
-    // (as torch's THP_MEM_ALLOC_ENABLE does): 512 times fewer first-touch faults.
+  // The smallest cached block larger than the request, cut to it (mu_ held).
+  void* cut_cached(std::multimap<size_t, void*>::iterator it, size_t size) {
+    void* p = it->second;
+    uncache(it);
+    cut(p, cut_point(p, size));
+    return mark_live(p);
+  }
+
+  // Where to cut block `p` for a request of `size` (its hit tolerance allows up to an eighth
+  // more): at a boundary between its pieces if one falls there (no new piece: cutting and
+  // joining every step would otherwise split blocks into ever more pieces), else on a 2 MiB
+  // address boundary (a huge page is not split), else at `size`.
+  size_t cut_point(void* p, size_t size) {
+    size_t limit = size + size / 8;
+    size_t at = 0;
+    for (size_t len : blocks_.at(p).segs) {
+      at += len;
+      if (at >= size && at <= limit && at < blocks_.at(p).size) {
+        return at;
+      }
+    }
+    uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    size_t huge = ((a + size + kHuge - 1) & ~(kHuge - 1)) - a;
+    if (huge_pages_ && huge <= limit && huge < blocks_.at(p).size) {
+      return huge;
+    }
+    return size;
+  }
+
+  // Every cached block is smaller than the request (mu_ held): a new address range of `size`
+  // bytes takes the pages of the largest ones, moved there by mremap (page tables move, nothing
+  // is faulted or copied; old contents stay, as with any reused block); only the part they do
+  // not cover is faulted in later. Null when no range could be reserved.
+  void* join_cached(size_t size, size_t budget) {
+    void* dst = map_raw(size);
+    if (dst == nullptr) {
+      return nullptr;
+    }
+    std::vector<size_t> segs;
+    size_t at = 0;
+    while (at < size && !free_by_size_.empty()) {
+      // Largest first; a block that would take the range past kMaxSegs pieces (one mremap
+      // each, one kernel mapping each) is left in the cache.
+      auto it = std::prev(free_by_size_.end());
+      while (segs.size() + blocks_.at(it->second).segs.size() > kMaxSegs && it != free_by_size_.begin()) {
+        --it;
+      }
+      if (segs.size() + blocks_.at(it->second).segs.size() > kMaxSegs) {
+        break;
+      }
+      void* p = it->second;
+      uncache(it);
+      if (blocks_.at(p).size > size - at) {
+        cut(p, size - at);
+      }
+      char* src = static_cast<char*>(p);
+      for (size_t len : blocks_.at(p).segs) {
+        char* to = static_cast<char*>(dst) + at;
+        if (mremap(src, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, to) == MAP_FAILED) {
+          munmap(src, len);  // `to` keeps the reserved pages: faulted in on first touch
+        }
+        segs.push_back(len);
+        src += len;
+        at += len;
+      }
+      blocks_.erase(p);
+    }
+    if (at < size) {
+      segs.push_back(size - at);
+    }
+    blocks_.emplace(dst, Block{size, std::move(segs), {}});
+    live_ += size;
+    peak_live_ = std::max(peak_live_, live_);
+    peak_mapped_ = std::max(peak_mapped_, live_ + cached_);  // the uncovered part adds to it
+    while (!free_order_.empty() && live_ + cached_ > budget) {
+      evict_oldest();
+    }
+    return dst;
+  }
+
+  void* map(size_t size) {  // mu_ not held
+    void* p = map_raw(size);
+    if (p == nullptr) {
+      empty();
+      p = map_raw(size);
+      TORCH_CHECK(p != nullptr, "sharded_nn host cache: out of memory mapping ", size, " bytes");
+    }
+    return p;
+  }
+
+  // A fresh anonymous range (no pages yet), or null. Ranges of 2 MiB and more start on a 2 MiB
+  // boundary and are offered transparent huge pages (as torch's THP_MEM_ALLOC_ENABLE does):
+  // 512 times fewer first-touch faults.
+  void* map_raw(size_t size) {
     bool huge = huge_pages_ && size >= kHuge;
     size_t span = huge ? size + kHuge : size;
     void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) {
-      empty();
-      raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      TORCH_CHECK(raw != MAP_FAILED, "sharded_nn host cache: out of memory mapping ", size, " bytes");
+      return nullptr;
     }
     if (!huge) {
       return raw;
@@ -277,6 +396,8 @@ class HostCache final : public c10::Allocator {
   std::multimap<size_t, void*> free_by_size_;  // cached blocks by size
   std::list<void*> free_order_;  // cached blocks, longest unused first
   static constexpr uint64_t kWindow = 1024;
+  static constexpr size_t kMaxSegs = 64;
+  static constexpr size_t kRefreshSegs = 32;
   size_t live_ = 0, cached_ = 0, peak_live_ = 0, peak_mapped_ = 0;
   size_t trough_now_ = SIZE_MAX, trough_prev_ = SIZE_MAX;  // no release yet: no slack
   uint64_t releases_ = 0;
@@ -313,10 +434,10 @@ int snn_host_cache_install(uint64_t min_bytes, int huge_pages) {
 }
 
 // hits, misses, live bytes, cached bytes, peak live bytes, evictions, peak mapped bytes, reshapes,
-// the recent trough of live bytes.
+// the recent trough of live bytes, the pieces all blocks are made of.
 void snn_host_cache_stats(uint64_t* out) {
   if (g_cache == nullptr) {
-    std::memset(out, 0, 9 * sizeof(uint64_t));
+    std::memset(out, 0, 10 * sizeof(uint64_t));
     return;
   }
   g_cache->stats(out);
