@@ -355,3 +355,45 @@ def test_halo_tap_cache_is_bounded():
     for path in pathlib.Path(window.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert "functools.cache" not in text and "lru_cache" not in text and "@cache" not in text, path
+
+
+def _channels_last(batch: int, overlap: bool):
+    """A channels-last input keeps channels-last strides through the sharded convolutions."""
+    m = mesh(dist.get_world_size())
+    torch.manual_seed(0)
+    # Depthwise (halo corrections), reflect padding (edge pieces) and stride 2 on uneven slabs
+    # (the interior/edge split of apply_overlapped).
+    ref = nn.Sequential(
+        nn.Conv2d(8, 8, 7, padding=3, groups=8), nn.Conv2d(8, 4, 3, padding=1, padding_mode="reflect"),
+        nn.Conv2d(4, 4, 4, stride=2, padding=1),
+    ).double()
+    sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"overlap": overlap}})
+    x = torch.randn(batch, 8, 22, 9, dtype=torch.float64).to(memory_format=torch.channels_last)
+    sl = snn.local_slices(x.shape, m, dims=(2,), align=2)
+    local = x[sl]  # a view: still channels-last, with its global strides
+    xs = local.detach().clone(memory_format=torch.channels_last).requires_grad_()
+    h = xs
+    for layer, plain in zip(sharded, ref):
+        # What torch's own layer gives for a channels-last input of this shape.
+        want_cl = plain(h.detach()).is_contiguous(memory_format=torch.channels_last)
+        h = layer(h)
+        assert want_cl and h.is_contiguous(memory_format=torch.channels_last), (batch, h.shape, h.stride())
+    want = ref(x)[snn.local_slices(ref(x).shape, m, dims=(2,))]
+    torch.testing.assert_close(h, want, rtol=1e-10, atol=1e-10)
+    h.sum().backward()
+    xr = x.detach().requires_grad_()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(xs.grad, xr.grad[sl], rtol=1e-10, atol=1e-10)
+    assert xs.grad.is_contiguous(memory_format=torch.channels_last)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_channels_last_input_stays_channels_last(run, world, batch, overlap):
+    # A ConvNeXt's depthwise convolutions take channels-last activations (its LayerNorm2d
+    # permutes). The halo path once returned a view whose batch stride torch no longer read as
+    # channels-last, for a batch of one: every such convolution copied its slab to NCHW and ran
+    # the NCHW kernel, 3.4x slower (issue 16).
+    assert all(run(world, _channels_last, batch, overlap))

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import AxisPeers, HaloSpec, halo_cat, halo_exchange
-from ..comm.halo import HaloGather, halo_gather
+from ..comm.halo import HaloGather, halo_gather, memory_format_of
 from ..errors import ShardingError
 from ..layout import Layout
 from .base import BoundedCache
@@ -211,7 +211,21 @@ def edge_pad(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value
     if width == 0:
         return x
     pad = edge_slab(x, dim, width, left, mode, value)
-    return torch.cat([pad, x] if left else [x, pad], dim)
+    return cat_like([pad, x] if left else [x, pad], dim, x)
+
+
+def cat_like(pieces: Sequence[torch.Tensor], dim: int, like: torch.Tensor) -> torch.Tensor:
+    """``torch.cat(pieces, dim)`` in the memory format of ``like`` (the slab the pieces extend).
+
+    ``torch.cat`` of mixed formats gives NCHW: a channels-last slab beside a halo or padding
+    piece would leave the next convolution an NCHW input where torch's own layer gets a
+    channels-last one (a different, here several times slower, kernel). The small pieces are
+    converted instead; slices of a channels-last slab already are channels-last.
+    """
+    fmt = memory_format_of(like)
+    if fmt != torch.contiguous_format:
+        pieces = [p.contiguous(memory_format=fmt) for p in pieces]
+    return torch.cat(pieces, dim)
 
 
 def edge_slab(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, value: float = 0.0) -> torch.Tensor:
@@ -305,7 +319,7 @@ def apply_overlapped(
         # left halo itself when the padding is wider than the kernel.
         left = left_halo if left_halo is not None else edge_slab(x, d, plan.pad_left, True, mode, value)
         need = (i0 - 1) * s + e
-        src = torch.cat([left, x.narrow(d, 0, max(need - lw, 0))], d)
+        src = cat_like([left, x.narrow(d, 0, max(need - lw, 0))], d, x)
         parts.append(fn(src.narrow(d, 0, need)))
     parts.append(interior)
     if i1 < n_out - 1:
@@ -316,9 +330,9 @@ def apply_overlapped(
             pieces.append(right_halo)
         elif ring.is_last and plan.pad_right:
             pieces.append(edge_slab(x.narrow(d, 0, usable), d, plan.pad_right, False, mode, value))
-        src = torch.cat(pieces, d)
+        src = cat_like(pieces, d, x)
         parts.append(fn(src.narrow(d, start - head, src.shape[d] - (start - head))))
-    return torch.cat(parts, d)
+    return cat_like(parts, d, interior)
 
 
 def apply_linear(
