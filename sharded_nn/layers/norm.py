@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ..comm import all_reduce_sum
 from ..comm.collectives import all_gather_stacked
+from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
 from ..mesh import data_axis, group_over
@@ -251,9 +252,17 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
         self._check_channels(x, self.num_channels, agreed, self.dims)
-        return _GroupNormFn.apply(
+        fmt = memory_format_of(x)
+        if fmt != torch.contiguous_format:
+            # The statistics and the fused kernel read (N, G, -1) views: one contiguous copy
+            # here instead of one per reshape, and the output in the input's format, as
+            # torch's own group_norm gives it (the next layer then runs the same kernel as on
+            # one device). In training the copy is what backward keeps.
+            x = x.contiguous()
+        y = _GroupNormFn.apply(
             x, self.weight, self.bias, self.num_groups, self.eps, self._domain_group(), _out_dtype(x, "group_norm")
         )
+        return y if fmt == torch.contiguous_format else y.contiguous(memory_format=fmt)
 
 
 class _GroupNormFn(torch.autograd.Function):

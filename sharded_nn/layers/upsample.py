@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_cat
-from ..comm.halo import halo_gather
+from ..comm.halo import halo_gather, memory_format_of
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
@@ -174,6 +174,9 @@ def interpolate(
         return _AREA[n](tuple(outs), mesh=mesh, dims=dims)(x)
     opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
     out_dtype = x.dtype
+    # The taps gather along one dim at a time (NCHW results); torch's upsampling keeps a
+    # channels-last input channels-last, and so does the result here.
+    fmt = memory_format_of(x)
     if mode not in ("nearest", "nearest-exact") and x.dtype in (torch.float16, torch.bfloat16):
         # Weighted taps of fp16/bf16 inputs are summed in float32 and rounded once at the end,
         # as torch's upsampling kernels do (rounding after every tap and dim would not match).
@@ -210,7 +213,8 @@ def interpolate(
             x, d, [t[lo:hi] for t in taps], None if weights is None else [w[lo:hi] for w in weights],
             lay.starts[r] - left[r],
         )
-    return x.to(out_dtype)
+    x = x.to(out_dtype)
+    return x if fmt == torch.contiguous_format else x.contiguous(memory_format=fmt)
 
 
 @register(nn.Upsample)
