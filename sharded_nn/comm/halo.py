@@ -388,7 +388,9 @@ def _cat_halos(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int) -> to
 
 
 def memory_format_of(x: torch.Tensor) -> torch.memory_format:
-    """The layout ``torch.cat`` would give the extended tensor: channels-last in, channels-last out."""
+    """The memory format that layers keep for ``x``: channels-last (4-d or 5-d) when ``x`` is laid
+    out so and not also contiguous, else contiguous (what ``torch.cat`` gives an extended slab,
+    and what torch's own layers return for such an input)."""
     if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
