@@ -2,6 +2,9 @@
 
 * point-to-point: tags matched like gloo (out-of-order receives), messages in both directions
   larger than the socket buffers (no deadlock), above-threshold messages left to gloo;
+* large point-to-point messages through the shared-memory arena, at P = 2, 3, with receives
+  posted before and after the messages arrive; inline over the socket when the arena is full or
+  the peer cannot map it; the arena's space all comes back;
 * collectives through it equal gloo's, bitwise the same on every rank (P = 2, 3, 4);
 * failures: a peer that closes its connection, or raises instead of joining a collective, gives
   every other rank a ``TransportError`` naming it, within the group's timeout;
@@ -132,12 +135,102 @@ def _start_p2p_paths(numel: int):
     return kinds, torch.equal(r, torch.arange(numel, dtype=D) + peer)
 
 
-def test_start_p2p_routes_small_messages_only(run):
+def _start_p2p_paths_shm_limit(numel: int, shm_max: int):
+    with _Env(SHARDED_NN_TRANSPORT_SHM_MAX_BYTES=str(shm_max)):
+        return _start_p2p_paths(numel)
+
+
+def test_start_p2p_routes_by_size(run):
     small = run(2, _start_p2p_paths, 16)
     assert small == [([True, True], True)] * 2
-    # Above the threshold (256 KiB): gloo's own works.
-    big = run(2, _start_p2p_paths, lt.max_bytes() // 8 + 1)
+    # Above the socket threshold (256 KiB): shared memory, still the transport's works.
+    mid = run(2, _start_p2p_paths, lt.max_bytes() // 8 + 1)
+    assert mid == [([True, True], True)] * 2
+    # Above the shared-memory limit: gloo's own works.
+    big = run(2, _start_p2p_paths_shm_limit, (1 << 20) // 8 + 1, 1 << 20)
     assert big == [([False, False], True)] * 2
+    # Shared memory off: everything above the socket threshold goes to gloo.
+    off = run(2, _start_p2p_paths_shm_limit, lt.max_bytes() // 8 + 1, 0)
+    assert off == [([False, False], True)] * 2
+
+
+def _fresh_arena(shm_max: int):
+    """Drop this process's connections and arena, so that the next large send makes an arena
+    sized for ``shm_max`` (every rank calls it at the same point)."""
+    dist.barrier()
+    lt.reset_connections()
+    os.environ["SHARDED_NN_TRANSPORT_SHM_MAX_BYTES"] = str(shm_max)
+    dist.barrier()
+
+
+def _arena_back_to_default():
+    dist.barrier()
+    lt.reset_connections()
+    os.environ.pop("SHARDED_NN_TRANSPORT_SHM_MAX_BYTES", None)
+    dist.barrier()
+
+
+@_transport_on
+def _large_p2p(world: int, numel: int, n_msgs: int, shm_max: int, late: bool, break_map: bool):
+    """Every rank sends ``n_msgs`` messages of ``numel`` doubles to its right neighbour and
+    receives as many from its left one, tags out of order, in two rounds after a setup round;
+    ``late``: the receiver posts its receives after the messages arrived (they wait in the
+    arena); ``break_map``: ranks cannot map their peers' arenas (payloads go inline).
+
+    Returns (data ok, messages sent through the arena, large messages sent inline, arena bytes
+    still held at the end) for the two measured rounds."""
+    _fresh_arena(shm_max)
+    real_map = lt._map_peer_arena
+    if break_map:
+        def refuse(*args):
+            raise OSError("mapping refused (test)")
+        lt._map_peer_arena = refuse
+    try:
+        rank = dist.get_rank()
+        group = dist.group.WORLD
+        right, left = (rank + 1) % world, (rank - 1) % world
+
+        def exchange(rnd: int, count: int, late: bool) -> bool:
+            sends = [torch.arange(numel, dtype=D) * (rnd + 1) + 1000 * rank + i for i in range(count)]
+            bufs = [torch.full((numel,), -1.0, dtype=D) for _ in range(count)]
+            tags = [500 + 10 * rnd + i for i in range(count)]
+            sw = [lt.start_send(t, group, right, tag) for t, tag in zip(sends, tags)]
+            if late:
+                time.sleep(0.3)  # the left neighbour's messages are all in by now
+            rw = [lt.start_recv(b, group, left, tag) for b, tag in reversed(list(zip(bufs, tags)))]
+            for w in sw + rw:
+                w.wait()
+            want = [torch.arange(numel, dtype=D) * (rnd + 1) + 1000 * left + i for i in range(count)]
+            # Stream order: the peer's arena answer and frees precede its part of this sum.
+            all_reduce_sum(torch.ones(1, dtype=D), group)
+            return all(torch.equal(x, y) for x, y in zip(bufs, want))
+
+        ok = exchange(0, 1, False)  # setup: the arena is announced and mapped
+        before = dict(lt.STATS)
+        ok = exchange(1, n_msgs, late) and exchange(2, n_msgs, late) and ok
+        arena = lt._transport().arena
+        held = None if not isinstance(arena, lt._Arena) else sum(arena.used.values())
+        return ok, lt.STATS["shm"] - before["shm"], lt.STATS["inline large"] - before["inline large"], held
+    finally:
+        lt._map_peer_arena = real_map
+        _arena_back_to_default()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("late", [False, True])
+def test_large_p2p_through_shared_memory(run, world, late):
+    numel = (600 << 10) // 8  # 600 KiB: above the socket threshold
+    assert run(world, _large_p2p, world, numel, 3, 8 << 20, late, False) == [(True, 6, 0, 0)] * world
+
+
+def test_large_p2p_falls_back_inline_when_the_arena_is_full(run):
+    # An arena of 4 x 1 MiB; six 1 MiB messages each way before any receive is posted: four
+    # through the arena, two inline, per round.
+    assert run(2, _large_p2p, 2, (1 << 20) // 8, 6, 1 << 20, True, False) == [(True, 8, 4, 0)] * 2
+
+
+def test_large_p2p_inline_when_the_peer_cannot_map_the_arena(run):
+    assert run(2, _large_p2p, 2, (600 << 10) // 8, 3, 8 << 20, False, True) == [(True, 0, 6, 0)] * 2
 
 
 @_transport_on
@@ -190,6 +283,31 @@ def test_halo_ring_and_counts_same_with_and_without_transport(run, domain):
     assert local == gloo
     calls = local[0][5]
     assert calls["halo"] >= 2 and calls["metadata"] == 1 and calls["ring"] == 1 and calls["reduction"] == 2, calls
+
+
+def _ring_attention_big(domain: int, transport: str):
+    """Ring attention whose key/value blocks (about 1 MiB) travel through shared memory (or
+    gloo), forward and backward; returns the results and how many messages used the arena."""
+    from sharded_nn.functional import ring_attention
+
+    with _Env(SHARDED_NN_TRANSPORT=transport):
+        m = mesh(domain)
+        r = axis_peers(m, "domain").index
+        g = torch.Generator().manual_seed(7 + r)
+        n = 1000 + 37 * r  # uneven slabs
+        q, k, v = (torch.randn(1, 2, n, 64, dtype=D, generator=g).requires_grad_() for _ in range(3))
+        before = lt.STATS["shm"]
+        out = ring_attention(q, k, v, m)
+        out.backward(torch.randn(out.shape, dtype=D, generator=g))
+        return [t.tolist() for t in (out, q.grad, k.grad, v.grad)], lt.STATS["shm"] - before
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_ring_attention_same_bits_through_shared_memory_and_gloo(run, domain):
+    local = run(domain, _ring_attention_big, domain, "local")
+    gloo = run(domain, _ring_attention_big, domain, "gloo")
+    assert [a for a, _ in local] == [a for a, _ in gloo]
+    assert all(n > 0 for _, n in local) and all(n == 0 for _, n in gloo), ([n for _, n in local], [n for _, n in gloo])
 
 
 def _bad_env():
@@ -308,7 +426,7 @@ def _mixed_sizes_one_exchange():
     m = mesh(2)
     ring = axis_peers(m, "domain")
     me, peer = ring.index, 1 - ring.index
-    big_n = lt.max_bytes() // 8 + 5
+    big_n = lt.p2p_limit() // 8 + 5
     small, big = torch.full((3,), float(me), dtype=D), torch.arange(big_n, dtype=D) + me
     rs, rb = torch.empty(3, dtype=D), torch.empty(big_n, dtype=D)
     tag = ring.next_tags(2)
@@ -320,5 +438,10 @@ def _mixed_sizes_one_exchange():
     return torch.equal(rs, torch.full((3,), float(peer), dtype=D)), torch.equal(rb, torch.arange(big_n, dtype=D) + peer)
 
 
+def _mixed_sizes_small_shm_limit():
+    with _Env(SHARDED_NN_TRANSPORT_SHM_MAX_BYTES=str(1 << 20)):
+        return _mixed_sizes_one_exchange()
+
+
 def test_one_exchange_mixing_transport_and_gloo_messages(run):
-    assert run(2, _mixed_sizes_one_exchange) == [(True, True)] * 2
+    assert run(2, _mixed_sizes_small_shm_limit) == [(True, True)] * 2
