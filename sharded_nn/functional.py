@@ -581,6 +581,23 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
         unit = received
 
 
+def _merge_whole(run, o_b, l_b, into=None):
+    """Merge block result ``(o_b, l_b)`` into ``run = (out, lse)`` when no lse is -inf.
+
+    The new block's weight is ``sigmoid(l_b - lse)`` = e^l_b / (e^lse + e^l_b), so the output
+    is one ``lerp`` pass (instead of scaling both results and adding). ``into``: write the
+    merged result into these tensors (the final output) and return None; else merge in place.
+    """
+    w = torch.sigmoid(l_b - run[1]).unsqueeze(-1)
+    if into is not None:
+        torch.lerp(run[0], o_b, w, out=into[0])
+        torch.logaddexp(run[1], l_b, out=into[1])
+        return None
+    run[0].lerp_(o_b, w)
+    torch.logaddexp(run[1], l_b, out=run[1])
+    return run
+
+
 def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb, vb, mb, rq_c, acc):
     """Backward of chunk ``c`` of this rank's queries against the key/value block of ``src``.
 
@@ -653,17 +670,29 @@ class _RingAttention(torch.autograd.Function):
                 torch.empty((p, *rq.shape[:3]), dtype=acc, device=q.device),
             )
         bufs = _ChunkBuffers(2 * (3 if pad is not None else 2))
+        # Without causality or padding every block covers all of this rank's query rows and no
+        # row's lse is -inf: the blocks merge by weight (``_merge_whole``), the last one straight
+        # into the output, with no copy of the first block's result.
+        whole_rows = not plan.causal and pad is None
         for c in plan.chunks:
             qc = _q_heads(q, c, g)
             oc, lc = _q_heads(out, c, g), _q_heads(lse, c, g)
             fresh = True  # nothing written to this chunk's output rows yet
-            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
+            run = None  # whole_rows: the merged result of the blocks so far
+            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
                 if rq is not None:
                     rbd = None if drop is None else drop.rq_block(c, g, src, q.device)
                     o_r, l_r = block_forward(_q_heads(rq, c, g), kb, vb, mb, plan.scale, False, rbd)
                     _q_heads(rq_parts[0][src], c, g).copy_(o_r)
                     _q_heads(rq_parts[1][src], c, g).copy_(l_r)
                     del o_r, l_r
+                if whole_rows:
+                    ((qs, ks, _),) = _pairs(plan, src)  # the whole query and key runs
+                    bd = None if drop is None else drop.block(c, g, qs, src, ks, q.device)
+                    o_b, l_b = block_forward(qc, kb, vb, None, plan.scale, False, bd)
+                    run = (o_b, l_b) if run is None else _merge_whole(run, o_b, l_b, (oc, lc) if step == p - 1 else None)
+                    del o_b, l_b, kb, vb, mb
+                    continue
                 for qs, ks, diag in _pairs(plan, src):
                     bd = None if drop is None else drop.block(c, g, qs, src, ks, q.device)
                     o_b, l_b = block_forward(
@@ -681,6 +710,10 @@ class _RingAttention(torch.autograd.Function):
                     del o_b, l_b
                 # Drop this step's names so that a received chunk is freed once replaced.
                 del kb, vb, mb
+            if run is not None:  # one rank: the only block is the result
+                oc.copy_(run[0])
+                lc.copy_(run[1])
+            del run
         rq_lse = None
         if rq is not None:
             rq_out = buf[:, :lr].transpose(1, 2)
