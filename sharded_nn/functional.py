@@ -581,21 +581,16 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
         unit = received
 
 
-def _merge_whole(run, o_b, l_b, into=None):
-    """Merge block result ``(o_b, l_b)`` into ``run = (out, lse)`` when no lse is -inf.
+def _merge_whole(out, lse, o_b, l_b) -> None:
+    """Merge block result ``(o_b, l_b)`` into ``(out, lse)`` in place when no lse is -inf.
 
     The new block's weight is ``sigmoid(l_b - lse)`` = e^l_b / (e^lse + e^l_b), so the output
-    is one ``lerp`` pass (instead of scaling both results and adding). ``into``: write the
-    merged result into these tensors (the final output) and return None; else merge in place.
+    is one ``lerp`` pass (``merge`` scales both results and adds them: three passes, and six
+    more small ops to guard rows without keys, which cannot occur here).
     """
-    w = torch.sigmoid(l_b - run[1]).unsqueeze(-1)
-    if into is not None:
-        torch.lerp(run[0], o_b, w, out=into[0])
-        torch.logaddexp(run[1], l_b, out=into[1])
-        return None
-    run[0].lerp_(o_b, w)
-    torch.logaddexp(run[1], l_b, out=run[1])
-    return run
+    w = torch.sigmoid(l_b - lse).unsqueeze(-1)
+    out.lerp_(o_b, w)
+    torch.logaddexp(lse, l_b, out=lse)
 
 
 def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb, vb, mb, rq_c, acc):
@@ -670,29 +665,22 @@ class _RingAttention(torch.autograd.Function):
                 torch.empty((p, *rq.shape[:3]), dtype=acc, device=q.device),
             )
         bufs = _ChunkBuffers(2 * (3 if pad is not None else 2))
-        # Without causality or padding every block covers all of this rank's query rows and no
-        # row's lse is -inf: the blocks merge by weight (``_merge_whole``), the last one straight
-        # into the output, with no copy of the first block's result.
+        # Without causality or padding no row's lse is ever -inf: blocks merge by weight in one
+        # pass (``_merge_whole``). The first block is still copied into the output rather than
+        # kept: keeping it would hold two block results at the last merge (+1.5 MiB per
+        # vit_tiny layer at 1024^2, the forward's peak) to save one copy.
         whole_rows = not plan.causal and pad is None
         for c in plan.chunks:
             qc = _q_heads(q, c, g)
             oc, lc = _q_heads(out, c, g), _q_heads(lse, c, g)
             fresh = True  # nothing written to this chunk's output rows yet
-            run = None  # whole_rows: the merged result of the blocks so far
-            for step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
+            for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
                 if rq is not None:
                     rbd = None if drop is None else drop.rq_block(c, g, src, q.device)
                     o_r, l_r = block_forward(_q_heads(rq, c, g), kb, vb, mb, plan.scale, False, rbd)
                     _q_heads(rq_parts[0][src], c, g).copy_(o_r)
                     _q_heads(rq_parts[1][src], c, g).copy_(l_r)
                     del o_r, l_r
-                if whole_rows:
-                    ((qs, ks, _),) = _pairs(plan, src)  # the whole query and key runs
-                    bd = None if drop is None else drop.block(c, g, qs, src, ks, q.device)
-                    o_b, l_b = block_forward(qc, kb, vb, None, plan.scale, False, bd)
-                    run = (o_b, l_b) if run is None else _merge_whole(run, o_b, l_b, (oc, lc) if step == p - 1 else None)
-                    del o_b, l_b, kb, vb, mb
-                    continue
                 for qs, ks, diag in _pairs(plan, src):
                     bd = None if drop is None else drop.block(c, g, qs, src, ks, q.device)
                     o_b, l_b = block_forward(
@@ -705,15 +693,11 @@ class _RingAttention(torch.autograd.Function):
                         if fresh:  # the first block covers part of the rows (zigzag causal)
                             oc.zero_()
                             lc.fill_(float("-inf"))
-                        merge(_sl(oc, qs), _sl(lc, qs), o_b, l_b)
+                        (_merge_whole if whole_rows else merge)(_sl(oc, qs), _sl(lc, qs), o_b, l_b)
                     fresh = False
                     del o_b, l_b
                 # Drop this step's names so that a received chunk is freed once replaced.
                 del kb, vb, mb
-            if run is not None:  # one rank: the only block is the result
-                oc.copy_(run[0])
-                lc.copy_(run[1])
-            del run
         rq_lse = None
         if rq is not None:
             rq_out = buf[:, :lr].transpose(1, 2)
