@@ -171,17 +171,22 @@ def _arena_back_to_default():
 
 
 @_transport_on
-def _large_p2p(world: int, numel: int, n_msgs: int, shm_max: int, late: bool, break_map: bool):
+def _large_p2p(world: int, numel: int, n_msgs: int, shm_max: int, late: bool, break_map: bool | str):
     """Every rank sends ``n_msgs`` messages of ``numel`` doubles to its right neighbour and
     receives as many from its left one, tags out of order, in two rounds after a setup round;
     ``late``: the receiver posts its receives after the messages arrived (they wait in the
-    arena); ``break_map``: ranks cannot map their peers' arenas (payloads go inline).
+    arena); ``break_map``: ranks cannot map their peers' arenas (payloads go inline); "token":
+    the file a peer opens is not the announced arena (its token differs: inline too).
 
     Returns (data ok, messages sent through the arena, large messages sent inline, arena bytes
     still held at the end) for the two measured rounds."""
     _fresh_arena(shm_max)
     real_map = lt._map_peer_arena
-    if break_map:
+    if break_map == "token":
+        def wrong_file(pid, fd, size, token):
+            return real_map(pid, fd, size, bytes(16))  # as if /proc/<pid> named another process
+        lt._map_peer_arena = wrong_file
+    elif break_map:
         def refuse(*args):
             raise OSError("mapping refused (test)")
         lt._map_peer_arena = refuse
@@ -224,13 +229,14 @@ def test_large_p2p_through_shared_memory(run, world, late):
 
 
 def test_large_p2p_falls_back_inline_when_the_arena_is_full(run):
-    # An arena of 4 x 1 MiB; six 1 MiB messages each way before any receive is posted: four
-    # through the arena, two inline, per round.
-    assert run(2, _large_p2p, 2, (1 << 20) // 8, 6, 1 << 20, True, False) == [(True, 8, 4, 0)] * 2
+    # An arena of 4 x 1 MiB less its token's 64 bytes; six 1 MiB messages each way before any
+    # receive is posted: three through the arena, three inline, per round.
+    assert run(2, _large_p2p, 2, (1 << 20) // 8, 6, 1 << 20, True, False) == [(True, 6, 6, 0)] * 2
 
 
-def test_large_p2p_inline_when_the_peer_cannot_map_the_arena(run):
-    assert run(2, _large_p2p, 2, (600 << 10) // 8, 3, 8 << 20, False, True) == [(True, 0, 6, 0)] * 2
+@pytest.mark.parametrize("why", [True, "token"])
+def test_large_p2p_inline_when_the_peer_cannot_map_the_arena(run, why):
+    assert run(2, _large_p2p, 2, (600 << 10) // 8, 3, 8 << 20, False, why) == [(True, 0, 6, 0)] * 2
 
 
 @_transport_on

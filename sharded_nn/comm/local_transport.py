@@ -21,7 +21,7 @@ Large messages (issue 9's ring attention, the 1 MiB halo planes of a 3-D UNet): 
 ``max_bytes()`` and up to ``shm_max_bytes()`` (``SHARDED_NN_TRANSPORT_SHM_MAX_BYTES``, 64 MiB by
 default, 0 turns it off; the same on every rank) a point-to-point payload travels through shared
 memory: the sender copies it into its *arena* (one ``memfd`` per process, mapped by each peer
-through ``/proc/<pid>/fd``, a few times the largest message in virtual size; only the pages in use
+through ``/proc/<pid>/fd`` and checked by a random token at its start, a few times the largest message in virtual size; only the pages in use
 are ever touched, lowest offsets first, so the same few MiB are reused) and sends a 16-byte
 descriptor over the socket; the receiver copies it out into the receive buffer (at once when the
 receive is posted, else when it is) and returns the space with a ``free`` message. One memcpy on
@@ -123,7 +123,9 @@ _DESC = struct.Struct("<QQ")  # arena offset, payload bytes
 #: Control messages (group id 0; the tag says which): arena announcement, the peer's answer to
 #: it, and the return of arena space.
 _CTL_ANNOUNCE, _CTL_REPLY, _CTL_FREE = 1, 2, 3
-_ANNOUNCE = struct.Struct("<qqQ")  # pid, fd, arena bytes
+_ANNOUNCE = struct.Struct("<qqQ16s")  # pid, fd, arena bytes, the arena's token
+#: Bytes at the start of an arena that hold its random token (never allocated).
+_TOKEN_BYTES = 64
 _U64 = struct.Struct("<Q")
 
 
@@ -241,7 +243,12 @@ class _Arena:
             os.close(self.fd)
             raise
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.free: list[list[int]] = [[0, size]]  # sorted, disjoint [start, end)
+        # A random token at the start, which a peer checks after mapping: a pid seen from
+        # another pid namespace (containers sharing the network namespace) could name some
+        # other process's file, whose bytes must never be read as messages.
+        self.token = uuid.uuid4().bytes
+        self.mm[: len(self.token)] = self.token
+        self.free: list[list[int]] = [[_TOKEN_BYTES, size]]  # sorted, disjoint [start, end)
         self.used: dict[int, int] = {}  # offset -> bytes held
 
     def alloc(self, n: int) -> int | None:
@@ -278,13 +285,19 @@ class _Arena:
 class _PeerArena:
     """A peer's arena mapped here (read side)."""
 
-    def __init__(self, pid: int, fd: int, size: int) -> None:
+    def __init__(self, pid: int, fd: int, size: int, token: bytes) -> None:
         # The peer's memfd through procfs: a new open of the same memory (same user, no ptrace).
         f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
         try:
+            # Mapping past the end of a file would fault on access (SIGBUS): check the size first.
+            if os.fstat(f).st_size != size:
+                raise OSError(f"/proc/{pid}/fd/{fd} is not the announced arena (size differs)")
             self.mm = mmap.mmap(f, size, prot=mmap.PROT_READ)
         finally:
             os.close(f)
+        if self.mm[: len(token)] != token:
+            self.mm.close()
+            raise OSError(f"/proc/{pid}/fd/{fd} is not the announced arena (token differs)")
         self.size = size
         self.view = memoryview(self.mm)
 
@@ -294,8 +307,8 @@ class _PeerArena:
         return self.view[off : off + n]
 
 
-def _map_peer_arena(pid: int, fd: int, size: int) -> _PeerArena:
-    return _PeerArena(pid, fd, size)
+def _map_peer_arena(pid: int, fd: int, size: int, token: bytes) -> _PeerArena:
+    return _PeerArena(pid, fd, size, token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,16 +606,17 @@ class _Transport:
                 c.shm_ok = False
             else:
                 c.shm_ok = "asked"
-                body = _ANNOUNCE.pack(os.getpid(), self.arena.fd, self.arena.size)  # type: ignore[union-attr]
+                arena = self.arena
+                body = _ANNOUNCE.pack(os.getpid(), arena.fd, arena.size, arena.token)  # type: ignore[union-attr]
                 self._send_views(c, [memoryview(_HDR.pack(0, _CTL_ANNOUNCE, len(body)) + body)])
         return None
 
     def _control(self, c: _Conn, kind: int, body: memoryview) -> None:
         """A control message from ``c.peer``."""
         if kind == _CTL_ANNOUNCE:
-            pid, fd, size = _ANNOUNCE.unpack(body)
+            pid, fd, size, token = _ANNOUNCE.unpack(body)
             try:
-                c.peer_arena = _map_peer_arena(pid, fd, size)
+                c.peer_arena = _map_peer_arena(pid, fd, size, token)
                 ok = 1
             except (OSError, ValueError):
                 c.peer_arena, ok = None, 0
