@@ -33,11 +33,18 @@ LAYERS = {
     "upsample_bilinear": lambda: nn.Upsample(scale_factor=2, mode="bilinear"),
 }
 
+# Layers whose torch version returns a contiguous (NCHW) tensor for a channels-last input.
+NCHW_LAYERS = {
+    "instancenorm": lambda: nn.InstanceNorm2d(8),
+    "instancenorm_affine_running": lambda: nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
+    "instancenorm_eval": lambda: nn.InstanceNorm2d(8, affine=True, track_running_stats=True).eval(),
+}
+
 
 def _formats(name: str, batch: int):
     m = mesh(dist.get_world_size())
     torch.manual_seed(0)
-    ref = LAYERS[name]().double()
+    ref = {**LAYERS, **NCHW_LAYERS}[name]().double()
     sharded = snn.convert(copy.deepcopy(ref), m)
     x = torch.randn(batch, 8, 16, 12, dtype=torch.float64).to(memory_format=torch.channels_last)
     xs = x[snn.local_slices(x.shape, m, dims=(2,), align=2)].clone(memory_format=torch.channels_last)
@@ -59,4 +66,13 @@ def _formats(name: str, batch: int):
 def test_channels_last_output_format_matches_torch(run, name, batch, world):
     for want_cl, got_cl, has_grad in run(world, _formats, name, batch):
         assert want_cl, f"{name}: torch's layer itself gave no channels-last output"
+        assert got_cl == want_cl and has_grad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", sorted(NCHW_LAYERS))
+def test_channels_last_input_gives_nchw_where_torch_does(run, name, batch, world):
+    for want_cl, got_cl, has_grad in run(world, _formats, name, batch):
+        assert not want_cl, f"{name}: torch's layer itself gave a channels-last output"
         assert got_cl == want_cl and has_grad
