@@ -393,15 +393,15 @@ class _ShardedInstanceNorm(_ShardedNorm):
         agreed = self._agree(x)
         if self.affine or self.track_running_stats:  # per-channel parameters or statistics
             self._check_channels(x, self.num_features, agreed, self.dims)
+        # torch's instance_norm returns a contiguous (NCHW) tensor whatever the input's memory
+        # format: compute on a contiguous slab, so that every result below is laid out so.
+        x = x.contiguous()
         use_input_stats = self.training or not self.track_running_stats
         w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not use_input_stats:
             # Running statistics are replicated: eval mode is local.
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
-            y = _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
-            # torch's instance_norm returns a contiguous (NCHW) tensor whatever the input's memory
-            # format; the elementwise form would keep a channels-last input's format.
-            return y.contiguous()
+            return _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
         xf = _opmath(x)
         mean, var, count = global_moments(xf, tuple(range(2, x.dim())), self._domain_group())
         if self.training and self.running_mean is not None and self.momentum is not None:
@@ -410,7 +410,7 @@ class _ShardedInstanceNorm(_ShardedNorm):
                 m = self.momentum
                 self.running_mean.mul_(1 - m).add_(mean.reshape(x.shape[0], -1).mean(0), alpha=m)
                 self.running_var.mul_(1 - m).add_(_unbiased(var, count).reshape(x.shape[0], -1).mean(0), alpha=m)
-        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype).contiguous()
+        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
 @register(nn.InstanceNorm1d)
