@@ -102,3 +102,32 @@ def local_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     m2 = torch.empty(k, dtype=torch.float64)
     getattr(_lib, _FUNCS[x3.dtype])(x3.data_ptr(), a, k, b, mean.data_ptr(), m2.data_ptr())
     return mean.to(x3.dtype), (m2 / (a * b)).to(x3.dtype)
+
+
+def packed_local_moments(x3: torch.Tensor) -> torch.Tensor | None:
+    """``[A * B, mean (K), M2 (K)]`` of an ``(A, K, B)`` tensor as one float64 ``(1 + 2K,)`` tensor.
+
+    ``M2`` is the sum of squared deviations from each ``K``'s own mean. This is what the sharded
+    norms send to the other ranks (``layers/norm.py``, ``merged_moments``): the kernel writes it
+    in place, in the kernel's own double precision, so the message is ready with no further
+    torch call (a deep CNN stage's statistics are a few hundred floats, where every tiny torch
+    call costs more than the arithmetic). None where the native kernel does not apply.
+    """
+    if not (
+        type(x3) is torch.Tensor
+        and x3.device.type == "cpu"
+        and x3.dtype in _FUNCS
+        and x3.dim() == 3
+        and x3.numel() > 0
+        and x3.is_contiguous()
+        and torch.get_num_threads() == 1
+        and not torch.compiler.is_compiling()
+        and available()
+    ):
+        return None
+    a, k, b = x3.shape
+    out = torch.empty(1 + 2 * k, dtype=torch.float64)
+    ptr = out.data_ptr()
+    ctypes.c_double.from_address(ptr).value = float(a * b)
+    getattr(_lib, _FUNCS[x3.dtype])(x3.data_ptr(), a, k, b, ptr + 8, ptr + 8 * (1 + k))
+    return out

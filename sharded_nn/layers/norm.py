@@ -42,8 +42,8 @@ from ..comm.collectives import all_gather_stacked
 from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
-from ..mesh import data_axis, group_over
-from ..moments import local_moments
+from ..mesh import axis_size, data_axis, group_over
+from ..moments import local_moments, packed_local_moments
 from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
 
@@ -150,40 +150,54 @@ def merged_moments(
     with torch.no_grad():
         n_local = math.prod(x.shape[d] for d in reduce_dims)
         keep = [1 if d in reduce_dims else x.shape[d] for d in range(x.dim())]
-        if n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (0, *range(2, x.dim())):
-            # Per-channel statistics (BatchNorm's).
-            if x.is_contiguous():
-                mean_l, var_l = _blocked_moments(x.reshape(x.shape[0], x.shape[1], -1))
-            else:
-                # channels_last and other layouts: torch's batch-norm statistics kernel reads
-                # them in place (a reshape would copy the slab).
-                mean_l, var_l = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
-            mean_l, var_l = mean_l.reshape(keep), var_l.reshape(keep)
-        elif n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (x.dim() - 1,):
-            # Statistics over the last dim (GroupNorm's (N, G, -1) view): rows of a (1, N*G, M) view.
-            mean_l, var_l = _blocked_moments(x.reshape(1, -1, x.shape[-1]))
-            mean_l, var_l = mean_l.reshape(keep), var_l.reshape(keep)
-        elif n_local:
-            var_l, mean_l = torch.var_mean(x.to(acc), reduce_dims, correction=0, keepdim=True)
-        else:
-            var_l = mean_l = x.new_zeros(keep, dtype=acc)
-        if group is None:
-            return mean_l, var_l, torch.tensor(float(n_local), dtype=torch.float64)
-        packed = torch.cat(
-            [
-                mean_l.new_full((1,), float(n_local), dtype=torch.float64),
-                mean_l.reshape(-1).double(),
-                (var_l.reshape(-1).double() * n_local),
-            ]
-        )
+        packed = None
+        if group is not None and n_local and x.is_contiguous():
+            # The message straight from the native kernel (float64, no torch call in between).
+            if reduce_dims == (0, *range(2, x.dim())):
+                packed = packed_local_moments(x.reshape(x.shape[0], x.shape[1], -1))
+            elif reduce_dims == (x.dim() - 1,):
+                packed = packed_local_moments(x.reshape(1, -1, x.shape[-1]))
+        if packed is None:
+            mean_l, var_l = _local_moments(x, reduce_dims, n_local, keep, acc)
+            if group is None:
+                return mean_l, var_l, torch.tensor(float(n_local), dtype=torch.float64)
+            packed = torch.cat(
+                [
+                    mean_l.new_full((1,), float(n_local), dtype=torch.float64),
+                    mean_l.reshape(-1).double(),
+                    (var_l.reshape(-1).double() * n_local),
+                ]
+            )
         rows = all_gather_stacked(packed, group)  # (ranks, 1 + 2k)
-        k = mean_l.numel()
+        k = (packed.numel() - 1) // 2
         counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + k], rows[:, 1 + k :]
         count = counts.sum()
         mean = (counts * means).sum(0) / count
-        m2 = (m2s + counts * (means - mean).square()).sum(0)
+        m2 = m2s.addcmul(counts, (means - mean).square_()).sum(0)
         var = m2 / count
         return mean.to(acc).reshape(keep), var.to(acc).reshape(keep), count
+
+
+def _local_moments(x: torch.Tensor, reduce_dims: tuple[int, ...], n_local: int, keep: list[int], acc: torch.dtype):
+    """This slab's mean and biased variance over ``reduce_dims`` (in ``acc``, keeping the dims)."""
+    if n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (0, *range(2, x.dim())):
+        # Per-channel statistics (BatchNorm's).
+        if x.is_contiguous():
+            mean_l, var_l = _blocked_moments(x.reshape(x.shape[0], x.shape[1], -1))
+        else:
+            # channels_last and other layouts: torch's batch-norm statistics kernel reads
+            # them in place (a reshape would copy the slab).
+            mean_l, var_l = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+        return mean_l.reshape(keep), var_l.reshape(keep)
+    if n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (x.dim() - 1,):
+        # Statistics over the last dim (GroupNorm's (N, G, -1) view): rows of a (1, N*G, M) view.
+        mean_l, var_l = _blocked_moments(x.reshape(1, -1, x.shape[-1]))
+        return mean_l.reshape(keep), var_l.reshape(keep)
+    if n_local:
+        var_l, mean_l = torch.var_mean(x.to(acc), reduce_dims, correction=0, keepdim=True)
+        return mean_l, var_l
+    zeros = x.new_zeros(keep, dtype=acc)
+    return zeros, zeros
 
 
 def _opmath(x: torch.Tensor) -> torch.Tensor:
@@ -250,6 +264,9 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     _spatial_dims = 8  # GroupNorm takes any number of spatial dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self._local_only:
+            # P=1: torch's group norm itself (every statistic is local).
+            return nn.GroupNorm.forward(self, x)
         agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
         self._check_channels(x, self.num_channels, agreed, self.dims)
         fmt = memory_format_of(x)
@@ -388,8 +405,14 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
 
 
 class _ShardedInstanceNorm(_ShardedNorm):
-    @batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self._local_only:
+            # P=1: torch's instance norm itself (every statistic is local; unbatched input too).
+            return nn.modules.instancenorm._InstanceNorm.forward(self, x)
+        return self._sharded_forward(x)
+
+    @batched
+    def _sharded_forward(self, x: torch.Tensor) -> torch.Tensor:
         agreed = self._agree(x)
         if self.affine or self.track_running_stats:  # per-channel parameters or statistics
             self._check_channels(x, self.num_features, agreed, self.dims)
@@ -443,11 +466,25 @@ class _ShardedBatchNorm(_ShardedNorm):
 
     def _stats_group(self, dims: tuple[int, ...]) -> dist.ProcessGroup | None:
         """Domain ranks sharding ``dims`` and data ranks: the statistics of the global batch."""
-        wanted = set(self.mesh_axes[: len(dims)]) | ({data_axis(self.mesh)} - {None})
-        axes = tuple(a for a in self.mesh.mesh_dim_names if a in wanted)
-        # No axis: the input is replicated over the domain ranks (e.g. (N, C) after a global
-        # pool) and there is no data axis, so the local statistics are the global ones.
-        return group_over(self.mesh, axes) if axes else None
+        # Per layer and dims (a fact of the mesh): the mesh lookups cost more than a small
+        # layer's arithmetic.
+        cache = self.__dict__.setdefault("_snn_stats_groups", {})
+        if dims not in cache:
+            wanted = set(self.mesh_axes[: len(dims)]) | ({data_axis(self.mesh)} - {None})
+            axes = tuple(a for a in self.mesh.mesh_dim_names if a in wanted)
+            # No axis: the input is replicated over the domain ranks (e.g. (N, C) after a global
+            # pool) and there is no data axis, so the local statistics are the global ones.
+            cache[dims] = group_over(self.mesh, axes) if axes else None
+        return cache[dims]
+
+    def _alone(self) -> bool:
+        """Whether this rank's statistics are the global ones: one rank on every axis they span."""
+        alone = self.__dict__.get("_snn_alone")
+        if alone is None:
+            data = data_axis(self.mesh)
+            alone = self._local_only and (data is None or axis_size(self.mesh, data) == 1)
+            self.__dict__["_snn_alone"] = alone
+        return alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if not self.training and self.running_mean is not None and self.running_var is not None:
@@ -455,6 +492,12 @@ class _ShardedBatchNorm(_ShardedNorm):
             # activation, so no agreement and no communication (a decision on module state,
             # the same on every rank): torch's own kernel, exactly what one device computes.
             return self._eval_forward(x)
+        if self._alone():
+            # One rank along the domain and data axes (P=1): torch's batch norm itself, its
+            # statistics and running-stat updates, at torch's cost (a decision on the mesh, the
+            # same on every rank). Named explicitly: in a subclass of a timm norm+act layer the
+            # next ``forward`` in the MRO is timm's, which would apply the activation twice.
+            return nn.modules.batchnorm._BatchNorm.forward(self, x)
         name = type(self).__name__
         # (N, C) input to BatchNorm1d has no spatial dim: nothing is sharded, shapes still agree.
         # (Computed from the local number of dims: ``agree`` checks first that all ranks share it.)
@@ -469,8 +512,8 @@ class _ShardedBatchNorm(_ShardedNorm):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
         if not batch_stats:
+            w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
             rm, rv = _channel_view(self.running_mean, x.dim()), _channel_view(self.running_var, x.dim())
             return _affine((_opmath(x) - rm) * torch.rsqrt(rv + self.eps), w, b).to(x.dtype)
 
@@ -486,19 +529,23 @@ class _ShardedBatchNorm(_ShardedNorm):
         else:
             xf = _opmath(x)
             mean, var, count = global_moments(xf, reduce_dims, group)
-        if count.item() <= 1:
+        n = count.item()
+        if n <= 1:
             # count is all-reduced, so every rank raises together (torch raises ValueError too).
             raise ShardingError(
                 f"{name}: expected more than 1 value per channel when training over the whole "
-                f"(global) batch, got {int(count.item())} (global input shape {agreed.global_shape(dims)})."
+                f"(global) batch, got {int(n)} (global input shape {agreed.global_shape(dims)})."
             )
+        mean, var = mean.reshape(-1), var.reshape(-1)
         if self.training and self.running_mean is not None:
             with torch.no_grad():
-                self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(_unbiased(var, count).reshape(-1), alpha=factor)
+                self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+                self.running_var.mul_(1 - factor).add_(var * (n / (n - 1)), alpha=factor)
         if fused:
-            return _BatchNormFn.apply(x, self.weight, self.bias, mean.reshape(-1), var.reshape(-1), count, self.eps, group)
-        return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
+            return _BatchNormFn.apply(x, self.weight, self.bias, mean, var, n, self.eps, group)
+        shape = (1, -1, *([1] * (x.dim() - 2)))
+        w, b = _channel_view(self.weight, x.dim()), _channel_view(self.bias, x.dim())
+        return _affine((xf - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + self.eps), w, b).to(x.dtype)
 
     def _eval_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in self._allowed_ndims or x.shape[1] != self.num_features:
@@ -541,7 +588,7 @@ class _BatchNormFn(torch.autograd.Function):
         eps, group = ctx.eps, ctx.group
         reduce_dims = (0, *range(2, x.dim()))
         shape = (1, -1, *([1] * (x.dim() - 2)))
-        count = ctx.count.to(x.dtype)
+        count = ctx.count  # a Python float: the global number of values per channel
         if torch.is_grad_enabled() or x.numel() == 0:
             # create_graph (or an empty slab): the same formula from differentiable ops, with
             # statistics that depend on x through recorded ops.
@@ -564,7 +611,7 @@ class _BatchNormFn(torch.autograd.Function):
         # inference-form kernel), so that their all-reduce is in flight while this rank computes
         # the local part of dx, g * w * rstd: the round trip overlaps a pass over the slab
         # instead of following it.
-        _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
+        _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward.default(
             g, x, w, mean, var, None, None, False, eps, [False, True, True]
         )
         pending = all_reduce_sum_start(torch.stack([s_g, s_gx]), group)
@@ -641,7 +688,8 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        if not self.dims:  # nothing sharded (the default for a channel LayerNorm): plain torch
+        if not self.dims or self._local_only:
+            # Nothing sharded (the default for a channel LayerNorm), or P=1: plain torch.
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         name = type(self).__name__
         k = len(self.normalized_shape)
