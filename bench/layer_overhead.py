@@ -24,6 +24,11 @@ computation itself is small enough for it to show.
   next to one all-reduce of a single integer on the same group (the latency floor of any
   agreement between ranks).
 
+* Norms in training (``--norms``, a second table): ``nn.BatchNorm2d(16)`` and
+  ``nn.GroupNorm(4, 16)`` forward + backward on the same sample, plain against converted (P=1:
+  the torch layer itself; P=2: the statistics merged across ranks, one collective each way,
+  against the plain layer on the slab).
+
 Each figure is the median of ``--iters`` timed calls after ``--warmup`` untimed ones, per rank,
 maximum over ranks; a barrier separates the configurations. Reported: the times in microseconds
 and the ratio sharded / plain. All configurations of one world size run in one launch, side by
@@ -124,6 +129,27 @@ def _measure(channels: int, size: int, iters: int, warmup: int) -> dict[str, flo
     return out
 
 
+def _measure_norms(channels: int, size: int, iters: int, warmup: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    x_loc = snn.shard(torch.randn(1, channels, size, size), mesh, dims=(2,))
+    out: dict[str, float] = {}
+    for name, layer in (("BatchNorm2d", nn.BatchNorm2d(channels)), ("GroupNorm", nn.GroupNorm(4, channels))):
+        # A converted model whose first layer is a pointwise conv, so that the norm runs as in a
+        # network: its input's layout comes from the model's entry (one agreement per forward).
+        plain = nn.Sequential(nn.Conv2d(channels, channels, 1), layer).train()
+        sharded = snn.convert(copy.deepcopy(plain), mesh).train()
+
+        def step(model):
+            inp = x_loc.detach().requires_grad_()
+            model(inp).sum().backward()
+
+        got = _time({"plain": lambda: step(plain), "sharded": lambda: step(sharded)}, iters, warmup)
+        out[f"{name} plain"], out[f"{name} sharded"] = got["plain"], got["sharded"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--channels", type=int, default=16)
@@ -131,6 +157,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
+    ap.add_argument("--norms", action="store_true", help="also time BatchNorm2d and GroupNorm in training")
     args = ap.parse_args()
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
@@ -147,6 +174,16 @@ def main() -> None:
                      f"  {r['all_reduce'] * 1e6:20.0f}" if kind == "fwd" else "")
             print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f} {c * 1e6:9.0f} {c / a:6.2f}"
                   f" {a2 * 1e6:9.0f} {b2 * 1e6:9.0f} {b2 / a2:6.2f}   {g1 * 1e6:14.0f} {g2 * 1e6:8.0f}{extra}")
+    if args.norms:
+        print(f"\nConv2d({args.channels}, {args.channels}, 1) + norm in training, fwd+bwd on 1x{args.channels}x"
+              f"{args.size}x{args.size} (P=2: each rank's slab), median of {args.iters} calls (us)")
+        print(f"{'P':>2} {'norm':>12} {'plain':>9} {'converted':>10} {'ratio':>6}")
+        for p in args.worlds:
+            r = snn.launch(_measure_norms, p, args.channels, args.size, args.iters, args.warmup, device_type="cpu",
+                           threads=1)
+            for name in ("BatchNorm2d", "GroupNorm"):
+                a, b = r[f"{name} plain"], r[f"{name} sharded"]
+                print(f"{p:>2} {name:>12} {a * 1e6:9.0f} {b * 1e6:10.0f} {b / a:6.2f}")
 
 if __name__ == "__main__":
     main()
