@@ -79,13 +79,9 @@ def available() -> bool:
     return wanted() and _load() is not None
 
 
-def local_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-``K`` mean and biased variance of an ``(A, K, B)`` tensor over ``A`` and ``B``, in its dtype.
-
-    None where the native kernel does not apply (see the module docstring): the caller computes
-    them with torch.
-    """
-    if not (
+def _applies(x3: torch.Tensor) -> bool:
+    """Whether the native kernel can read ``x3`` here (see the module docstring)."""
+    return (
         type(x3) is torch.Tensor
         and x3.device.type == "cpu"
         and x3.dtype in _FUNCS
@@ -95,7 +91,16 @@ def local_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         and torch.get_num_threads() == 1
         and not torch.compiler.is_compiling()
         and available()
-    ):
+    )
+
+
+def local_moments(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-``K`` mean and biased variance of an ``(A, K, B)`` tensor over ``A`` and ``B``, in its dtype.
+
+    None where the native kernel does not apply (see the module docstring): the caller computes
+    them with torch.
+    """
+    if not _applies(x3):
         return None
     a, k, b = x3.shape
     mean = torch.empty(k, dtype=torch.float64)
@@ -113,17 +118,7 @@ def packed_local_moments(x3: torch.Tensor) -> torch.Tensor | None:
     torch call (a deep CNN stage's statistics are a few hundred floats, where every tiny torch
     call costs more than the arithmetic). None where the native kernel does not apply.
     """
-    if not (
-        type(x3) is torch.Tensor
-        and x3.device.type == "cpu"
-        and x3.dtype in _FUNCS
-        and x3.dim() == 3
-        and x3.numel() > 0
-        and x3.is_contiguous()
-        and torch.get_num_threads() == 1
-        and not torch.compiler.is_compiling()
-        and available()
-    ):
+    if not _applies(x3):
         return None
     a, k, b = x3.shape
     out = torch.empty(1 + 2 * k, dtype=torch.float64)

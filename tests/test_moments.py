@@ -89,6 +89,22 @@ def test_agrees_with_the_torch_path(one_thread, monkeypatch) -> None:
         torch.testing.assert_close(a, b, atol=1e-14, rtol=1e-13)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_message_holds_count_mean_and_squared_deviations(one_thread, dtype) -> None:
+    # What the sharded norms send to the other ranks: [A*B, mean (K), M2 (K)] in float64.
+    g = torch.Generator().manual_seed(3)
+    x3 = (torch.randn(2, 5, 1500, generator=g, dtype=torch.float64) * 3.0 - 1.25).to(dtype)
+    packed = moments.packed_local_moments(x3)
+    assert packed is not None and packed.dtype == torch.float64 and packed.shape == (11,)
+    want_mean, want_var = _reference(x3)
+    assert packed[0].item() == 3000
+    tol = 1e-13 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(packed[1:6], want_mean, atol=tol, rtol=tol)
+    torch.testing.assert_close(packed[6:] / 3000, want_var, atol=tol, rtol=tol)
+    assert moments.packed_local_moments(x3.transpose(0, 1)) is None  # not contiguous: the torch path
+
+
 def test_does_not_apply_where_it_cannot_read_the_data(one_thread) -> None:
     x = torch.randn(2, 3, 40)
     assert moments.local_moments(x.transpose(0, 1)) is None  # not contiguous
