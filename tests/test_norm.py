@@ -100,6 +100,26 @@ def test_norms_match_torch_2x2_mesh(run):
     assert all(run(4, _check_cases, (2, 2), CASES_2D))
 
 
+def _torch_only_statistics(domain, cases):
+    # Where the native statistics kernel cannot be built (no C++ compiler) the norms take their
+    # slab statistics with torch: the same results.
+    import os
+
+    from sharded_nn import moments
+
+    os.environ[moments.OPT_OUT_ENV] = "0"
+    try:
+        assert not moments.available()
+        return _check_cases(domain, cases)
+    finally:
+        del os.environ[moments.OPT_OUT_ENV]
+
+
+def test_norms_match_torch_without_the_native_kernel(run):
+    cases = [c for c in CASES_1D if c[0].func in (nn.GroupNorm, nn.BatchNorm2d, nn.BatchNorm3d)]
+    assert all(run(2, _torch_only_statistics, 2, cases))
+
+
 def _stable_with_offset():
     # x ~ 1e8 + N(0, 1): E[x^2] - E[x]^2 cancels every digit even in float64 (the variance would
     # come out as a multiple of ~1e16 * 2^-52 ~ 2, or negative); the two passes keep ~1e-8. torch's
