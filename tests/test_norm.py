@@ -100,6 +100,23 @@ def test_norms_match_torch_2x2_mesh(run):
     assert all(run(4, _check_cases, (2, 2), CASES_2D))
 
 
+def _deep_copy_after_training():
+    # A converted model stays deep-copyable after it has run (nothing unpicklable, such as a
+    # process group, is cached on its modules), and the copy computes the same.
+    m = mesh(2)
+    model = snn.convert(_module(lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4))), m).train()
+    x = snn.shard(_input(1, 3, 9, 5), m)
+    model(x)
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
+    _check_buffers(model, twin)
+    return True
+
+
+def test_converted_norms_deep_copy_after_training(run):
+    assert all(run(2, _deep_copy_after_training))
+
+
 def _torch_only_statistics(domain, cases):
     # Where the native statistics kernel cannot be built (no C++ compiler) the norms take their
     # slab statistics with torch: the same results.

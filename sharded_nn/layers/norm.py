@@ -42,7 +42,7 @@ from ..comm.collectives import all_gather_stacked
 from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
-from ..mesh import axis_size, data_axis, group_over
+from ..mesh import axis_size, data_axis, group_over, mesh_cached
 from ..moments import local_moments, packed_local_moments
 from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
@@ -466,16 +466,18 @@ class _ShardedBatchNorm(_ShardedNorm):
 
     def _stats_group(self, dims: tuple[int, ...]) -> dist.ProcessGroup | None:
         """Domain ranks sharding ``dims`` and data ranks: the statistics of the global batch."""
-        # Per layer and dims (a fact of the mesh): the mesh lookups cost more than a small
-        # layer's arithmetic.
-        cache = self.__dict__.setdefault("_snn_stats_groups", {})
-        if dims not in cache:
-            wanted = set(self.mesh_axes[: len(dims)]) | ({data_axis(self.mesh)} - {None})
-            axes = tuple(a for a in self.mesh.mesh_dim_names if a in wanted)
+        mesh, sharding = self.mesh, self.mesh_axes[: len(dims)]
+
+        def make() -> dist.ProcessGroup | None:
+            wanted = set(sharding) | ({data_axis(mesh)} - {None})
+            axes = tuple(a for a in mesh.mesh_dim_names if a in wanted)
             # No axis: the input is replicated over the domain ranks (e.g. (N, C) after a global
             # pool) and there is no data axis, so the local statistics are the global ones.
-            cache[dims] = group_over(self.mesh, axes) if axes else None
-        return cache[dims]
+            return group_over(mesh, axes) if axes else None
+
+        # Kept per mesh (not on the module, which must stay deep-copyable): the mesh lookups
+        # cost more than a small layer's arithmetic.
+        return mesh_cached(mesh, ("batch_norm_stats_group", sharding), make)
 
     def _alone(self) -> bool:
         """Whether this rank's statistics are the global ones: one rank on every axis they span."""
