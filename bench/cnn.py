@@ -12,7 +12,8 @@ megapixels. For each model and input size this measures, one thread per rank, in
 P=1 is plain timm (``timm.create_model(name, num_classes=10, drop_rate=0, drop_path_rate=0)``,
 randomly initialised with a fixed seed); P=2 is ``snn.convert`` of the same model, the
 ``(1, 3, H, W)`` input sharded on H with the model's alignment (``snn.alignment``). Times are
-the median of ``--iters`` steps after one warm-up, slowest rank. Checked: P=1 and P=2 logits
+the median of ``--iters`` steps after one warm-up (more for short steps: about
+``--min-seconds`` of steps, at most 30), slowest rank. Checked: P=1 and P=2 logits
 (eval mode) and the domain-summed gradient of the first convolution's weight (train step)
 against plain timm in float64 at P=1 (relative error, max |diff| / max |reference|), so the
 table shows the error of the sharded model next to plain timm's own float32 error. The gradient
@@ -37,6 +38,7 @@ gloo); ``both`` runs P=2 once with each and prints a row per variant.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -63,10 +65,18 @@ def _build(name: str):
     return timm.create_model(name, num_classes=10, drop_rate=0.0, drop_path_rate=0.0)
 
 
-def _median_time(fn, iters: int, sync) -> tuple[float, object]:
+def _median_time(fn, iters: int, sync, min_seconds: float = 0.0) -> tuple[float, object]:
+    t0 = time.perf_counter()
     out = fn()  # warm-up (the only run when iters == 0: the float64 reference)
     if iters == 0:
         return float("nan"), out
+    # Short steps are timed more often (up to _MAX_ITERS, about ``min_seconds`` in all): one
+    # slow step of a noisy host moves a median of 3 a lot at 30-500 ms a step. The count is
+    # agreed (the slowest rank's warm-up) so that every rank runs the same steps.
+    warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    iters = max(iters, min(_MAX_ITERS, math.ceil(min_seconds / max(warm.item(), 1e-6))))
     times = []
     for _ in range(iters):
         sync()
@@ -77,8 +87,19 @@ def _median_time(fn, iters: int, sync) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+#: Most timed steps per measurement (``--min-seconds``).
+_MAX_ITERS = 30
+
+
 def rank_main(
-    name: str, h: int, w: int, iters: int, sharded: bool, dtype: torch.dtype = torch.float32, transport: str = "local"
+    name: str,
+    h: int,
+    w: int,
+    iters: int,
+    sharded: bool,
+    dtype: torch.dtype = torch.float32,
+    transport: str = "local",
+    min_seconds: float = 0.0,
 ) -> dict:
     # Read by the communication layer at every call: "gloo" sends every message through gloo
     # (the A/B of the same-host transport, ``--transport``).
@@ -110,9 +131,9 @@ def rank_main(
         return first_conv.weight.grad.clone()
 
     model.eval()
-    t_fwd, logits = _median_time(forward, iters, sync)
+    t_fwd, logits = _median_time(forward, iters, sync, min_seconds)
     model.train()
-    t_step, grad = _median_time(train_step, iters, sync)
+    t_step, grad = _median_time(train_step, iters, sync, min_seconds)
     if mesh is not None:
         times = torch.tensor([t_fwd, t_step], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -129,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), help="HxW, e.g. 1024x512")
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=3, help="timed steps per measurement, at least")
+    parser.add_argument(
+        "--min-seconds", type=float, default=2.0,
+        help=f"time shorter steps more often, up to {_MAX_ITERS} (about this many seconds per measurement; 0: --iters)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--no-f64", action="store_true", help="skip the float64 reference (errors against P=1)")
     parser.add_argument(
@@ -142,11 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes:
         h, w = (int(v) for v in size.split("x"))
         for name in args.models:
-            ref = snn.launch(rank_main, 1, name, h, w, args.iters, False, threads=1, timeout=args.timeout)
+            ref = snn.launch(
+                rank_main, 1, name, h, w, args.iters, False, torch.float32, "local", args.min_seconds, threads=1,
+                timeout=args.timeout,
+            )
             variants = ("local", "gloo") if args.transport == "both" else (args.transport,)
             runs = {
                 t: snn.launch(
-                    rank_main, 2, name, h, w, args.iters, True, torch.float32, t, threads=1, timeout=args.timeout
+                    rank_main, 2, name, h, w, args.iters, True, torch.float32, t, args.min_seconds, threads=1,
+                    timeout=args.timeout,
                 )
                 for t in variants
             }
