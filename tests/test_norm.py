@@ -117,6 +117,18 @@ def test_converted_norms_deep_copy_after_training(run):
     assert all(run(2, _deep_copy_after_training))
 
 
+def _convert_dims_reach_norms():
+    # convert's dims= default reaches every sharded norm (it reads their _init_sharding signature).
+    m = mesh(2)
+    model = snn.convert(nn.Sequential(nn.BatchNorm2d(3), nn.GroupNorm(1, 3), nn.InstanceNorm2d(3)), m, dims=(3,))
+    return [tuple(layer.dims) for layer in model]
+
+
+def test_convert_dims_reach_the_norms(run):
+    for dims in run(2, _convert_dims_reach_norms):
+        assert dims == [(3,), (3,), (3,)], dims
+
+
 def _torch_only_statistics(domain, cases):
     # Where the native statistics kernel cannot be built (no C++ compiler) the norms take their
     # slab statistics with torch: the same results.

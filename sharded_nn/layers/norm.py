@@ -151,12 +151,10 @@ def merged_moments(
         n_local = math.prod(x.shape[d] for d in reduce_dims)
         keep = [1 if d in reduce_dims else x.shape[d] for d in range(x.dim())]
         packed = None
-        if group is not None and n_local and x.is_contiguous():
+        rows = _as_rows(x, reduce_dims) if group is not None and n_local and x.is_contiguous() else None
+        if rows is not None:
             # The message straight from the native kernel (float64, no torch call in between).
-            if reduce_dims == (0, *range(2, x.dim())):
-                packed = packed_local_moments(x.reshape(x.shape[0], x.shape[1], -1))
-            elif reduce_dims == (x.dim() - 1,):
-                packed = packed_local_moments(x.reshape(1, -1, x.shape[-1]))
+            packed = packed_local_moments(rows)
         if packed is None:
             mean_l, var_l = _local_moments(x, reduce_dims, n_local, keep, acc)
             if group is None:
@@ -178,21 +176,29 @@ def merged_moments(
         return mean.to(acc).reshape(keep), var.to(acc).reshape(keep), count
 
 
+def _as_rows(x: torch.Tensor, reduce_dims: tuple[int, ...]) -> torch.Tensor | None:
+    """An ``(A, K, B)`` view of ``x`` whose ``K`` are the statistics, or None for other reductions:
+    per channel (BatchNorm's, reduced over N and the spatial dims) or over the last dim
+    (GroupNorm's ``(N, G, -1)`` view: rows of a ``(1, N*G, M)`` view)."""
+    if reduce_dims == (0, *range(2, x.dim())):
+        return x.reshape(x.shape[0], x.shape[1], -1)
+    if reduce_dims == (x.dim() - 1,):
+        return x.reshape(1, -1, x.shape[-1])
+    return None
+
+
 def _local_moments(x: torch.Tensor, reduce_dims: tuple[int, ...], n_local: int, keep: list[int], acc: torch.dtype):
     """This slab's mean and biased variance over ``reduce_dims`` (in ``acc``, keeping the dims)."""
-    if n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (0, *range(2, x.dim())):
-        # Per-channel statistics (BatchNorm's).
-        if x.is_contiguous():
-            mean_l, var_l = _blocked_moments(x.reshape(x.shape[0], x.shape[1], -1))
-        else:
-            # channels_last and other layouts: torch's batch-norm statistics kernel reads
-            # them in place (a reshape would copy the slab).
+    if n_local and x.dtype in (torch.float32, torch.float64):
+        if not x.is_contiguous() and reduce_dims == (0, *range(2, x.dim())):
+            # Per-channel statistics of channels_last and other layouts: torch's batch-norm
+            # statistics kernel reads them in place (a reshape would copy the slab).
             mean_l, var_l = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
-        return mean_l.reshape(keep), var_l.reshape(keep)
-    if n_local and x.dtype in (torch.float32, torch.float64) and reduce_dims == (x.dim() - 1,):
-        # Statistics over the last dim (GroupNorm's (N, G, -1) view): rows of a (1, N*G, M) view.
-        mean_l, var_l = _blocked_moments(x.reshape(1, -1, x.shape[-1]))
-        return mean_l.reshape(keep), var_l.reshape(keep)
+            return mean_l.reshape(keep), var_l.reshape(keep)
+        rows = _as_rows(x, reduce_dims)
+        if rows is not None:
+            mean_l, var_l = _blocked_moments(rows)
+            return mean_l.reshape(keep), var_l.reshape(keep)
     if n_local:
         var_l, mean_l = torch.var_mean(x.to(acc), reduce_dims, correction=0, keepdim=True)
         return mean_l, var_l
@@ -479,14 +485,13 @@ class _ShardedBatchNorm(_ShardedNorm):
         # cost more than a small layer's arithmetic.
         return mesh_cached(mesh, ("batch_norm_stats_group", sharding), make)
 
-    def _alone(self) -> bool:
-        """Whether this rank's statistics are the global ones: one rank on every axis they span."""
-        alone = self.__dict__.get("_snn_alone")
-        if alone is None:
-            data = data_axis(self.mesh)
-            alone = self._local_only and (data is None or axis_size(self.mesh, data) == 1)
-            self.__dict__["_snn_alone"] = alone
-        return alone
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        # (The same signature as the base's: convert reads it to pass its ``dims=`` default.)
+        super()._init_sharding(mesh, dims)
+        # Whether this rank's statistics are the global ones: one rank on every axis they span
+        # (the domain axes and the data axis). A fact of the mesh, like ``_local_only``.
+        data = data_axis(mesh)
+        self._stats_local = self._local_only and (data is None or axis_size(mesh, data) == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if not self.training and self.running_mean is not None and self.running_var is not None:
@@ -494,7 +499,7 @@ class _ShardedBatchNorm(_ShardedNorm):
             # activation, so no agreement and no communication (a decision on module state,
             # the same on every rank): torch's own kernel, exactly what one device computes.
             return self._eval_forward(x)
-        if self._alone():
+        if self._stats_local:
             # One rank along the domain and data axes (P=1): torch's batch norm itself, its
             # statistics and running-stat updates, at torch's cost (a decision on the mesh, the
             # same on every rank). Named explicitly: in a subclass of a timm norm+act layer the
