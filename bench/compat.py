@@ -211,8 +211,13 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _overhead(name: str, size: int, reps: int) -> dict:
-    """Per-forward time of the converted model with and without the forward guard (same run)."""
+def _overhead(name: str, size: tuple[int, int], reps: int, guard: bool) -> dict:
+    """Median per-forward time of the converted model, with or without the forward guard.
+
+    One model per launch: two differently converted models timed in one process do not measure
+    alike even when they run the same code (allocator and cache state; the same model in both
+    slots does), so ``main`` alternates separate launches.
+    """
     import sharded_nn as snn
 
     # A name of the table, or any timm model name (e.g. mobilenetv3_large_100): 3 input channels.
@@ -220,25 +225,37 @@ def _overhead(name: str, size: int, reps: int) -> dict:
     mesh = snn.init_mesh(domain=2, device_type="cpu")
     torch.manual_seed(0)
     ref = make().eval()
-    guarded = snn.convert(copy.deepcopy(ref), mesh)
-    plain = snn.convert(copy.deepcopy(ref), mesh, guard=False)
-    x = snn.shard(torch.randn(1, shape[1], size, size), mesh, align=snn.alignment(ref, dims=(2,))[0])
-    times = {"guard": [], "no_guard": []}
-    cpu = {"guard": [], "no_guard": []}  # this thread's CPU time: robust to other jobs on a shared machine
+    model = snn.convert(copy.deepcopy(ref), mesh, guard=guard)
+    x = snn.shard(torch.randn(1, shape[1], *size), mesh, align=snn.alignment(ref, dims=(2,))[0])
+    times, cpu = [], []  # cpu: this thread's CPU time, robust to other jobs on a shared machine
     with torch.no_grad():
-        for m in (guarded, plain):
-            m(x)  # warm-up
-        for _ in range(reps):  # interleaved, so that drift hits both alike
-            for key, m in (("guard", guarded), ("no_guard", plain)):
-                t0, c0 = time.perf_counter(), time.thread_time()
-                m(x)
-                times[key].append(time.perf_counter() - t0)
-                cpu[key].append(time.thread_time() - c0)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    cmed = {k: sorted(v)[len(v) // 2] for k, v in cpu.items()}
-    return {"model": name, "size": size, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
-            "overhead_ms": 1e3 * (med["guard"] - med["no_guard"]), "ratio": med["guard"] / med["no_guard"],
-            **{f"{k}_cpu_ms": 1e3 * v for k, v in cmed.items()}, "cpu_ratio": cmed["guard"] / cmed["no_guard"]}
+        for _ in range(3):
+            model(x)  # warm-up
+        for _ in range(reps):
+            torch.distributed.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            model(x)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+    return {"ms": 1e3 * sorted(times)[len(times) // 2], "cpu_ms": 1e3 * sorted(cpu)[len(cpu) // 2]}
+
+
+def overhead(name: str, size: tuple[int, int], reps: int, rounds: int) -> dict:
+    """The guard's per-forward cost: guarded and unguarded launches alternated ``rounds`` times."""
+    import sharded_nn as snn
+
+    got: dict = {"guard": [], "no_guard": []}
+    for _ in range(rounds):
+        for key in got:
+            r = snn.launch(_overhead, 2, name, size, reps, key == "guard", device_type="cpu", threads=1)
+            got[key].append(r)
+    med = {k: sorted(r["ms"] for r in v)[len(v) // 2] for k, v in got.items()}
+    cmed = {k: sorted(r["cpu_ms"] for r in v)[len(v) // 2] for k, v in got.items()}
+    return {"model": name, "size": "x".join(map(str, size)), "launches": rounds,
+            **{f"{k}_ms": round(v, 2) for k, v in med.items()},
+            "per_launch_ms": {k: [round(r["ms"], 2) for r in v] for k, v in got.items()},
+            "overhead_ms": round(med["guard"] - med["no_guard"], 2), "ratio": round(med["guard"] / med["no_guard"], 3),
+            **{f"{k}_cpu_ms": round(v, 2) for k, v in cmed.items()}, "cpu_ratio": round(cmed["guard"] / cmed["no_guard"], 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,13 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/compat.md")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--overhead", default="", help="model name: time the guard's per-forward overhead instead")
-    ap.add_argument("--size", type=int, default=224)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--size", default="224", help="input H x W for --overhead: 224 or 512x256")
+    ap.add_argument("--reps", type=int, default=20, help="--overhead: forwards timed per launch")
+    ap.add_argument("--rounds", type=int, default=3, help="--overhead: launches of each kind, alternated")
     args = ap.parse_args(argv)
     if args.overhead:
-        import sharded_nn as snn
-
-        print(json.dumps(snn.launch(_overhead, 2, args.overhead, args.size, args.reps, device_type="cpu", threads=1)))
+        try:
+            hw = tuple(int(v) for v in args.size.lower().split("x"))
+            size = hw * 2 if len(hw) == 1 else hw
+            assert len(size) == 2 and min(size) > 0
+        except (ValueError, AssertionError):
+            ap.error(f"--size: expected H or HxW (e.g. 224 or 512x256), got {args.size!r}")
+        print(json.dumps(overhead(args.overhead, size, args.reps, args.rounds)))
         return 0
     names = [n for n in args.models.split(",") if n] or list(MODELS)
     results = []

@@ -403,12 +403,19 @@ def _flat_tensors(obj) -> list[torch.Tensor]:
 
 
 class _LayerHooks:
-    """Pre/post hooks of a sharded layer (or a reviewed module) inside a guarded model.
+    """The guard's work around one call of a sharded layer (or a reviewed module) in a guarded model.
 
-    They run around every call of every hooked module, so what depends only on the module's
-    class is decided once here: whether the layer's input is checked (a sharded layer that does
-    not run the guard inside itself), whether the mode is suspended during the call, and whether
-    the output layout needs ``_layer_output_state`` (adaptive pools) or is the input's.
+    Before the call: check the layer's input layout (a sharded layer that does not run the guard
+    inside itself) and suspend the mode (the layer's own torch calls are its business); after:
+    resume it and give the output its layout. What depends only on the module's class is decided
+    once here: whether the input is checked, whether the mode is suspended, and whether the
+    output layout needs ``_layer_output_state`` (adaptive pools) or is the input's.
+
+    A ``ShardedMixin`` layer runs it from its own ``__call__`` (``call``, one frame: installed as
+    the instance attribute ``_snn_guard_call``); other modules (reviewed ones, sharded classes a
+    user registered) through a forward pre-hook and an always-called forward hook (``pre`` and
+    ``post``), whose generic path costs several microseconds more per call. Both only act while
+    a guarded forward is running on this thread.
     """
 
     def __init__(self, kind: str, module: nn.Module | None = None) -> None:
@@ -421,16 +428,10 @@ class _LayerHooks:
         self.same_state = kind == "reviewed" or not type(module).__name__.startswith("ShardedAdaptive")
         self.needs_ndim = isinstance(module, nn.LayerNorm)  # read by ``_ndim_hint``
 
-    def pre(self, module: nn.Module, args):
-        mode = getattr(_ACTIVE, "guard", None)
-        if mode is None or mode is _SINGLE:
-            return None
-        stack = module.__dict__.get("_snn_guard_stack")
-        if stack is None:
-            stack = module.__dict__["_snn_guard_stack"] = []
-        if mode.suspended:
-            stack.append(_SKIP)  # inside a sharded layer or a reviewed module: its own business
-            return None
+    # -- the shared halves
+
+    def _enter(self, mode: _GuardMode, module: nn.Module, args):
+        """Check the input, suspend the mode; returns the input's layout state for ``_leave``."""
         x = None
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -441,9 +442,53 @@ class _LayerHooks:
             if self.needs_ndim:  # (under the mode ``x.dim()`` is itself a guarded call: only where used)
                 module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
             _check_layer_input(mode, module, state)
-        stack.append(state)
         if self.suspends:
             mode.suspend()
+        return state
+
+    def _leave(self, mode: _GuardMode, module: nn.Module, state, output) -> None:
+        """Resume the mode and record the output's layout (after ``_enter`` suspended it)."""
+        mode.resume()
+        out_state = state if self.same_state else _layer_output_state(module, state)
+        states = mode.states
+        for t in (output,) if isinstance(output, torch.Tensor) else _flat_tensors(output):
+            if out_state is None:
+                states.pop(t, None)
+            else:
+                states[t] = out_state
+
+    # -- from the layer's own ``__call__``
+
+    def call(self, call, module: nn.Module, args, kwargs):
+        """Run ``call(*args, **kwargs)`` (the layer's ``nn.Module.__call__``) with the guard's work around it."""
+        mode = getattr(_ACTIVE, "guard", None)
+        if mode is None or mode is _SINGLE or mode.suspended:
+            # No guarded forward, or inside a sharded layer or a reviewed module: its own business.
+            return call(*args, **kwargs)
+        state = self._enter(mode, module, args)
+        if not self.suspends:
+            return call(*args, **kwargs)
+        try:
+            output = call(*args, **kwargs)
+        except BaseException:
+            mode.resume()
+            raise
+        self._leave(mode, module, state, output)
+        return output
+
+    # -- as module hooks
+
+    def pre(self, module: nn.Module, args):
+        mode = getattr(_ACTIVE, "guard", None)
+        if mode is None or mode is _SINGLE:
+            return None
+        stack = module.__dict__.get("_snn_guard_stack")
+        if stack is None:
+            stack = module.__dict__["_snn_guard_stack"] = []
+        if mode.suspended:
+            stack.append(_SKIP)  # inside a sharded layer or a reviewed module: its own business
+            return None
+        stack.append(self._enter(mode, module, args))
         return None
 
     def post(self, module: nn.Module, args, output):
@@ -452,17 +497,8 @@ class _LayerHooks:
         if mode is None or mode is _SINGLE or not stack:
             return None
         state = stack.pop()
-        if state is _SKIP:
-            return None
-        if self.suspends:
-            mode.resume()
-            out_state = state if self.same_state else _layer_output_state(module, state)
-            states = mode.states
-            for t in (output,) if isinstance(output, torch.Tensor) else _flat_tensors(output):
-                if out_state is None:
-                    states.pop(t, None)
-                else:
-                    states[t] = out_state
+        if state is not _SKIP and self.suspends:
+            self._leave(mode, module, state, output)
         return None
 
 
@@ -699,11 +735,22 @@ class _GuardMode(TorchFunctionMode):
             # forward take slabs by contract; their internals must not be rerouted.
             return func(*args, **kwargs)
         kind, base, inplace = _classify_cached(func)
-        handler = getattr(self, f"_h_{kind}", None)
-        if handler is None:
-            self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, tagged)}",
-                      "")
-        out = handler(func, base, args, kwargs, stateful)
+        if kind == "pointwise" and len(found) == 1 and stateful:
+            # The commonest call between sharded layers (an activation, a scale, a dtype cast):
+            # the slab is the call's only tensor, so an output of its rank keeps its layout
+            # (what ``_broadcast`` concludes, without its walks).
+            x = found[0]
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.dim() == x.dim():
+                states[out] = states.get(x)
+            else:
+                self._set(out, self._broadcast(base, args, kwargs, out))
+        else:
+            handler = getattr(self, f"_h_{kind}", None)
+            if handler is None:
+                self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, tagged)}",
+                          "")
+            out = handler(func, base, args, kwargs, stateful)
         if inplace and args and isinstance(args[0], torch.Tensor):
             st = states.get(out) if isinstance(out, torch.Tensor) else None
             if st is None:
@@ -1725,15 +1772,15 @@ def install(
     ``scope``: a ``comm.sizes.ScopeHooks`` that the root hooks run too (convert's layout scope).
     Re-installing replaces the earlier hooks (convert is idempotent).
     """
-    old = model.__dict__.get("_snn_guard_handles")
-    if old:
-        for h in old:
-            h.remove()
+    uninstall(model)
+    from .layers.base import ShardedMixin  # (the layers import this module)
+
     guard = ForwardGuard(model, mesh, dims, reviewed, scope)
     handles = [
         model.register_forward_pre_hook(guard.root_pre, with_kwargs=True),
         model.register_forward_hook(guard.root_post, with_kwargs=True, always_call=True),
     ]
+    layers: list = []
     reviewed_set = set(reviewed)
     for name, m in model.named_modules():
         if m is model or guard.single:
@@ -1744,15 +1791,22 @@ def install(
         if kind is None:
             continue
         hooks = _LayerHooks(kind, m)
-        handles.append(m.register_forward_pre_hook(hooks.pre))
-        handles.append(m.register_forward_hook(hooks.post, always_call=True))
+        if kind == "sharded" and isinstance(m, ShardedMixin):
+            m.__dict__["_snn_guard_call"] = hooks  # run by ``ShardedMixin.__call__``
+            layers.append(m)
+        else:
+            handles.append(m.register_forward_pre_hook(hooks.pre))
+            handles.append(m.register_forward_hook(hooks.post, always_call=True))
     model.__dict__["_snn_guard_handles"] = handles
+    model.__dict__["_snn_guard_layers"] = layers
     model.__dict__["_snn_guard"] = guard
 
 
 def uninstall(model: nn.Module) -> None:
     for h in model.__dict__.pop("_snn_guard_handles", ()) or ():
         h.remove()
+    for m in model.__dict__.pop("_snn_guard_layers", ()) or ():
+        m.__dict__.pop("_snn_guard_call", None)
     model.__dict__.pop("_snn_guard", None)
 
 

@@ -252,3 +252,72 @@ def test_guard_installed_once_and_survives_deepcopy(run):
     hooks, msg = out[0]
     assert hooks == (1, 1), hooks
     assert "`flip` in module 'inner' (Hazards)" in msg, msg
+
+
+# --------------------------------------------------------------------------------------------
+# The sharded layers' input check (run from the layer's own call, not from module hooks)
+
+
+class LayerMisuse(nn.Module):
+    """Hands a sharded 3x3 convolution a tensor it must refuse, chosen by ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.stem = nn.Conv2d(2, 2, 3, padding=1)
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        if self.kind == "replicated":
+            h = torch.zeros(1, 2, 4, 4, dtype=x.dtype)  # made here: the same whole tensor on every rank
+        elif self.kind == "other_dim":
+            h = h.transpose(2, 3)  # now sharded along W, but the conv shards H
+        return self.conv(h)
+
+
+def _misuse(domain, kind):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    model = snn.convert(LayerMisuse(kind).double(), m)
+    x = torch.randn(1, 2, 3 * domain + 1, 6, dtype=torch.float64)
+    xs = snn.shard(x, m)
+    try:
+        model(xs)
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [("replicated", "the sharded layer received a replicated (non-slab) tensor"),
+     ("other_dim", "shards dims (2,) but its input is sharded along dim 3")],
+)
+def test_sharded_layer_refuses_a_wrong_input_layout(run, kind, expected, domain):
+    out = run(domain, _misuse, domain, kind)
+    assert len(set(out)) == 1, out  # the same error on every rank
+    assert expected in out[0] and "module 'conv' (ShardedConv2d)" in out[0], out[0]
+
+
+def _layer_alone_and_guard_removed(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = LayerMisuse("other_dim").double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 2, 4 * domain, 4 * domain, dtype=torch.float64)
+    xs = snn.shard(x, m)
+    # The model's own layer called outside the model's forward: no guarded forward, no check
+    # (sharded along H as the layer expects, it is exact).
+    alone = (snn.gather(model.conv(xs), m) - ref.conv(x)).abs().max().item()
+    # Converting again without the guard takes its bookkeeping off every layer.
+    model = snn.convert(model, m, guard=False)
+    left = [n for n, mod in model.named_modules() if "_snn_guard_call" in mod.__dict__]
+    model(xs)  # unchecked now: the transposed slab reaches the conv without an error
+    return alone, left, guard_active()
+
+
+def test_layer_check_only_inside_a_guarded_forward(run):
+    for alone, left, active in run(2, _layer_alone_and_guard_removed, 2):
+        assert alone < 1e-12 and left == [] and not active, (alone, left, active)

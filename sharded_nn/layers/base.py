@@ -344,6 +344,16 @@ class ShardedMixin:
         super().__init__(*args, **kwargs)
         self._init_sharding(mesh, **options)
 
+    def __call__(self, *args, **kwargs):
+        # Inside a model converted with the forward guard, the guard's bookkeeping for this layer
+        # (input layout check, mode suspension, output layout) runs here, in one frame, rather
+        # than as module hooks: hooks send every call down ``nn.Module``'s generic hook path, and
+        # a timm CNN makes about a hundred such calls per forward. ``install`` sets the attribute.
+        around = self.__dict__.get("_snn_guard_call")
+        if around is None:
+            return super().__call__(*args, **kwargs)
+        return around.call(super().__call__, self, args, kwargs)
+
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         name = type(self).__name__
         check_mesh(mesh, name)
