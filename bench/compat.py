@@ -275,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
             assert len(size) == 2 and min(size) > 0
         except (ValueError, AssertionError):
             ap.error(f"--size: expected H or HxW (e.g. 224 or 512x256), got {args.size!r}")
-        print(json.dumps(overhead(args.overhead, size, args.reps, args.rounds)))
+        from sharded_nn.errors import ShardingError
+
+        try:
+            print(json.dumps(overhead(args.overhead, size, args.reps, args.rounds)))
+        except ShardingError as e:  # e.g. a model with squeeze-excite blocks, exact only under the guard
+            ap.exit(2, f"--overhead {args.overhead}: cannot time it without the guard: {str(e).splitlines()[0]}\n")
         return 0
     names = [n for n in args.models.split(",") if n] or list(MODELS)
     results = []

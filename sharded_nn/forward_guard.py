@@ -706,25 +706,32 @@ class _GuardMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.suspended:
             return func(*args, **kwargs)
-        # ``_walk(args)`` and ``_walk(kwargs)`` with the top level inlined: this runs for every
-        # torch call between sharded layers, most of them with a few flat tensor arguments.
+        # This runs for every torch call between sharded layers (tens of microseconds each on a
+        # small model, where it adds up): one pass over the flat arguments finds the tensors and
+        # the tracked ones (``_States`` probes inlined), nested containers go through ``_walk``.
+        entries = self.states._d
         found: list = []
-        for a in args:
-            if isinstance(a, (torch.Tensor, LocalDerived)):
-                found.append(a)
-            elif isinstance(a, (list, tuple, dict)):
-                _walk(a, found, 1)
-        for a in kwargs.values():
-            if isinstance(a, (torch.Tensor, LocalDerived)):
-                found.append(a)
-            elif isinstance(a, (list, tuple, dict)):
-                _walk(a, found, 1)
-        states = self.states
-        stateful = []
+        stateful: list = []
         tagged = False
-        for t in found:
+        nested: list = []
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if type(a) in _PLAIN_TYPES:  # dims, sizes, flags: most arguments of a permute or a view
+                continue
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+                e = entries.get(id(a))
+                if e is not None and e[0]() is a:
+                    stateful.append(a)
+            elif isinstance(a, LocalDerived):
+                found.append(a)
+                tagged = True
+            elif isinstance(a, (list, tuple, dict)):
+                _walk(a, nested, 1)
+        for t in nested:
+            found.append(t)
             if isinstance(t, torch.Tensor):
-                if t in states:
+                e = entries.get(id(t))
+                if e is not None and e[0]() is t:
                     stateful.append(t)
             else:
                 tagged = True
@@ -735,22 +742,22 @@ class _GuardMode(TorchFunctionMode):
             # forward take slabs by contract; their internals must not be rerouted.
             return func(*args, **kwargs)
         kind, base, inplace = _classify_cached(func)
-        if kind == "pointwise" and len(found) == 1 and stateful:
-            # The commonest call between sharded layers (an activation, a scale, a dtype cast):
-            # the slab is the call's only tensor, so an output of its rank keeps its layout
-            # (what ``_broadcast`` concludes, without its walks).
-            x = found[0]
+        states = self.states
+        if kind == "pointwise":
             out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor) and out.dim() == x.dim():
-                states[out] = states.get(x)
+            if len(found) == 1 and stateful and isinstance(out, torch.Tensor) and out.dim() == found[0].dim():
+                # The commonest call between sharded layers (an activation, a scale, a dtype
+                # cast): the slab is the call's only tensor, so an output of its rank keeps its
+                # layout (what ``_broadcast`` concludes).
+                states[out] = states.get(found[0])
             else:
-                self._set(out, self._broadcast(base, args, kwargs, out))
+                self._set(out, self._broadcast(base, args, kwargs, out, found))
         else:
-            handler = getattr(self, f"_h_{kind}", None)
+            handler = _HANDLERS.get(kind)
             if handler is None:
                 self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, tagged)}",
                           "")
-            out = handler(func, base, args, kwargs, stateful)
+            out = handler(self, func, base, args, kwargs, stateful)
         if inplace and args and isinstance(args[0], torch.Tensor):
             st = states.get(out) if isinstance(out, torch.Tensor) else None
             if st is None:
@@ -824,14 +831,16 @@ class _GuardMode(TorchFunctionMode):
         self._set(out, self._broadcast(base, args, kwargs, out))
         return out
 
-    def _broadcast(self, base, args, kwargs, out):
+    def _broadcast(self, base, args, kwargs, out, found: list | None = None):
+        """The layout of a pointwise call's output; ``found``: the call's arguments as walked already."""
         outs = [out] if isinstance(out, torch.Tensor) else _flat_tensors(out)
         if not outs:
             return None
         nd = outs[0].dim()
-        found: list = []
-        _walk(args, found)
-        _walk(kwargs, found)
+        if found is None:
+            found = []
+            _walk(args, found)
+            _walk(kwargs, found)
         tensors = [t for t in found if isinstance(t, torch.Tensor)]
         result = None
         for t in tensors:
@@ -1685,6 +1694,10 @@ def _classify_cached(func):
     kind = _classify(func)
     _CLASSIFIED[func] = kind
     return kind
+
+
+#: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
+_HANDLERS = {name[3:]: fn for name, fn in vars(_GuardMode).items() if name.startswith("_h_") and callable(fn)}
 
 
 def _groups(in_shape, out_shape):
