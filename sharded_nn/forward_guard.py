@@ -1806,6 +1806,9 @@ def install(
         hooks = _LayerHooks(kind, m)
         if kind == "sharded" and isinstance(m, ShardedMixin):
             m.__dict__["_snn_guard_call"] = hooks  # run by ``ShardedMixin.__call__``
+            # How many guarded roots hold the layer: a layer shared by two converted models
+            # keeps its guard work until neither is guarded (see ``uninstall``).
+            m.__dict__["_snn_guard_owners"] = m.__dict__.get("_snn_guard_owners", 0) + 1
             layers.append(m)
         else:
             handles.append(m.register_forward_pre_hook(hooks.pre))
@@ -1819,7 +1822,15 @@ def uninstall(model: nn.Module) -> None:
     for h in model.__dict__.pop("_snn_guard_handles", ()) or ():
         h.remove()
     for m in model.__dict__.pop("_snn_guard_layers", ()) or ():
-        m.__dict__.pop("_snn_guard_call", None)
+        # Taken off only when no other guarded root holds the layer: under a guard, a layer
+        # without its guard work leaves its output untracked, i.e. taken for a replicated tensor,
+        # and a later reduction of it would run unrouted on the slab.
+        owners = m.__dict__.get("_snn_guard_owners", 1) - 1
+        if owners > 0:
+            m.__dict__["_snn_guard_owners"] = owners
+        else:
+            m.__dict__.pop("_snn_guard_owners", None)
+            m.__dict__.pop("_snn_guard_call", None)
     model.__dict__.pop("_snn_guard", None)
 
 

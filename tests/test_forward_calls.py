@@ -321,3 +321,34 @@ def _layer_alone_and_guard_removed(domain):
 def test_layer_check_only_inside_a_guarded_forward(run):
     for alone, left, active in run(2, _layer_alone_and_guard_removed, 2):
         assert alone < 1e-12 and left == [] and not active, (alone, left, active)
+
+
+class Pooled(nn.Module):
+    """A head that pools its encoder's output in its own forward (a guard-routed mean)."""
+
+    def __init__(self, enc: nn.Module) -> None:
+        super().__init__()
+        self.enc = enc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x).mean((2, 3))
+
+
+def _shared_layer(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Pooled(nn.Conv2d(2, 3, 3, padding=1)).double()
+    a = snn.convert(copy.deepcopy(ref), m)
+    b = snn.convert(Pooled(a.enc), m)  # the same sharded conv in a second guarded model
+    shared = b.enc is a.enc
+    a = snn.convert(a, m, guard=False)  # the first model drops its guard; the second keeps it
+    x = torch.randn(1, 2, 3 * domain + 1, 5, dtype=torch.float64)
+    with torch.no_grad():
+        err = (b(snn.shard(x, m)) - ref(x)).abs().max().item()
+    return shared, err
+
+
+def test_layer_shared_by_two_models_keeps_its_guard_work(run):
+    # The second model's mean must still be routed (exact): its encoder's output is a slab.
+    for shared, err in run(2, _shared_layer, 2):
+        assert shared and err < 1e-12, (shared, err)
