@@ -405,11 +405,11 @@ def _flat_tensors(obj) -> list[torch.Tensor]:
 class _LayerHooks:
     """The guard's work around one call of a sharded layer (or a reviewed module) in a guarded model.
 
-    Before the call: check the layer's input layout (a sharded layer that does not run the guard
-    inside itself) and suspend the mode (the layer's own torch calls are its business); after:
-    resume it and give the output its layout. What depends only on the module's class is decided
-    once here: whether the input is checked, whether the mode is suspended, and whether the
-    output layout needs ``_layer_output_state`` (adaptive pools) or is the input's.
+    Before the call: check the layer's input layout (a sharded layer) and suspend the mode (the
+    module's own torch calls are its business); after: resume it and give the output its layout.
+    What depends only on the module's class is decided once here: whether the input is checked
+    and whether the output layout needs ``_layer_output_state`` (adaptive pools) or is the
+    input's. Blocks that run the guard inside themselves (``_guard_inside``) get none of it.
 
     A ``ShardedMixin`` layer runs it from its own ``__call__`` (``call``, one frame: installed as
     the instance attribute ``_snn_guard_call``); other modules (reviewed ones, sharded classes a
@@ -422,9 +422,7 @@ class _LayerHooks:
         self.kind = kind  # "sharded" or "reviewed"
         # Class attributes (``getattr`` on an nn.Module instance that lacks the name goes through
         # ``nn.Module.__getattr__`` and an AttributeError: microseconds per hook call).
-        inside = bool(getattr(type(module), "_guard_inside", False))
-        self.check = kind == "sharded" and not inside
-        self.suspends = kind == "reviewed" or not inside
+        self.check = kind == "sharded"
         self.same_state = kind == "reviewed" or not type(module).__name__.startswith("ShardedAdaptive")
         self.needs_ndim = isinstance(module, nn.LayerNorm)  # read by ``_ndim_hint``
 
@@ -442,8 +440,7 @@ class _LayerHooks:
             if self.needs_ndim:  # (under the mode ``x.dim()`` is itself a guarded call: only where used)
                 module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
             _check_layer_input(mode, module, state)
-        if self.suspends:
-            mode.suspend()
+        mode.suspend()
         return state
 
     def _leave(self, mode: _GuardMode, module: nn.Module, state, output) -> None:
@@ -466,8 +463,6 @@ class _LayerHooks:
             # No guarded forward, or inside a sharded layer or a reviewed module: its own business.
             return call(*args, **kwargs)
         state = self._enter(mode, module, args)
-        if not self.suspends:
-            return call(*args, **kwargs)
         try:
             output = call(*args, **kwargs)
         except BaseException:
@@ -497,7 +492,7 @@ class _LayerHooks:
         if mode is None or mode is _SINGLE or not stack:
             return None
         state = stack.pop()
-        if state is not _SKIP and self.suspends:
+        if state is not _SKIP:
             self._leave(mode, module, state, output)
         return None
 
@@ -1801,8 +1796,8 @@ def install(
             # cannot be wrong); a converted layer then costs what the torch layer costs.
             continue
         kind = "sharded" if type(m) in sharded else ("reviewed" if name in reviewed_set or type(m) in REVIEWED else None)
-        if kind is None:
-            continue
+        if kind is None or (kind == "sharded" and getattr(type(m), "_guard_inside", False)):
+            continue  # (a block that runs the guard inside itself, e.g. squeeze-excite: nothing to do around it)
         hooks = _LayerHooks(kind, m)
         if kind == "sharded" and isinstance(m, ShardedMixin):
             m.__dict__["_snn_guard_call"] = hooks  # run by ``ShardedMixin.__call__``
