@@ -29,6 +29,13 @@ computation itself is small enough for it to show.
   the torch layer itself; P=2: the statistics merged across ranks, one collective each way,
   against the plain layer on the slab).
 
+* The forward guard's own cost (``--guard``, a third table), at P=2 on tiny tensors where the
+  computation is negligible: per sharded layer (a chain of 100 ``BatchNorm2d(8)`` in eval mode,
+  which exchange nothing) and per torch call a model makes between its layers (50 blocks of
+  ``permute``, ``Linear``, ``gelu``, ``permute``, a scale and a residual add), each model
+  converted with the guard and with ``guard=False``, in separate launches alternated
+  ``--guard-rounds`` times (two differently converted models in one process do not time alike).
+
 Each figure is the median of ``--iters`` timed calls after ``--warmup`` untimed ones, per rank,
 maximum over ranks; a barrier separates the configurations. Reported: the times in microseconds
 and the ratio sharded / plain. All configurations of one world size run in one launch, side by
@@ -150,6 +157,43 @@ def _measure_norms(channels: int, size: int, iters: int, warmup: int) -> dict[st
     return out
 
 
+class _LayerChain(nn.Sequential):
+    def __init__(self, n: int = 100) -> None:
+        super().__init__(*[nn.BatchNorm2d(8) for _ in range(n)])
+
+
+class _CallChain(nn.Module):
+    """A sharded convolution, then ``blocks`` blocks of six torch calls of the model's own."""
+
+    def __init__(self, blocks: int = 50) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.lin = nn.ModuleList([nn.Linear(8, 8) for _ in range(blocks)])
+        self.scale = nn.Parameter(torch.ones(8, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x)
+        for lin in self.lin:
+            h = lin(x.permute(0, 2, 3, 1))
+            x = torch.nn.functional.gelu(h).permute(0, 3, 1, 2) * self.scale + x
+        return x
+
+
+def _measure_guard(guard: bool, iters: int, warmup: int) -> dict[str, float]:
+    """Seconds per sharded layer and per model call of the two probe models (one launch, one guard setting)."""
+    torch.set_num_threads(1)
+    mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    x = snn.shard(torch.randn(1, 8, 8 * dist.get_world_size(), 8), mesh, dims=(2,))
+    out = {}
+    for key, model, per in (("layer", _LayerChain(), 100), ("call", _CallChain(), 6 * 50)):
+        model = snn.convert(model.eval(), mesh, guard=guard)
+        with torch.no_grad():
+            got = _time({key: lambda: model(x)}, iters, warmup)
+        out[key] = got[key] / per
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--channels", type=int, default=16)
@@ -158,6 +202,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
     ap.add_argument("--norms", action="store_true", help="also time BatchNorm2d and GroupNorm in training")
+    ap.add_argument("--guard", action="store_true", help="also time the forward guard's cost per layer and per call")
+    ap.add_argument("--guard-rounds", type=int, default=2, help="--guard: launches of each setting, alternated")
     args = ap.parse_args()
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
@@ -184,6 +230,17 @@ def main() -> None:
             for name in ("BatchNorm2d", "GroupNorm"):
                 a, b = r[f"{name} plain"], r[f"{name} sharded"]
                 print(f"{p:>2} {name:>12} {a * 1e6:9.0f} {b * 1e6:10.0f} {b / a:6.2f}")
+    if args.guard:
+        got: dict = {True: [], False: []}
+        for _ in range(args.guard_rounds):
+            for g in (True, False):
+                got[g].append(snn.launch(_measure_guard, 2, g, args.iters, args.warmup, device_type="cpu", threads=1))
+        med = {g: {k: statistics.median(r[k] for r in rs) for k in ("layer", "call")} for g, rs in got.items()}
+        print(f"\nForward guard at P=2 (tiny tensors; separate launches, {args.guard_rounds} each, median), us")
+        print(f"{'':>26} {'guard':>7} {'no guard':>9} {'cost':>6}")
+        for k, label in (("layer", "per sharded layer"), ("call", "per call of the model's own")):
+            a, b = med[True][k] * 1e6, med[False][k] * 1e6
+            print(f"{label:>26} {a:7.1f} {b:9.1f} {a - b:6.1f}")
 
 if __name__ == "__main__":
     main()
