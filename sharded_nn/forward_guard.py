@@ -702,28 +702,21 @@ class _GuardMode(TorchFunctionMode):
         if self.suspended:
             return func(*args, **kwargs)
         # This runs for every torch call between sharded layers (tens of microseconds each on a
-        # small model, where it adds up): one pass over the flat arguments finds the tensors and
-        # the tracked ones (``_States`` probes inlined), nested containers go through ``_walk``.
-        entries = self.states._d
+        # small model, where it adds up): the flat arguments are collected without calls (dims
+        # and sizes skipped by type, nested containers through ``_walk``), then the tensors among
+        # them are probed in the layout map (``_States.__contains__`` inlined).
         found: list = []
-        stateful: list = []
-        tagged = False
-        nested: list = []
         for a in (*args, *kwargs.values()) if kwargs else args:
             if type(a) in _PLAIN_TYPES:  # dims, sizes, flags: most arguments of a permute or a view
                 continue
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, (torch.Tensor, LocalDerived)):
                 found.append(a)
-                e = entries.get(id(a))
-                if e is not None and e[0]() is a:
-                    stateful.append(a)
-            elif isinstance(a, LocalDerived):
-                found.append(a)
-                tagged = True
             elif isinstance(a, (list, tuple, dict)):
-                _walk(a, nested, 1)
-        for t in nested:
-            found.append(t)
+                _walk(a, found, 1)
+        entries = self.states._d
+        stateful: list = []
+        tagged = False
+        for t in found:
             if isinstance(t, torch.Tensor):
                 e = entries.get(id(t))
                 if e is not None and e[0]() is t:
