@@ -313,6 +313,58 @@ def test_double_backward(run, world, nd):
     assert all(run(world, _double_backward, nd))
 
 
+
+# --- the depth-padded Conv3d weight-gradient paths ---------------------------------------------
+
+#: The 3-D cases that pad along depth (the sharded dim), strided, dilated, grouped and reflect.
+DEPTH_PADDED = [c for c in OPTION_CASES if c.nd == 3 and c.dims == (2,) and c.padding not in (0, (0, 1, 0))]
+
+
+def _with_depth_padding(explicit: bool, fn, *args):
+    """``fn(*args)`` with the explicitly padded weight gradient forced on or off (this rank)."""
+    from sharded_nn.layers import conv
+
+    saved = conv._EXPLICIT_DEPTH_PAD
+    conv._EXPLICIT_DEPTH_PAD = explicit
+    try:
+        return fn(*args)
+    finally:
+        conv._EXPLICIT_DEPTH_PAD = saved
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+@pytest.mark.parametrize("domain", [1, 2, 3])
+def test_depth_padded_conv3d_both_paths(run, domain, explicit):
+    # Which path runs depends on the CPU (see layers/conv.py::_conv); both must be exact anywhere.
+    assert len(DEPTH_PADDED) >= 4
+    for cfg in DEPTH_PADDED:
+        run(domain, _with_depth_padding, explicit, _check, Cfg(**{**cfg.__dict__, "domain": domain}))
+
+
+def test_depth_padded_conv3d_double_backward_explicit(run):
+    assert all(run(1, _with_depth_padding, True, _double_backward, 3))
+
+
+def test_depth_padding_choice_follows_onednn_isa(monkeypatch):
+    from sharded_nn.layers import conv
+
+    def decide(capability, cap_env):
+        monkeypatch.setattr(conv, "_EXPLICIT_DEPTH_PAD", None)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        if cap_env is None:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap_env)
+        return conv._explicit_depth_padding()
+
+    assert decide("AVX2", None) is True
+    assert decide("DEFAULT", None) is True
+    assert decide("AVX512", None) is False
+    assert decide("AVX512", "AVX512_CORE_AMX") is False
+    assert decide("AVX512", "avx2") is True  # oneDNN held below AVX-512
+
+
 # --- bounded caches, keyed by facts every rank shares ---------------------------------------
 
 

@@ -38,6 +38,12 @@ def halo_add(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, *, tag: int | Non
         is ``halo_cat`` of the gradient).
     """
     _check_ring(spec, ring)
+    if not any(spec.left) and not any(spec.right):
+        # No rank holds a strip of a neighbour's (a transposed conv whose kernel equals its
+        # stride, a UNet's usual up-sampling): nothing moves, and ``x`` is already the core. The
+        # widths are every rank's, so all ranks take this branch alike (no tag is reserved by
+        # any). The Function would copy the slab once in forward and once in backward.
+        return x
     return _HaloAdd.apply(x, spec, ring, ring.next_tags(HALO_TAGS) if tag is None else tag)
 
 
