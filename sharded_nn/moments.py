@@ -1,7 +1,9 @@
-"""Per-channel mean and variance of a slab in one pass over memory (the sharded norms' statistics).
+"""The sharded norms' native kernels: a slab's per-channel mean and variance in one pass over
+memory, and the group norm backward's input gradient in one pass.
 
-Not part of the public API; ``layers/norm.py`` calls :func:`local_moments` and falls back to its
-torch-only two-pass form where this returns None.
+Not part of the public API; ``layers/norm.py`` calls :func:`local_moments` (or
+:func:`packed_local_moments`) and :func:`row_affine2`, and falls back to its torch-only forms
+where these return None.
 
 Why. A sharded GroupNorm or BatchNorm takes its slab's statistics apart from the normalization:
 they are merged across ranks before anything is normalized, while torch's fused CPU kernels
@@ -12,11 +14,17 @@ the slab once: each row is cut into blocks that stay in the L1 cache, each block
 its own mean are squared while it is there, and blocks are merged in double precision with Chan's
 formula (as stable as the two-pass form; deterministic).
 
-Where it applies: contiguous float32/float64 CPU tensors, one torch thread (the kernel is
-single-threaded; with more threads torch's parallel reductions are kept), outside
-``torch.compile`` tracing and tensor subclasses (fake tensors have no data). The library is
-compiled on first use (``sharded_nn.native``); without a C++ compiler, or with
-``SHARDED_NN_NATIVE_MOMENTS=0``, the torch path runs. Both give the same statistics to rounding.
+The group norm's input gradient is a per-(sample, channel) affine map of two slabs,
+``a * dy + b * x + c`` (``layers/norm.py``, ``_group_norm_backward_fused``); torch's elementwise
+ops (a multiply, an ``addcmul_``, an ``add_``) read and write the slab three times, which made
+the sharded backward's apply cost twice torch's fused ``group_norm`` backward on the same slab.
+:func:`row_affine2` does it in one pass.
+
+Where they apply: contiguous float32/float64 CPU tensors, one torch thread (the kernels are
+single-threaded; with more threads torch's parallel ops are kept), outside ``torch.compile``
+tracing and tensor subclasses (fake tensors have no data). The library is compiled on first use
+(``sharded_nn.native``); without a C++ compiler, or with ``SHARDED_NN_NATIVE_MOMENTS=0``, the
+torch path runs. Both give the same results to rounding.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _why_not: str | None = None
 _FUNCS = {torch.float32: "snn_moments_f32", torch.float64: "snn_moments_f64"}
+_AFFINE = {torch.float32: "snn_row_affine2_f32", torch.float64: "snn_row_affine2_f64"}
 
 
 def wanted() -> bool:
@@ -62,6 +71,10 @@ def _load() -> ctypes.CDLL | None:
                 for fn in _FUNCS.values():
                     getattr(lib, fn).argtypes = args
                     getattr(lib, fn).restype = None
+                affine_args = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4)
+                for fn in _AFFINE.values():
+                    getattr(lib, fn).argtypes = affine_args
+                    getattr(lib, fn).restype = None
                 _lib = lib
             except (RuntimeError, OSError) as exc:
                 _why_not = str(exc)
@@ -79,15 +92,15 @@ def available() -> bool:
     return wanted() and _load() is not None
 
 
-def _applies(x3: torch.Tensor) -> bool:
-    """Whether the native kernel can read ``x3`` here (see the module docstring)."""
+def _applies(x: torch.Tensor, ndim: int = 3) -> bool:
+    """Whether the native kernels can read the ``ndim``-d ``x`` here (see the module docstring)."""
     return (
-        type(x3) is torch.Tensor
-        and x3.device.type == "cpu"
-        and x3.dtype in _FUNCS
-        and x3.dim() == 3
-        and x3.numel() > 0
-        and x3.is_contiguous()
+        type(x) is torch.Tensor
+        and x.device.type == "cpu"
+        and x.dtype in _FUNCS
+        and x.dim() == ndim
+        and x.numel() > 0
+        and x.is_contiguous()
         and torch.get_num_threads() == 1
         and not torch.compiler.is_compiling()
         and available()
@@ -125,4 +138,39 @@ def packed_local_moments(x3: torch.Tensor) -> torch.Tensor | None:
     ptr = out.data_ptr()
     ctypes.c_double.from_address(ptr).value = float(a * b)
     getattr(_lib, _FUNCS[x3.dtype])(x3.data_ptr(), a, k, b, ptr + 8, ptr + 8 * (1 + k))
+    return out
+
+
+
+def row_affine2_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether :func:`row_affine2` can take the ``(R, I)`` tensors ``g`` and ``x`` here."""
+    return (
+        _applies(x, 2)
+        and type(g) is torch.Tensor
+        and g.dtype == x.dtype
+        and g.shape == x.shape
+        and g.is_contiguous()
+    )
+
+
+def row_affine2(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a[r] * g[r] + b[r] * x[r] + c[r]`` for each row ``r`` of the ``(R, I)`` tensors ``g``, ``x``.
+
+    ``a``, ``b``, ``c``: ``(R,)`` CPU tensors (cast to ``x``'s dtype). One pass over memory; a new
+    tensor. Call only where :func:`row_affine2_applies` (the caller keeps a torch form otherwise).
+    """
+    if not row_affine2_applies(g, x):
+        raise ValueError(
+            f"row_affine2: expected contiguous CPU float32/float64 (R, I) tensors of one shape and dtype "
+            f"under one torch thread, got {g.dtype} {tuple(g.shape)} and {x.dtype} {tuple(x.shape)}"
+        )
+    rows, inner = x.shape
+    a, b, c = (v.to(x.dtype).contiguous() for v in (a, b, c))
+    for v in (a, b, c):
+        if v.shape != (rows,) or v.device.type != "cpu":
+            raise ValueError(f"row_affine2: expected ({rows},) CPU coefficients, got {tuple(v.shape)} on {v.device}")
+    out = torch.empty_like(x)
+    getattr(_lib, _AFFINE[x.dtype])(
+        g.data_ptr(), x.data_ptr(), rows, inner, a.data_ptr(), b.data_ptr(), c.data_ptr(), out.data_ptr()
+    )
     return out

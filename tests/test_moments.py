@@ -1,4 +1,5 @@
-"""The one-pass slab statistics (sharded_nn/moments.py, csrc/moments.cpp) against float64 references.
+"""The sharded norms' native kernels (sharded_nn/moments.py, csrc/moments.cpp): the one-pass slab
+statistics against float64 references, and the group norm backward's one-pass affine map.
 
 The sharded norms' tests (test_norm.py, test_norm_precision.py) run their ranks with one thread,
 so they go through this kernel too; these tests pin the kernel itself: every tail length of its
@@ -113,6 +114,39 @@ def test_does_not_apply_where_it_cannot_read_the_data(one_thread) -> None:
     assert moments.local_moments(x.to("meta")) is None
     torch.set_num_threads(2)
     assert moments.local_moments(x) is None  # torch's parallel reductions keep the threads busy
+
+
+
+@needs_native
+@pytest.mark.parametrize("inner", [1, 7, 33, 1000, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_affine2_matches_torch(one_thread, inner, dtype) -> None:
+    # The group norm backward's dx = a * dy + b * x + c per (sample, channel) row, in one pass.
+    gen = torch.Generator().manual_seed(inner)
+    g, x = (torch.randn(5, inner, generator=gen, dtype=dtype) for _ in range(2))
+    a, b, c = (torch.randn(5, generator=gen, dtype=torch.float64) for _ in range(3))
+    assert moments.row_affine2_applies(g, x)
+    got = moments.row_affine2(g, x, a, b, c)
+    want = (a[:, None] * g.double() + b[:, None] * x.double()) + c[:, None]
+    assert got.dtype == dtype and got.shape == x.shape and got.data_ptr() not in (g.data_ptr(), x.data_ptr())
+    tol = 1e-14 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
+
+
+def test_row_affine2_refuses_what_it_cannot_read(one_thread) -> None:
+    g, x = torch.randn(4, 10), torch.randn(4, 10)
+    coef = torch.ones(4)
+    assert not moments.row_affine2_applies(g.t().contiguous().t(), x)  # not contiguous
+    assert not moments.row_affine2_applies(g.double(), x)  # dtypes differ
+    assert not moments.row_affine2_applies(g[:3], x)  # shapes differ
+    assert not moments.row_affine2_applies(g.half(), x.half())
+    with pytest.raises(ValueError, match="expected contiguous CPU float32/float64"):
+        moments.row_affine2(g.half(), x.half(), coef, coef, coef)
+    if moments.available():
+        with pytest.raises(ValueError, match=r"expected \(4,\) CPU coefficients"):
+            moments.row_affine2(g, x, torch.ones(3), coef, coef)
+    torch.set_num_threads(2)
+    assert not moments.row_affine2_applies(g, x)  # torch's parallel elementwise ops run instead
 
 
 def test_the_source_ships_with_the_package() -> None:

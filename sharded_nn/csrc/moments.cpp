@@ -1,4 +1,5 @@
-// Per-channel mean and sum of squared deviations in one pass over memory (sharded_nn/moments.py).
+// The sharded norms' native kernels (sharded_nn/moments.py): per-channel mean and sum of squared
+// deviations in one pass over memory, and the group-norm backward's per-row affine map of two arrays.
 //
 // Why this exists: a sharded GroupNorm or BatchNorm must take its slab's statistics apart from the
 // normalization (the statistics are merged across ranks before anything is normalized), while
@@ -138,6 +139,20 @@ SNN_INLINE void moments(const T* x, int64_t outer, int64_t channels, int64_t inn
   }
 }
 
+// out = a[r] * g + b[r] * x + c[r] along each row r of contiguous (rows, inner) arrays. No sums:
+// the vectorizer takes the loop as written (restrict: the three arrays do not overlap).
+template <typename T>
+SNN_INLINE void row_affine2(const T* __restrict__ g, const T* __restrict__ x, int64_t rows, int64_t inner,
+                            const T* a, const T* b, const T* c, T* __restrict__ out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T ar = a[r], br = b[r], cr = c[r];
+    const T* gr = g + r * inner;
+    const T* xr = x + r * inner;
+    T* o = out + r * inner;
+    for (int64_t i = 0; i < inner; ++i) o[i] = (ar * gr[i] + br * xr[i]) + cr;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -150,6 +165,19 @@ SNN_CLONES void snn_moments_f32(const float* x, int64_t outer, int64_t channels,
 
 SNN_CLONES void snn_moments_f64(const double* x, int64_t outer, int64_t channels, int64_t inner, double* mean, double* m2) {
   moments<double>(x, outer, channels, inner, mean, m2);
+}
+
+// The input gradient of a group norm from its output gradient g and input x (rows = N * C, one
+// coefficient triple per row): one pass where torch's elementwise ops take three. out may not
+// overlap g or x.
+SNN_CLONES void snn_row_affine2_f32(const float* g, const float* x, int64_t rows, int64_t inner, const float* a,
+                                    const float* b, const float* c, float* out) {
+  row_affine2<float>(g, x, rows, inner, a, b, c, out);
+}
+
+SNN_CLONES void snn_row_affine2_f64(const double* g, const double* x, int64_t rows, int64_t inner, const double* a,
+                                    const double* b, const double* c, double* out) {
+  row_affine2<double>(g, x, rows, inner, a, b, c, out);
 }
 
 }  // extern "C"

@@ -43,7 +43,7 @@ from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
 from ..mesh import axis_size, data_axis, group_over, mesh_cached
-from ..moments import local_moments, packed_local_moments
+from ..moments import local_moments, packed_local_moments, row_affine2, row_affine2_applies
 from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
 
@@ -374,9 +374,11 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
     """``_GroupNormFn.backward`` on torch's inference batch-norm backward kernel (see its docstring).
 
     The kernel's reduction pass gives, per (sample, channel), ``sum(g)`` and ``sum(g * xhat)``;
-    the group sums of ``weight * sum(g)`` and ``weight * sum(g * xhat)`` are all-reduced without
-    blocking while ``g * weight * rstd`` is computed, and the correction
-    ``-rstd * (S_g + xhat * S_gx) / count`` is a per-(sample, channel) affine map of x.
+    the group sums of ``weight * sum(g)`` and ``weight * sum(g * xhat)`` are all-reduced, and
+    ``dx = (weight * rstd) * g + a * x + b`` with per-(sample, channel) ``a`` and ``b``. Where the
+    native kernel applies (``sharded_nn/moments.py``, one torch thread on CPU) that is one pass
+    over the slab; otherwise ``g * weight * rstd`` is computed while the sums travel, then an
+    ``addcmul_`` and an ``add_``.
     """
     n, c = x.shape[:2]
     groups, eps = ctx.num_groups, ctx.eps
@@ -393,14 +395,20 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
         torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)]),
         ctx.group,
     )
-    dx = gf * (w_nc * _per_channel(rstd, c)).reshape(1, -1, 1)
+    scale = w_nc * _per_channel(rstd, c)
+    g2, x2 = gf.reshape(n * c, -1), xf.reshape(n * c, -1)
+    one_pass = row_affine2_applies(g2, x2)
+    dx = None if one_pass else gf * scale.reshape(1, -1, 1)  # while the sums travel
     sums = pending.wait()
     count = ctx.count.to(x.dtype)
     r = rstd.reshape(n, groups)
     a = -r * r * sums[1] / count
     b = -r * sums[0] / count - a * mean.reshape(n, groups)
-    a_nc, b_nc = _per_channel(a, c).reshape(1, -1, 1), _per_channel(b, c).reshape(1, -1, 1)
-    dx = dx.addcmul_(xf, a_nc).add_(b_nc).reshape(x.shape)
+    a_nc, b_nc = _per_channel(a, c), _per_channel(b, c)
+    if one_pass:
+        dx = row_affine2(g2, x2, scale, a_nc, b_nc).reshape(x.shape)
+    else:
+        dx = dx.addcmul_(xf, a_nc.reshape(1, -1, 1)).add_(b_nc.reshape(1, -1, 1)).reshape(x.shape)
     dw = s_gx.reshape(n, c).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
     db = s_g.reshape(n, c).sum(0) if bias is not None and ctx.needs_input_grad[2] else None
     return dx, dw, db, None, None, None, None
