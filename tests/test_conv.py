@@ -365,6 +365,98 @@ def test_depth_padding_choice_follows_onednn_isa(monkeypatch):
     assert decide("AVX512", "avx2") is True  # oneDNN held below AVX-512
 
 
+
+# --- float32 volumes that torch would convolve on its reference kernel --------------------------
+
+#: (input shape, weight shape, stride, padding, dilation): one-sample float32 geometries that
+#: torch sends to slow_conv3d (N*C*S0*S1 <= 20480); the sharded conv runs them on oneDNN.
+ONEDNN_GEOMETRIES = [
+    ((1, 4, 9, 6, 5), (6, 4, 3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1)),
+    ((1, 4, 10, 6, 5), (4, 4, 4, 3, 2), (2, 1, 1), (2, 1, 0), (1, 1, 1)),
+    # Dilated along the cut (torch picks oneDNN itself for dilated convs; the cut is checked anyway).
+    ((1, 3, 11, 7, 5), (5, 3, 3, 3, 3), (1, 2, 1), (2, 1, 1), (2, 1, 1)),
+    ((1, 3, 1, 7, 5), (5, 3, 1, 3, 3), (1, 1, 1), (0, 1, 1), (1, 1, 1)),  # one plane: cut along H
+    ((1, 4, 2, 3, 3), (4, 4, 3, 3, 3), (3, 1, 1), (1, 1, 1), (1, 1, 1)),
+    ((1, 1, 8, 6, 5), (4, 1, 3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1)),  # one channel: torch's kernel in training
+]
+
+
+@pytest.mark.parametrize("geometry", ONEDNN_GEOMETRIES, ids=str)
+def test_reference_kernel_geometries_run_on_onednn_exactly(geometry):
+    from sharded_nn.layers import conv
+
+    xs, ws, stride, padding, dilation = geometry
+    torch.manual_seed(0)
+    x = torch.randn(xs, requires_grad=True)
+    w = torch.randn(ws, requires_grad=True)
+    b = torch.randn(ws[0], requires_grad=True)
+    assert conv._on_reference_kernel(x, w, stride, padding, dilation, 1) == (dilation == (1, 1, 1))
+    want = torch.nn.functional.conv3d(x, w, b, stride, padding, dilation)
+    with torch.no_grad():  # forward only: oneDNN's convolution called directly
+        direct = conv._conv3d_on_onednn(x, w, b, stride, padding, dilation, 1)
+    torch.testing.assert_close(direct, want, atol=2e-5, rtol=1e-5)
+    got = conv._conv3d_on_onednn(x, w, b, stride, padding, dilation, 1)
+    if xs[1] == 1:
+        assert got is None  # the caller keeps torch's convolution
+        return
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    g = torch.randn(want.shape)
+    # Double backward (a gradient penalty) through the cut: differentiable ops only.
+    grads = torch.autograd.grad((got * g).sum(), (x, w, b), create_graph=True)
+    ref_grads = torch.autograd.grad((want * g).sum(), (x, w, b), create_graph=True)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, atol=5e-5, rtol=1e-5)
+    second = torch.autograd.grad(grads[0].square().sum(), w)[0]
+    ref_second = torch.autograd.grad(ref_grads[0].square().sum(), w)[0]
+    torch.testing.assert_close(second, ref_second, atol=1e-3, rtol=1e-4)
+
+
+def test_reference_kernel_choice_is_torch_own():
+    from sharded_nn.layers import conv
+
+    one = [1, 1, 1]
+    w = torch.randn(8, 8, 3, 3, 3)
+    assert conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16), w, one, one, one, 1)  # 8*8*16 <= 20480
+    assert not conv._on_reference_kernel(torch.randn(1, 8, 24, 128, 16), w, one, one, one, 1)  # above it
+    assert not conv._on_reference_kernel(torch.randn(2, 8, 8, 16, 16), w, one, one, one, 1)  # a batch
+    assert not conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16).double(), w.double(), one, one, one, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16), w, one, one, one, 1)
+
+
+def _thin_float32_volume(explicit_depth_pad: bool):
+    """A float32 Conv3d stack on slabs thin enough for torch's reference kernel, against torch."""
+    from sharded_nn.layers import conv
+
+    calls = []
+    original = conv._conv3d_on_onednn
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    conv._conv3d_on_onednn = counted
+    try:
+        m = mesh(dist.get_world_size())
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Conv3d(4, 8, 3, padding=1), nn.GELU(), nn.Conv3d(8, 4, 3, stride=(2, 1, 1), padding=1))
+        x = torch.randn(1, 4, 13, 10, 9)
+        errs = _with_depth_padding(
+            explicit_depth_pad, lambda: check_against_reference(ref, x, m, align=2, atol=1e-4, rtol=1e-4)
+        )
+    finally:
+        conv._conv3d_on_onednn = original
+    if dist.get_world_size() > 1:
+        assert calls, "the thin slabs did not take the oneDNN path"
+    return errs
+
+
+@pytest.mark.parametrize("explicit_depth_pad", [True, False])
+@pytest.mark.parametrize("world", [2, 3])
+def test_thin_float32_volumes_match_torch(run, world, explicit_depth_pad):
+    run(world, _thin_float32_volume, explicit_depth_pad)
+
+
 # --- bounded caches, keyed by facts every rank shares ---------------------------------------
 
 

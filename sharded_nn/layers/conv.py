@@ -62,6 +62,10 @@ def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.T
     padded copy is pure cost (a 3-D UNet training step at P=2 was 3-4% slower with it), so
     there the plain ``F.conv3d`` runs (:func:`_explicit_depth_padding`).
     """
+    if n == 3 and _on_reference_kernel(x, weight, stride, padding, dilation, groups):
+        y = _conv3d_on_onednn(x, weight, bias, stride, padding, dilation, groups)
+        if y is not None:
+            return y
     if (
         n == 3
         and padding[0] > 0
@@ -82,6 +86,86 @@ def _conv(n: int, x, weight, bias, stride, padding, dilation, groups) -> torch.T
                 return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
         return _DepthPadConv3d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
     return _CONV_FN[n](x, weight, bias, stride, padding, dilation, groups)
+
+
+#: Which local conv3d geometries torch would run on its reference kernel (see
+#: ``_on_reference_kernel``); a local decision (no collective), so local shapes may key it.
+_REFERENCE_KERNEL = BoundedCache(256)
+_SELECT_BACKEND = getattr(torch._C, "_select_conv_backend", None)
+
+
+def _on_reference_kernel(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation, groups) -> bool:
+    """Whether torch would run this float32 CPU ``conv3d`` on ``slow_conv3d``, its reference kernel.
+
+    torch sends a one-sample float32 convolution to oneDNN only when ``N * C * S0 * S1`` exceeds
+    20480 (or the batch, the groups or the kernel's last two sizes are large): a heuristic for
+    small 2-d images, which for a volume ignores the last dim. A slab thinner than the whole
+    volume falls below it where the unsharded volume did not (the 3-D UNet's bottleneck at P=2,
+    1 x 32 x 16 x 32 x 32: 52 ms on ``slow_conv3d`` against 12 ms on oneDNN, one thread), and
+    for a volume the reference kernel is 3-14x slower at every size measured (the 2-d reference
+    kernel is not, and 2-d convolutions keep torch's choice). Asks torch's own backend selector,
+    so a torch that changes the heuristic changes this with it.
+    """
+    if (
+        _SELECT_BACKEND is None
+        or type(x) is not torch.Tensor
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    key = (tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
+    return _REFERENCE_KERNEL.get(key, _selects_reference, x, weight, stride, padding, dilation, groups)
+
+
+def _selects_reference(x, weight, stride, padding, dilation, groups) -> bool:
+    backend = _SELECT_BACKEND(x, weight, None, list(stride), list(padding), list(dilation), False, [0] * 3, groups, None)
+    return str(backend).endswith("Slow3d")
+
+
+def _conv3d_on_onednn(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor | None:
+    """``F.conv3d`` of a geometry torch would send to its reference kernel, on oneDNN instead.
+
+    Without autograd, oneDNN's convolution is called directly. With it, torch's backward would
+    choose the reference kernel again, so the one sample is cut into two along the spatial dim
+    with the most outputs (each half with the input planes its outputs read, explicitly
+    zero-padded), convolved as a batch of two (which torch sends to oneDNN, backward included) and
+    the halves joined: differentiable ops only, so double backward works too. The cut copies the
+    input once (a slab this small is a few megabytes) and saves that copy for backward. None where
+    neither applies (a single-channel input in training, where both kernels take the same time,
+    or no dim with two outputs): the caller keeps torch's convolution.
+    """
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not training:
+        return torch.ops.aten.mkldnn_convolution(x, weight, bias, list(padding), list(stride), list(dilation), groups)
+    if x.shape[0] != 1 or x.shape[1] == 1:
+        return None
+    outs = [
+        (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
+        for i in range(3)
+    ]
+    i = max(range(3), key=lambda j: outs[j])
+    if outs[i] < 2:
+        return None
+    d, s, p = 2 + i, stride[i], padding[i]
+    span = dilation[i] * (weight.shape[d] - 1) + 1
+    n_out, half = outs[i], (outs[i] + 1) // 2
+
+    def pad_along(t: torch.Tensor, left: int, right: int) -> torch.Tensor:
+        return F.pad(t, (0, 0) * (4 - d) + (left, right))
+
+    xp = pad_along(x, p, p) if p else x
+    length = (half - 1) * s + span  # the input planes the first half's outputs read
+    first = xp.narrow(d, 0, length)
+    second = xp.narrow(d, half * s, min(length, xp.shape[d] - half * s))
+    if second.shape[d] < length:  # the second half is shorter: zero planes, outputs dropped below
+        second = pad_along(second, 0, length - second.shape[d])
+    pads = list(padding)
+    pads[i] = 0
+    y2 = F.conv3d(torch.cat([first, second]), weight, bias, stride, pads, dilation, groups)
+    return torch.cat([y2.narrow(0, 0, 1), y2.narrow(0, 1, 1).narrow(d, 0, n_out - half)], d)
 
 
 #: Whether ``_DepthPadConv3d`` runs (None: not decided yet). Tests set it to exercise both paths.
