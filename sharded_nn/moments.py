@@ -2,8 +2,8 @@
 memory, and the group norm backward's input gradient in one pass.
 
 Not part of the public API; ``layers/norm.py`` calls :func:`local_moments` (or
-:func:`packed_local_moments`) and :func:`row_affine2`, and falls back to its torch-only forms
-where these return None.
+:func:`packed_local_moments`), which return None where the kernel does not apply, and
+:func:`row_affine2` where :func:`row_affine2_applies`; elsewhere it keeps its torch-only forms.
 
 Why. A sharded GroupNorm or BatchNorm takes its slab's statistics apart from the normalization:
 they are merged across ranks before anything is normalized, while torch's fused CPU kernels
@@ -16,9 +16,8 @@ formula (as stable as the two-pass form; deterministic).
 
 The group norm's input gradient is a per-(sample, channel) affine map of two slabs,
 ``a * dy + b * x + c`` (``layers/norm.py``, ``_group_norm_backward_fused``); torch's elementwise
-ops (a multiply, an ``addcmul_``, an ``add_``) read and write the slab three times, which made
-the sharded backward's apply cost twice torch's fused ``group_norm`` backward on the same slab.
-:func:`row_affine2` does it in one pass.
+ops (a multiply, an ``addcmul_``, an ``add_``) read and write the slab three times where one
+pass suffices. :func:`row_affine2` does it in one pass.
 
 Where they apply: contiguous float32/float64 CPU tensors, one torch thread (the kernels are
 single-threaded; with more threads torch's parallel ops are kept), outside ``torch.compile``

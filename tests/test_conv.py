@@ -422,6 +422,13 @@ def test_reference_kernel_choice_is_torch_own():
     assert not conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16).double(), w.double(), one, one, one, 1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16), w, one, one, one, 1)
+    # One-tap kernels keep torch's choice (its own kernel, deliberately, on one thread).
+    assert not conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16), w[..., :1, :1, :1], [2, 2, 2], [0] * 3, one, 1)
+    torch.backends.mkldnn.enabled = False  # the user switched oneDNN off: respected
+    try:
+        assert not conv._on_reference_kernel(torch.randn(1, 8, 8, 16, 16), w, one, one, one, 1)
+    finally:
+        torch.backends.mkldnn.enabled = True
 
 
 def _thin_float32_volume(explicit_depth_pad: bool):

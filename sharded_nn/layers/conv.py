@@ -104,10 +104,16 @@ def _on_reference_kernel(x: torch.Tensor, weight: torch.Tensor, stride, padding,
     1 x 32 x 16 x 32 x 32: 52 ms on ``slow_conv3d`` against 12 ms on oneDNN, one thread), and
     for a volume the reference kernel is 3-14x slower at every size measured (the 2-d reference
     kernel is not, and 2-d convolutions keep torch's choice). Asks torch's own backend selector,
-    so a torch that changes the heuristic changes this with it.
+    so a torch that changes the heuristic changes this with it. Kernels of one tap in every dim
+    keep torch's choice (it prefers its own kernel for them on one thread, deliberately), so does
+    a process that switched oneDNN off (``torch.backends.mkldnn.flags(enabled=False)``), and the
+    answer is cached per geometry and thread count (which enters torch's choice).
     """
     if (
         _SELECT_BACKEND is None
+        or not torch.backends.mkldnn.enabled
+        or not torch.backends.mkldnn.is_available()
+        or all(k == 1 for k in weight.shape[2:])
         or type(x) is not torch.Tensor
         or x.device.type != "cpu"
         or x.dtype != torch.float32
@@ -116,7 +122,10 @@ def _on_reference_kernel(x: torch.Tensor, weight: torch.Tensor, stride, padding,
         or torch.compiler.is_compiling()
     ):
         return False
-    key = (tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
+    key = (
+        tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), tuple(dilation), groups,
+        torch.get_num_threads(),
+    )
     return _REFERENCE_KERNEL.get(key, _selects_reference, x, weight, stride, padding, dilation, groups)
 
 
