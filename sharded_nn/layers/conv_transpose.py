@@ -158,7 +158,20 @@ class _ShardedConvTransposeNd(ShardedMixin):
                 shape = list(x.shape)
                 shape[d] = 1
                 x = torch.cat([x, x.new_zeros(shape)], d)
-        y = _CONVT_FN[n](x, self.weight, None, self.stride, padding, output_padding, self.groups, self.dilation)
+        # The bias goes into the convolution itself (one pass less over the output) where every
+        # output this rank keeps is one of the convolution's own: no strips to or from the
+        # neighbours, no multi-hop gather and no zero rows appended after the buffer's end.
+        fold_bias = self.bias is not None and all(
+            gather is None
+            and not any(spec.left)
+            and not any(spec.right)
+            and (x.shape[d] - 1) * self.stride[d - 2] + self.dilation[d - 2] * (self.kernel_size[d - 2] - 1) + 1
+            - self.padding[d - 2]
+            >= out_layout.sizes[axis_peers(self.mesh, axis).index]
+            for (spec, out_layout, _, gather), d, axis in zip(plans, self.dims, self.mesh_axes)
+        )
+        bias = self.bias if fold_bias else None
+        y = _CONVT_FN[n](x, self.weight, bias, self.stride, padding, output_padding, self.groups, self.dilation)
         for (spec, out_layout, _, gather), d, axis in zip(plans, self.dims, self.mesh_axes):
             i = d - 2
             ring = axis_peers(self.mesh, axis)
@@ -174,7 +187,7 @@ class _ShardedConvTransposeNd(ShardedMixin):
                 y = halo_scatter(y, gather, ring)
             elif ring.size > 1:
                 y = halo_add(y, spec, ring)
-        if self.bias is not None:
+        if self.bias is not None and not fold_bias:
             # In y's dtype: under autocast y is in the autocast dtype, as torch's own output.
             y = y + self.bias.to(y.dtype).view(-1, *([1] * n))
         return y
