@@ -45,14 +45,20 @@ from .base import ShardedMixin, batched, size_fact
 _CONVT_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _narrow_or_pad(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    """``x[start:start+length]`` along ``dim``; positions beyond ``x``'s end are zeros."""
+def _narrow_or_pad(
+    x: torch.Tensor, dim: int, start: int, length: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x[start:start+length]`` along ``dim``; positions beyond ``x``'s end are zeros (``bias``
+    per channel where ``x`` came from a convolution that added it: no input reaches them)."""
     have = x.shape[dim] - start
     if have >= length:
         return x.narrow(dim, start, length)
     shape = list(x.shape)
     shape[dim] = length - have
-    return torch.cat([x.narrow(dim, start, have), x.new_zeros(shape)], dim)
+    fill = x.new_zeros(shape)
+    if bias is not None:
+        fill += bias.to(x.dtype).view(-1, *([1] * (x.dim() - 2)))
+    return torch.cat([x.narrow(dim, start, have), fill], dim)
 
 
 class _ShardedConvTransposeNd(ShardedMixin):
@@ -158,17 +164,11 @@ class _ShardedConvTransposeNd(ShardedMixin):
                 shape = list(x.shape)
                 shape[d] = 1
                 x = torch.cat([x, x.new_zeros(shape)], d)
-        # The bias goes into the convolution itself (one pass less over the output) where every
-        # output this rank keeps is one of the convolution's own: no strips to or from the
-        # neighbours, no multi-hop gather and no zero rows appended after the buffer's end.
+        # The bias goes into the convolution itself (one pass less over the output) where no
+        # output is a sum over ranks: no strips to or from the neighbours and no multi-hop
+        # gather (rows appended past the buffer's end get the bias from _narrow_or_pad).
         fold_bias = self.bias is not None and all(
-            gather is None
-            and not any(spec.left)
-            and not any(spec.right)
-            and (x.shape[d] - 1) * self.stride[d - 2] + self.dilation[d - 2] * (self.kernel_size[d - 2] - 1) + 1
-            - self.padding[d - 2]
-            >= out_layout.sizes[axis_peers(self.mesh, axis).index]
-            for (spec, out_layout, _, gather), d, axis in zip(plans, self.dims, self.mesh_axes)
+            gather is None and not any(spec.left) and not any(spec.right) for spec, _, _, gather in plans
         )
         bias = self.bias if fold_bias else None
         y = _CONVT_FN[n](x, self.weight, bias, self.stride, padding, output_padding, self.groups, self.dilation)
@@ -182,7 +182,7 @@ class _ShardedConvTransposeNd(ShardedMixin):
             # with zeros where its buffer ends before the region it must cover (e < s + p, or
             # output_padding on the last rank).
             start = p - spec.left[r]
-            y = _narrow_or_pad(y, d, start, spec.left[r] + out_layout.sizes[r] + spec.right[r])
+            y = _narrow_or_pad(y, d, start, spec.left[r] + out_layout.sizes[r] + spec.right[r], bias)
             if gather is not None:
                 y = halo_scatter(y, gather, ring)
             elif ring.size > 1:
