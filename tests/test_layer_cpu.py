@@ -28,6 +28,9 @@ DEPTHWISE_CASES = [
     (8, 4, 3, 2, 1, 1, (24, 10)),  # grouped, two channels per group
     (6, 3, (5, 3), 1, (4, 1), (2, 1), (23, 9)),  # dilation along the sharded dim
     (6, 6, 3, 1, 1, (1, 2), (23, 9)),  # dilation along the unsharded dim
+    (6, 6, 7, 1, 3, 1, (23, 9)),  # ConvNeXt's 7x7: three rows read each halo (one band call)
+    (6, 6, 7, 2, 3, 1, (26, 9)),
+    (4, 2, 7, 1, (5, 3), 1, (23, 9)),  # padding wider than the halo rows the kernel reads
 ]
 
 
@@ -74,6 +77,34 @@ def test_depthwise_halo_rows_avoid_grouped_conv1d(run, k, s):
         assert "aten::conv1d" not in ops, ops
         assert not [o for o in ops if "slow_conv" in o or "thnn" in o], ops
         assert "aten::mkldnn_convolution" in ops, ops
+
+
+def _conv_calls(c, k, s, grad):
+    torch.manual_seed(0)
+    ref = nn.Conv2d(c, c, k, stride=s, padding=k // 2, groups=c)
+    m = mesh(dist.get_world_size())
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = snn.shard(torch.randn(1, c, 40, 16, generator=torch.Generator().manual_seed(1)), m, dims=(2,), align=s)
+    x.requires_grad_(grad)
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.set_grad_enabled(grad):
+        model(x)  # warm-up: plans and tap caches
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::convolution")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("k, s, p", [(3, 1, 2), (5, 1, 2), (7, 1, 2), (7, 2, 3), (7, 1, 3)])
+def test_halo_rows_take_one_call_per_halo(run, k, s, p, grad):
+    # Every output row that reads a halo is corrected in one convolution per halo (a band of the
+    # halo planes and zeros), not one per row: 2 calls on an edge rank, 3 on an inner one.
+    calls = run(p, _conv_calls, 8, k, s, grad)
+    expected = [2 if r in (0, p - 1) else 3 for r in range(p)]
+    if s == 2:  # stride 2, 7 taps, pad 3: rows 0-1 read the left halo, only row 9 the right one
+        expected = [1 + (r > 0) + (r < p - 1) for r in range(p)]
+    assert calls == expected
 
 
 @pytest.mark.parametrize("shape", [(1, 1152, 64), (2, 96, 300), (3, 7, 11), (1, 4, 1 << 17)])

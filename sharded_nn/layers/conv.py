@@ -429,7 +429,10 @@ class _ShardedConvNd(ShardedMixin):
             # that is up to three roundings where one device rounds once, so low-precision convs
             # compute every output row in one convolution (apply_overlapped) instead.
             if not _low_precision(x):
-                out = apply_linear(x, plans[last], rings[last], mode, window, conv, band)
+                # 2-D: rows that read one halo corrected in one call (measured; see apply_linear).
+                # 1-d and 3-d keep one call per row: their folded tap rows avoid thin-volume kernels.
+                rows = (lambda t: conv(t, 0, bias=False)) if n == 2 else None
+                out = apply_linear(x, plans[last], rings[last], mode, window, conv, band, rows)
                 if out is not None:
                     return out
             return apply_overlapped(x, plans[last], rings[last], mode, window, conv)
