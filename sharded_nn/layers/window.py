@@ -392,19 +392,15 @@ def apply_linear(
         if conv_band is not None and len(rows) > 1:
             first = rows[0][0]
             band = _halo_band(halo, d, -width if left else n, first * s - pl, (rows[-1][0] - first) * s + w.span)
-            corrections = ((first, conv_band(band)),)
-        else:
-            corrections = ((row, conv_taps(select_along(halo, d, idx), taps)) for row, taps, idx in rows)
-        for row, corr in corrections:
-            out = _add_rows(out, corr, d, row)
-    return out
-
-
-def _add_rows(out: torch.Tensor, corr: torch.Tensor, d: int, row: int) -> torch.Tensor:
-    """``out`` with ``corr`` added to its rows from ``row`` on along ``d`` (in place)."""
-    if out.requires_grad or corr.requires_grad:
-        return _AddBand.apply(out, corr, d, row)
-    out.narrow(d, row, corr.shape[d]).add_(corr)  # no graph to record: the Function's per-call cost buys nothing
+            rows = ((first, None, band),)
+        # The add stays inline: moved into a helper function, torch.compile (aot_eager, torch
+        # 2.14) computed wrong input gradients through the in-place _AddBand (test_compile).
+        for row, taps, idx in rows:
+            corr = conv_band(idx) if taps is None else conv_taps(select_along(halo, d, idx), taps)
+            if out.requires_grad or corr.requires_grad:
+                out = _AddBand.apply(out, corr, d, row)
+            else:  # no graph to record: the Function's per-call cost buys nothing
+                out.narrow(d, row, corr.shape[d]).add_(corr)
     return out
 
 
