@@ -31,6 +31,13 @@ def _stack(kind: str) -> nn.Module:
             nn.MaxPool2d(3, stride=1, padding=1),
             nn.LayerNorm([4, 6, 5]),
         ]
+    elif kind == "taps":  # halo-row corrections: one row (3x3), a band of rows (5x5, 7x7 depthwise)
+        layers = [
+            nn.Conv2d(3, 4, 5, padding=2),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 7, padding=3, groups=4),
+            nn.Conv2d(4, 2, 3, padding=1, bias=False),
+        ]
     elif kind == "conv3d":  # depth-padded Conv3d: the custom weight-gradient path on CPU
         layers = [nn.Conv3d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 2, (3, 1, 3), padding=(1, 0, 1), groups=2)]
     else:  # a small conv / norm stack for the 2-D mesh
@@ -65,7 +72,8 @@ def _check_compiled(domain, dims, backend, kind):
     for _ in range(2):  # the second call reuses the compiled graphs
         for p in (*ref.parameters(), *sharded.parameters()):
             p.grad = None
-        x = torch.randn(2, 3, 12, 10, *((6,) if kind == "conv3d" else ()), dtype=torch.float64)
+        rows = 14 if kind == "taps" else 12  # taps: uneven slabs at P=3 (6, 4, 4)
+        x = torch.randn(2, 3, rows, 10, *((6,) if kind == "conv3d" else ()), dtype=torch.float64)
         check_against_reference(ref, x, m, dims=dims, align=2, sharded=sharded, atol=1e-9, rtol=1e-9)
     for a, b in zip(ref.buffers(), sharded.buffers()):
         torch.testing.assert_close(b, a)
@@ -76,6 +84,12 @@ def _check_compiled(domain, dims, backend, kind):
 
 def test_compiled_norm_pool_stack(run):
     assert all(run(2, _check, 2, (2,), "aot_eager", "norms", timeout=300))
+
+
+def test_compiled_halo_row_corrections(run):
+    # Three ranks, uneven slabs of 14 rows: the middle rank corrects rows from both halos; the
+    # 5x5 and 7x7 kernels read 2 and 3 rows from each neighbour (one band call per halo).
+    assert all(run(3, _check, 3, (2,), "aot_eager", "taps", timeout=300))
 
 
 def test_compiled_conv_norm_2x2_mesh(run):

@@ -393,11 +393,16 @@ def apply_linear(
             first = rows[0][0]
             band = _halo_band(halo, d, -width if left else n, first * s - pl, (rows[-1][0] - first) * s + w.span)
             rows = ((first, None, band),)
-        # The add stays inline: moved into a helper function, torch.compile (aot_eager, torch
-        # 2.14) computed wrong input gradients through the in-place _AddBand (test_compile).
         for row, taps, idx in rows:
             corr = conv_band(idx) if taps is None else conv_taps(select_along(halo, d, idx), taps)
-            if out.requires_grad or corr.requires_grad:
+            if torch.compiler.is_compiling():
+                # Functional under torch.compile: traced through the in-place _AddBand (mark_dirty),
+                # AOTAutograd (torch 2.14) computed wrong input gradients for some arrangements
+                # of this same code (all corrections computed first, then added; the
+                # test_compile stacks), and the compiled graph gains nothing from the in-place form.
+                w = corr.shape[d]
+                out = out.slice_scatter(out.narrow(d, row, w) + corr, d, row, row + w)
+            elif out.requires_grad or corr.requires_grad:
                 out = _AddBand.apply(out, corr, d, row)
             else:  # no graph to record: the Function's per-call cost buys nothing
                 out.narrow(d, row, corr.shape[d]).add_(corr)
