@@ -79,6 +79,11 @@ def _check_compiled(domain, dims, backend, kind):
         torch.testing.assert_close(b, a)
     # Dynamo really compiled something (it did not fall back to eager for the whole model).
     assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    # Our code never raises while Dynamo traces it: Dynamo would fall back to eager for that frame
+    # and hide the bug (a shadowed variable in the compile-only branch of the halo-row
+    # corrections raised AttributeError there, and the test still passed through eager).
+    raised = [k.split("Developer debug context:")[-1][:200] for k in counters["unimplemented"] if "raised exception" in k]
+    assert not raised, raised
     return True
 
 

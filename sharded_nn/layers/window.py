@@ -400,8 +400,8 @@ def apply_linear(
                 # AOTAutograd (torch 2.14) computed wrong input gradients for some arrangements
                 # of this same code (all corrections computed first, then added; the
                 # test_compile stacks), and the compiled graph gains nothing from the in-place form.
-                w = corr.shape[d]
-                out = out.slice_scatter(out.narrow(d, row, w) + corr, d, row, row + w)
+                end = row + corr.shape[d]
+                out = out.slice_scatter(out.narrow(d, row, corr.shape[d]) + corr, d, row, end)
             elif out.requires_grad or corr.requires_grad:
                 out = _AddBand.apply(out, corr, d, row)
             else:  # no graph to record: the Function's per-call cost buys nothing
