@@ -186,3 +186,35 @@ def _check_compiled_vit(domain: int):
 
 def test_compiled_vit(run):
     assert all(run(3, _check_compiled_vit, 3, timeout=300))
+
+
+def _check_compiled_unet(domain: int):
+    # The zoo UNet (strided convs, transposed convs, GroupNorm, skip concatenations, the far-edge
+    # pad and crop for a size that is no multiple of its alignment), converted and compiled.
+    from torch._dynamo.utils import counters
+
+    from sharded_nn.zoo import UNet, create_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = mesh(domain)
+    kw = dict(channels=(4, 8, 8))
+    torch.manual_seed(0)
+    ref = UNet(2, 2, 3, **kw).double()
+    sharded = create_model("unet2d", mesh=m, in_channels=2, out_channels=3, **kw).double()
+    sharded.load_state_dict(ref.state_dict())
+    sharded.compile(backend="aot_eager")
+    align = snn.alignment(ref, dims=(2,))
+    for _ in range(2):
+        for p in (*ref.parameters(), *sharded.parameters()):
+            p.grad = None
+        x = torch.randn(1, 2, 21, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        check_against_reference(ref, x, m, dims=(2,), align=align, sharded=sharded, atol=1e-9, rtol=1e-9)
+    raised = [k.split("Developer debug context:")[-1][:200] for k in counters["unimplemented"] if "raised exception" in k]
+    assert not raised, raised
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    return True
+
+
+def test_compiled_unet(run):
+    assert all(run(2, _check_compiled_unet, 2, timeout=300))
