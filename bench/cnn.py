@@ -13,7 +13,9 @@ P=1 is plain timm (``timm.create_model(name, num_classes=10, drop_rate=0, drop_p
 randomly initialised with a fixed seed); P=2 is ``snn.convert`` of the same model, the
 ``(1, 3, H, W)`` input sharded on H with the model's alignment (``snn.alignment``). Times are
 the median of ``--iters`` steps after one warm-up (more for short steps: about
-``--min-seconds`` of steps, at most 30), slowest rank. Checked: P=1 and P=2 logits
+``--min-seconds`` of steps, at most 30), slowest rank; steps shorter than a quarter second run
+back to back in at least five groups, one barrier before each group (as a training loop runs
+them: no barrier between steps), and the median is over the groups' time per step. Checked: P=1 and P=2 logits
 (eval mode) and the domain-summed gradient of the first convolution's weight (train step)
 against plain timm in float64 at P=1 (relative error, max |diff| / max |reference|), so the
 table shows the error of the sharded model next to plain timm's own float32 error. The gradient
@@ -73,20 +75,34 @@ def _median_time(fn, iters: int, sync, min_seconds: float = 0.0) -> tuple[float,
     # Short steps are timed more often (up to _MAX_ITERS, about ``min_seconds`` in all): one
     # slow step of a noisy host moves a median of 3 a lot at 30-500 ms a step. The count is
     # agreed (the slowest rank's warm-up) so that every rank runs the same steps.
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed:
         dist.all_reduce(warm, op=dist.ReduceOp.MAX)
     iters = max(iters, min(_MAX_ITERS, math.ceil(min_seconds / max(warm.item(), 1e-6))))
+    # Steps run back to back, as in a user's loop, in groups that start together (one barrier
+    # before each group, none inside): a barrier after every step would add a gloo round trip
+    # (0.5-1 ms on a 2-vCPU host) to each P=2 step that no training loop pays, several percent
+    # of a 20 ms step. Per group, the slowest rank's time per step; the median over groups.
+    group = max(1, min(iters // _MIN_GROUPS, math.floor(_GROUP_SECONDS / max(warm.item(), 1e-6))))
     times = []
-    for _ in range(iters):
+    for _ in range(math.ceil(iters / group)):
         sync()
         t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
+        for _ in range(group):
+            out = fn()
+        times.append((time.perf_counter() - t0) / group)
+    if distributed:
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
     return statistics.median(times), out
 
 
+#: Steps shorter than this many seconds are timed in groups run back to back (``_median_time``).
+_GROUP_SECONDS = 0.25
+#: At least this many groups per measurement, the median taken over them.
+_MIN_GROUPS = 5
 #: Most timed steps per measurement (``--min-seconds``).
 _MAX_ITERS = 30
 

@@ -320,27 +320,34 @@ def _map_peer_arena(pid: int, fd: int, size: int, token: bytes) -> _PeerArena:
 class _Work:
     """A transport operation in flight; ``wait()`` drives the transport until it completes."""
 
-    __slots__ = ("done", "timeout", "what", "peer")
+    __slots__ = ("done", "timeout", "what", "peer", "tr")
 
-    def __init__(self, timeout: float, what: str, peer: int) -> None:
+    def __init__(self, timeout: float, what: str, peer: int, tr: _Transport | None = None) -> None:
         self.done, self.timeout, self.what, self.peer = False, timeout, what, peer
+        # The transport that carries it (looked up again where not given).
+        self.tr = tr
+
+    def _progress(self, timeout: float, raise_on_timeout: bool) -> None:
+        (self.tr or _transport()).progress(lambda: self.done, timeout, self, raise_on_timeout)
 
     def is_completed(self) -> bool:
         if not self.done:
-            _transport().progress(lambda: self.done, 0.0, self, raise_on_timeout=False)
+            self._progress(0.0, False)
         return self.done
 
     def wait(self, timeout=None) -> bool:  # noqa: D102 - as dist.Work.wait
         if not self.done:
-            _transport().progress(lambda: self.done, self.timeout, self)
+            self._progress(self.timeout, True)
         return True
 
 
 class _Recv(_Work):
     __slots__ = ("dst", "key", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple, timeout: float, what: str, peer: int) -> None:
-        super().__init__(timeout, what, peer)
+    def __init__(
+        self, tensor: torch.Tensor, key: tuple, timeout: float, what: str, peer: int, tr: _Transport | None = None
+    ) -> None:
+        super().__init__(timeout, what, peer, tr)
         self.tensor, self.dst, self.key = tensor, _bytes_of(tensor), key
 
     def fill(self, body: memoryview) -> None:
@@ -798,13 +805,18 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 
 
 _STATE: dict[str, object] = {"transport": None}
+#: torch.distributed's module-level state (one object for the life of the process).
+_C10D_WORLD = getattr(dist.distributed_c10d, "_world", None)
 _STATE_LOCK = threading.Lock()
 
 
 def _transport() -> _Transport:
     """This process's transport for the current default group (a new one after re-initialisation)."""
     t = _STATE["transport"]
-    default = dist.distributed_c10d._get_default_group()
+    # torch's own record of the default group, read directly: ``_get_default_group()`` costs
+    # five Python calls, and this runs several times per message (None: not initialised, which
+    # ``_get_default_group`` reports).
+    default = getattr(_C10D_WORLD, "default_pg", None) or dist.distributed_c10d._get_default_group()
     if t is not None and t.default_group() is default:  # type: ignore[union-attr]
         return t  # type: ignore[return-value]
     with _STATE_LOCK:
@@ -886,22 +898,32 @@ def collective_route(group: dist.ProcessGroup | None, x: torch.Tensor) -> _Group
 
 def start_send(t: torch.Tensor, group: dist.ProcessGroup, peer: int, tag: int) -> _Work:
     """Send contiguous CPU tensor ``t`` to global rank ``peer`` (keep ``t`` unchanged until ``wait``)."""
-    g = _group(group)
-    w = _Work(g.timeout, f"send of tag {tag}", peer)
-    tr = _transport()
-    with tr.lock:
-        tr.send(peer, g.gid, tag, t, w)
-    return w
+    return start_p2p(group, [(t, peer, True, tag)])[0]
 
 
 def start_recv(t: torch.Tensor, group: dist.ProcessGroup, peer: int, tag: int) -> _Work:
     """Receive into contiguous CPU tensor ``t`` the message of ``tag`` from global rank ``peer``."""
+    return start_p2p(group, [(t, peer, False, tag)])[0]
+
+
+def start_p2p(group: dist.ProcessGroup, ops: Sequence[tuple[torch.Tensor, int, bool, int]]) -> list[_Work]:
+    """``start_send`` / ``start_recv`` of each ``(tensor, global peer, is_send, tag)``, in order.
+
+    One group and transport lookup and one lock for the lot (a halo exchange issues up to four).
+    """
     g = _group(group)
     tr = _transport()
-    r = _Recv(t, (g.gid, peer, tag), g.timeout, f"the receive of tag {tag}", peer)
+    works: list[_Work] = []
     with tr.lock:
-        tr.post_recv(r)
-    return r
+        for t, peer, send, tag in ops:
+            if send:
+                w = _Work(g.timeout, f"send of tag {tag}", peer, tr)
+                tr.send(peer, g.gid, tag, t, w)
+            else:
+                w = _Recv(t, (g.gid, peer, tag), g.timeout, f"the receive of tag {tag}", peer, tr)
+                tr.post_recv(w)
+            works.append(w)
+    return works
 
 
 def _exchange_all(g: _Group, x: torch.Tensor, bufs: Sequence[torch.Tensor | None], what: str) -> list[_Work]:
@@ -917,12 +939,12 @@ def _exchange_all(g: _Group, x: torch.Tensor, bufs: Sequence[torch.Tensor | None
         # first destination.
         for k in range(1, n):
             peer = g.ranks[(me + k) % n]
-            w = _Work(g.timeout, f"{what} (call {-tag})", peer)
+            w = _Work(g.timeout, f"{what} (call {-tag})", peer, tr)
             tr.send(peer, g.gid, tag, x, w)
             parts.append(w)
         for i, peer in enumerate(g.ranks):
             if i != me:
-                r = _Recv(bufs[i], (g.gid, peer, tag), g.timeout, f"{what} (call {-tag})", peer)
+                r = _Recv(bufs[i], (g.gid, peer, tag), g.timeout, f"{what} (call {-tag})", peer, tr)
                 tr.post_recv(r)
                 parts.append(r)
     return parts

@@ -93,6 +93,9 @@ class AxisPeers:
     ranks: tuple[int, ...]
     meta_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     _tags: _TagCounter = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    #: Per peer coordinate: whether the same-host transport can reach it (a fact of the group and
+    #: the hosts, fixed for the group's life; asked once, not per message).
+    _local: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self._tags is None:
@@ -176,20 +179,31 @@ class AxisPeers:
         record_sends([t for t, _, send, _ in ops if send])
         group, granks, ranks = self.group, self.group_ranks, self.ranks
         limit = local_transport.p2p_limit()  # -1 with the transport off or under compile
-        works = []
+        works: list = []
+        routed: list = []  # (index in works, transport op)
         for t, peer, send, tag in ops:
             if t.is_complex():
                 t = torch.view_as_real(t)
             # Small messages to a peer on this host: the caller-thread transport (the same
             # decision on both ends: a receive buffer has the size of the message).
             nbytes = t.numel() * t.element_size()
-            if (nbytes <= limit and t.device.type == "cpu" and t.is_contiguous()
-                    and local_transport.peer_is_local(group, ranks[peer])):
-                start = local_transport.start_send if send else local_transport.start_recv
-                works.append(start(t, group, ranks[peer], tag))
+            if nbytes <= limit and t.device.type == "cpu" and t.is_contiguous() and self._is_local(peer):
+                routed.append((len(works), (t, ranks[peer], send, tag)))
+                works.append(None)
             else:
                 works.append(group.send([t], granks[peer], tag) if send else group.recv([t], granks[peer], tag))
+        if routed:
+            # Issued after gloo's: the two channels match messages independently (each by its own
+            # tags), and each keeps its own order.
+            for (i, _), w in zip(routed, local_transport.start_p2p(group, [op for _, op in routed])):
+                works[i] = w
         return works
+
+    def _is_local(self, peer: int) -> bool:
+        ok = self._local.get(peer)
+        if ok is None:
+            ok = self._local[peer] = local_transport.peer_is_local(self.group, self.ranks[peer])
+        return ok
 
     def next_tags(self, n: int) -> int:
         """Reserve ``n`` consecutive message tags on this group; returns the first.

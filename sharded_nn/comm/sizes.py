@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ class _LayoutMeta:
     axes: tuple[str, ...]
     axis_sizes: tuple[int, ...]
     coords: tuple[int, ...]  # this rank's coordinate on each domain axis
+    #: ``scope_coords`` per number of axes, worked out once.
+    grids: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def metadata_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -246,6 +248,8 @@ class _Scope:
     def __init__(self) -> None:
         self.depth = 0
         self.layouts: dict[tuple, list[tuple[Layout, ...]]] = {}
+        # Per key: the slab sizes of the remembered layouts (a quick test for a known one).
+        self.sizes: dict[tuple, set[tuple[tuple[int, ...], ...]]] = {}
         # Per key: this rank's local sizes along the dims -> the unambiguous layout they name.
         self.answers: dict[tuple, dict[tuple[int, ...], tuple[Layout, ...]]] = {}
         # The model-entry facts (``entry_facts``) not yet checked across ranks: they travel with
@@ -256,6 +260,7 @@ class _Scope:
 
     def clear(self) -> None:
         self.layouts.clear()
+        self.sizes.clear()
         self.answers.clear()
 
 
@@ -427,9 +432,13 @@ def scope_take_entry() -> dict[str, tuple[int, ...]]:
     return entry
 
 
-def scope_coords(mesh: DeviceMesh, n: int) -> list[tuple[int, ...]]:
+def scope_coords(mesh: DeviceMesh, n: int) -> tuple[tuple[int, ...], ...]:
     """Every coordinate of the first ``n`` domain axes, row-major (the order of ``Agreement.shapes`` on a hit)."""
-    return list(itertools.product(*(range(k) for k in _layout_meta(mesh).axis_sizes[:n])))
+    meta = _layout_meta(mesh)
+    grid = meta.grids.get(n)
+    if grid is None:
+        grid = meta.grids[n] = tuple(itertools.product(*(range(k) for k in meta.axis_sizes[:n])))
+    return grid
 
 
 def _scope_active() -> bool:
@@ -458,16 +467,23 @@ def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Seq
     if not _scope_active() or _SCOPE.off:
         return
     key = _scope_key(mesh, dims, ndim)
-    # Only the sizes matter (what ``layouts_from_shapes`` returns on an agreement).
-    layouts = tuple(Layout(lay.sizes) for lay in layouts)
-    known = _SCOPE.layouts.setdefault(key, [])
-    if layouts in known or len(known) >= _SCOPE.MAX_LAYOUTS:
+    # Only the sizes matter (what ``layouts_from_shapes`` returns on an agreement). Most calls
+    # re-declare a layout the scope knows (a stage of layers keeps its layout): that is decided
+    # on the sizes alone, before any Layout is built.
+    sizes = tuple(lay.sizes for lay in layouts)
+    seen = _SCOPE.sizes.setdefault(key, set())
+    if sizes in seen:
         return
+    layouts = tuple(Layout(s) for s in sizes)
+    known = _SCOPE.layouts.setdefault(key, [])
+    if len(known) >= _SCOPE.MAX_LAYOUTS:
+        return
+    seen.add(sizes)
     known.append(layouts)
     meta = _layout_meta(mesh)
     # dims[k] is sharded by the k-th domain axis: local sizes at every coordinate of those axes.
     mine = meta.coords[: len(dims)]
-    grid = list(itertools.product(*(range(n) for n in meta.axis_sizes[: len(dims)])))
+    grid = scope_coords(mesh, len(dims))
 
     def at(lays: tuple[Layout, ...], c: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(lay.sizes[i] for lay, i in zip(lays, c))

@@ -194,13 +194,13 @@ def agree(
             size; the number of dims is not one of ``ndims``; a slab is empty; more than
             ``MAX_NDIM`` dims.
     """
-    axes = domain_axes(mesh)
     shape = tuple(x.shape)
     scoped = scoped and not same and not local
     if scoped:
         hit = scope_lookup(mesh, dims, shape)
         if hit is not None:
             return _scoped_agreement(hit, shape, mesh, dims, what, ndims, expected, allow_empty)
+    axes = domain_axes(mesh)
     if requires_grad is None:
         requires_grad = x.requires_grad
     grad = int(bool(requires_grad) and torch.is_grad_enabled())
@@ -255,7 +255,8 @@ def _scoped_agreement(
         raise ShardingError(f"{what}: expected {expected} input, got local shape {shape}.")
     if not allow_empty:
         for lay, d in zip(layouts, dims):
-            lay.require_nonempty(f"{what} along dim {d}")
+            if 0 in lay.sizes:  # (the message is built only when it is needed)
+                lay.require_nonempty(f"{what} along dim {d}")
     shapes = []
     for c in scope_coords(mesh, len(dims)):
         s = list(shape)
@@ -312,6 +313,12 @@ def backward_communicates(backward: Callable) -> Callable:
     ``@staticmethod``.
     """
     return once_differentiable(backward)
+
+
+#: What ``ShardedMixin._agree`` accepts by default, per number of spatial dims (built once: this
+#: runs for every sharded layer call).
+_BATCHED_NDIMS = {n: (n + 2,) for n in range(1, MAX_NDIM)}
+_BATCHED_EXPECTED = {n: f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched" for n in range(1, MAX_NDIM)}
 
 
 class ShardedMixin:
@@ -395,8 +402,9 @@ class ShardedMixin:
     def _agree(self, x: torch.Tensor, **kwargs) -> Agreement:
         """``agree`` on this layer's mesh and dims; by default a batched ``(N, C, S...)`` input."""
         n = self._spatial_dims
-        kwargs.setdefault("ndims", (n + 2,))
-        kwargs.setdefault("expected", f"a {n + 2}-d (N, C, ...) or {n + 1}-d unbatched")
+        if "ndims" not in kwargs:
+            kwargs["ndims"] = _BATCHED_NDIMS[n]
+            kwargs.setdefault("expected", _BATCHED_EXPECTED[n])
         kwargs.setdefault("allow_empty", self._allow_empty)
         kwargs.setdefault("scoped", self._scoped_agree)
         return agree(x, self.mesh, kwargs.pop("dims", self.dims), what=type(self).__name__, **kwargs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -324,10 +325,26 @@ class _ShardedConvNd(ShardedMixin):
         pl, pr = self._pads()[i]
         return Window(self.kernel_size[i], self.stride[i], self.dilation[i], pl, pr)
 
-    def _plan(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
-        # Keyed by the gathered (global) layouts, which every rank shares: a hit or miss here is
-        # the same on every rank.
-        return self._plans.get(layouts, self._make_plans, layouts)
+    def _plan(self, layouts: tuple[Layout, ...], conf: _ConvConf | None = None) -> tuple[WindowPlan, ...]:
+        # Keyed by the gathered (global) layouts, which every rank shares, and the layer's
+        # configuration: a hit or miss here is the same on every rank.
+        key = (layouts, (conf or self._conf()).key)
+        return self._plans.get(key, self._make_plans, layouts)
+
+    def _conf(self) -> _ConvConf:
+        """What the sharded forward derives from the layer's configuration alone, worked out once.
+
+        Every call of a sharded convolution needs its padding split (unsharded dims padded by the
+        convolution itself or beforehand), its windows and whether it is pointwise; deriving them
+        afresh cost tens of microseconds of Python per call, a visible share of a small layer
+        (issue 16). Kept per module and made again when the configuration changes (the key is
+        the torch attributes it is derived from, compared on every call).
+        """
+        key = (self.kernel_size, self.stride, self.padding, self.dilation, self.padding_mode, self.dims)
+        conf = self.__dict__.get("_snn_conv_conf")
+        if conf is None or conf.key != key:
+            conf = self.__dict__["_snn_conv_conf"] = _ConvConf.of(self, key)
+        return conf
 
     def _make_plans(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
         return tuple(
@@ -353,9 +370,10 @@ class _ShardedConvNd(ShardedMixin):
         if self._local_only:
             # P=1: the torch layer itself (its own padding modes included); nothing to agree on.
             return self._conv_forward(x, self.weight, self.bias)
-        if self._pointwise():
+        conf = self._conf()
+        if conf.pointwise:
             return self._pointwise_forward(x)
-        return self._sharded_forward(x)
+        return self._sharded_forward(x, conf)
 
     def _pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1 if x.dim() == self._spatial_dims + 2 else 0] != self.in_channels:
@@ -376,8 +394,9 @@ class _ShardedConvNd(ShardedMixin):
         return self._conv_forward(x, self.weight, self.bias)
 
     @batched
-    def _sharded_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _sharded_forward(self, x: torch.Tensor, conf: _ConvConf | None = None) -> torch.Tensor:
         n = self._spatial_dims
+        conf = conf or self._conf()
         agreed = self._agree(x)
         layouts = agreed.layouts
         if x.shape[1] != self.in_channels:  # dim 1 is unsharded: the same on every rank
@@ -385,19 +404,12 @@ class _ShardedConvNd(ShardedMixin):
                 f"{type(self).__name__}: expected {self.in_channels} input channels (dim 1), got global input "
                 f"shape {agreed.global_shape(self.dims)}."
             )
-        plans = self._plan(layouts)
+        plans = self._plan(layouts, conf)
         # The output's layout, derived from the agreed input's: the next layer need not agree.
         scope_declare(self.mesh, self.dims, x.dim(), [p.out for p in plans])
         mode = self.padding_mode
         rings = [axis_peers(self.mesh, axis) for axis in self.mesh_axes]
-        pads = {2 + i: p for i, p in enumerate(self._pads()) if 2 + i not in self.dims}
-        conv_padding = [0] * n
-        if mode == "zeros":
-            # Zero padding of unsharded dims is cheapest inside the convolution itself.
-            for d, (pl, pr) in list(pads.items()):
-                if pl == pr:
-                    conv_padding[d - 2] = pl
-                    del pads[d]
+        pads, conv_padding = conf.pads, conf.conv_padding
 
         def conv(t: torch.Tensor, pad: int = 0, bias: bool = True) -> torch.Tensor:
             t = pad_unsharded(t, pads, mode)
@@ -424,7 +436,7 @@ class _ShardedConvNd(ShardedMixin):
             # without outputs crop their placeholder row.
             return crop_empty(conv(extend(x, plans[last], rings[last], mode)), plans, rings)
         if self.overlap:
-            window = self._window(last_dim - 2)
+            window = conf.windows[last_dim - 2]
             # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16
             # that is up to three roundings where one device rounds once, so low-precision convs
             # compute every output row in one convolution (apply_overlapped) instead.
@@ -440,6 +452,42 @@ class _ShardedConvNd(ShardedMixin):
 
     def sharding_repr(self) -> str:  # noqa: D102
         return f"{super().sharding_repr()}, overlap={self.overlap}"
+
+
+@dataclass(frozen=True)
+class _ConvConf:
+    """A sharded convolution's configuration as its forward uses it (``_ShardedConvNd._conf``).
+
+    Attributes:
+        key: the torch attributes it is derived from (kernel, stride, padding, dilation, padding
+            mode) and the sharded dims.
+        pointwise: see ``_ShardedConvNd._pointwise``.
+        windows: the window of each spatial dim.
+        pads: global padding of the unsharded dims applied before the convolution, by tensor dim
+            (read only).
+        conv_padding: the padding passed to the convolution itself (zero padding of unsharded
+            dims, cheapest inside it; the sharded dims' entries are set per call).
+    """
+
+    key: tuple
+    pointwise: bool
+    windows: tuple[Window, ...]
+    pads: dict
+    conv_padding: tuple[int, ...]
+
+    @staticmethod
+    def of(layer: _ShardedConvNd, key: tuple) -> _ConvConf:
+        n = layer._spatial_dims
+        pads = {2 + i: p for i, p in enumerate(layer._pads()) if 2 + i not in layer.dims}
+        conv_padding = [0] * n
+        if layer.padding_mode == "zeros":
+            for d, (pl, pr) in list(pads.items()):
+                if pl == pr:
+                    conv_padding[d - 2] = pl
+                    del pads[d]
+        return _ConvConf(
+            key, layer._pointwise(), tuple(layer._window(i) for i in range(n)), pads, tuple(conv_padding)
+        )
 
 
 @register(nn.Conv1d)
