@@ -43,11 +43,22 @@ def _small_cnn() -> nn.Module:
     )
 
 
-def _counts(sizes: tuple[int, ...], repeats: int) -> list[tuple[dict, dict, dict]]:
+def _strided_cnn() -> nn.Module:
+    # The 1x1 convolution of stride 2 (a ResNet or RegNet downsample) reads no halo on any rank:
+    # it must not exchange (empty) halos either.
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.Conv2d(8, 8, 1, stride=2),
+        nn.Conv2d(8, 4, 3, padding=1),
+    )
+
+
+def _counts(sizes: tuple[int, ...], repeats: int, build=_small_cnn) -> list[tuple[dict, dict, dict]]:
     """Per forward: the calls of the no-grad forward, the grad forward and its backward, by kind."""
     m = mesh(len(sizes))
     torch.manual_seed(0)
-    ref = _small_cnn().double().eval()
+    ref = build().double().eval()
     with torch.no_grad():
         ref[1].running_mean.uniform_(-1, 1)
         ref[1].running_var.uniform_(0.5, 2)
@@ -71,7 +82,9 @@ def _counts(sizes: tuple[int, ...], repeats: int) -> list[tuple[dict, dict, dict
         torch.testing.assert_close(y_ng, y_loc.detach(), atol=0, rtol=0)
         torch.testing.assert_close(torch.cat(_all_gather(y_loc), 2), y.detach(), atol=1e-10, rtol=1e-10)
         with count_traffic() as t_bwd:
-            (y_loc * g_out.narrow(2, off, sizes[r])).sum().backward()
+            # Output slabs: the input's divided by the model's stride (even slabs in the strided case).
+            k = sum(sizes) // y.shape[2]
+            (y_loc * g_out.narrow(2, off // k, sizes[r] // k)).sum().backward()
         torch.testing.assert_close(torch.cat(_all_gather(x_loc.grad), 2), x.grad, atol=1e-10, rtol=1e-10)
         grads = reduce_param_grads(model, m)
         for name, p in ref.named_parameters():
@@ -88,6 +101,15 @@ def test_converted_cnn_forward_collectives_are_pinned(run, sizes):
             assert no_grad == {"metadata": 1, "halo": 2}, no_grad
             assert fwd == {"metadata": 1, "halo": 2}, fwd
             # Backward: one halo-gradient exchange per 3x3 conv, no agreement.
+            assert bwd == {"halo": 2}, bwd
+
+
+@pytest.mark.parametrize("sizes", [(6, 4), (4, 2, 6)], ids=str)
+def test_strided_pointwise_conv_exchanges_nothing(run, sizes):
+    for per_rank in run(len(sizes), _counts, sizes, 2, _strided_cnn):
+        for no_grad, fwd, bwd in per_rank:
+            assert no_grad == {"metadata": 1, "halo": 2}, no_grad
+            assert fwd == {"metadata": 1, "halo": 2}, fwd
             assert bwd == {"halo": 2}, bwd
 
 

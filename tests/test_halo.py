@@ -1,4 +1,4 @@
-"""Halo exchange (``comm.halo_cat`` and the async ``comm.halo_exchange``) against plain indexing.
+"""Halo exchange (``comm.halo_cat``, with and without edge padding, and the async ``comm.halo_exchange``) against plain indexing.
 
 The reference for rank r's extended slab is ``x.index_select(dim, arange(a - left, b + right) % S)``
 on the full tensor: the halos are the neighbours' edge positions, wrapped around for periodic
@@ -41,6 +41,17 @@ def _ext_index(lay: Layout, r: int, left: int, right: int) -> torch.Tensor:
 def _extend(x_loc, spec, ring, mode):
     """The extended slab and the (left, right) halos, through halo_cat or halo_exchange."""
     r = ring.index
+    if mode == "pad":
+        # Constant padding written around the extended slab in the same buffer (a domain edge's
+        # zero padding in ``window.extend``): other widths on every rank, checked, then cut off.
+        pl, pr, d = 1 + r % 2, r % 3, spec.dim
+        full = comm.halo_cat(x_loc, spec, ring, pad=(pl, pr), value=3.5)
+        n_full = full.shape[d]
+        assert torch.all(full.narrow(d, 0, pl) == 3.5) and torch.all(full.narrow(d, n_full - pr, pr) == 3.5)
+        ext = full.narrow(d, pl, n_full - pl - pr)
+        lw, rw = spec.left[r], spec.right[r]
+        n = x_loc.shape[d]
+        return ext, ext.narrow(d, 0, lw), ext.narrow(d, lw + n, rw)
     if mode == "cat":
         ext = comm.halo_cat(x_loc, spec, ring)
         lw, rw = spec.left[r], spec.right[r]
@@ -99,7 +110,7 @@ def _halo_case(world, shape, dim, align, left, right, periodic, seed, mode):
 
 
 def _run_case(run, world, shape, dim, align, left, right, periodic, seed=0):
-    for mode in ("cat", "exchange"):
+    for mode in ("cat", "pad", "exchange"):
         assert run(world, _halo_case, world, shape, dim, align, left, right, periodic, seed, mode) == [True] * world
 
 

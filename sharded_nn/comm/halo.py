@@ -352,21 +352,34 @@ def halo_exchange(
     return HaloHandle(x, spec, ring, grad_inplace, tag)
 
 
-def halo_cat(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, *, tag: int | None = None) -> torch.Tensor:
+def halo_cat(
+    x: torch.Tensor,
+    spec: HaloSpec,
+    ring: AxisPeers,
+    *,
+    tag: int | None = None,
+    pad: tuple[int, int] = (0, 0),
+    value: float = 0.0,
+) -> torch.Tensor:
     """``cat([left_halo, x, right_halo], spec.dim)``, exchanged synchronously, autograd-aware.
 
     One autograd node for the whole extension, so the backward allocates a single gradient the
     size of ``x`` (the halo gradients are added into its edges after being sent back). ``tag``:
-    as ``halo_exchange``.
+    as ``halo_exchange``. ``pad``: positions of the constant ``value`` placed before and after
+    (a domain edge's zero padding), written into the same buffer: padding the extended slab
+    afterwards would copy all of it once more.
     """
     _check_ring(spec, ring)
     tag = ring.next_tags(HALO_TAGS) if tag is None else tag
+    pad = (int(pad[0]), int(pad[1]))
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return _cat_halos(x, spec, ring, tag)  # no graph to record: skip the Function's per-call cost
-    return _HaloCat.apply(x, spec, ring, tag)
+        return _cat_halos(x, spec, ring, tag, pad, value)  # no graph to record: skip the Function's per-call cost
+    return _HaloCat.apply(x, spec, ring, tag, pad, value)
 
 
-def _cat_halos(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int) -> torch.Tensor:
+def _cat_halos(
+    x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int, pad: tuple[int, int] = (0, 0), value: float = 0.0
+) -> torch.Tensor:
     """The forward of ``halo_cat`` (no autograd), with its exchange on tags ``tag, tag + 1``.
 
     The slab is copied into the extended tensor while the halos travel; the wait comes only
@@ -375,23 +388,28 @@ def _cat_halos(x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int) -> to
     to_left, to_right = spec.send_widths(ring.index)
     d = spec.dim
     lw, rw = spec.left[ring.index], spec.right[ring.index]
+    pl, pr = pad
     left, right = _empty(x, d, lw), _empty(x, d, rw)
     works = _exchange(ring, spec.periodic, _edge(x, d, to_left, True), _edge(x, d, to_right, False), left, right, tag)
-    if not lw and not rw:
+    if not lw and not rw and not pl and not pr:
         for w in works:
             w.wait()
         return x.clone()
     shape = list(x.shape)
     n = shape[d]
-    shape[d] = lw + n + rw
+    shape[d] = pl + lw + n + rw + pr
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format_of(x))
-    out.narrow(d, lw, n).copy_(x)
+    out.narrow(d, pl + lw, n).copy_(x)
+    if pl:
+        out.narrow(d, 0, pl).fill_(value)
+    if pr:
+        out.narrow(d, pl + lw + n + rw, pr).fill_(value)
     for w in works:
         w.wait()
     if left is not None:
-        out.narrow(d, 0, lw).copy_(left)
+        out.narrow(d, pl, lw).copy_(left)
     if right is not None:
-        out.narrow(d, lw + n, rw).copy_(right)
+        out.narrow(d, pl + lw + n, rw).copy_(right)
     return out
 
 
@@ -408,9 +426,9 @@ def memory_format_of(x: torch.Tensor) -> torch.memory_format:
 
 class _HaloCat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int):  # noqa: D102
-        ctx.spec, ctx.ring, ctx.tag = spec, ring, tag
-        return _cat_halos(x, spec, ring, tag)
+    def forward(ctx, x: torch.Tensor, spec: HaloSpec, ring: AxisPeers, tag: int, pad, value):  # noqa: D102
+        ctx.spec, ctx.ring, ctx.tag, ctx.pad_left, ctx.n = spec, ring, tag, pad[0], x.shape[spec.dim]
+        return _cat_halos(x, spec, ring, tag, pad, value)
 
     # Its communication is not recorded for a second derivative, which would silently miss the
     # neighbours' terms: double backward raises instead.
@@ -420,14 +438,15 @@ class _HaloCat(torch.autograd.Function):
         spec, ring = ctx.spec, ctx.ring
         d = spec.dim
         lw, rw = spec.left[ring.index], spec.right[ring.index]
-        n = g.shape[d] - lw - rw
-        g_left = g.narrow(d, 0, lw) if lw else None
-        g_right = g.narrow(d, lw + n, rw) if rw else None
+        # The constant padding (``pad_left`` before, the rest after) passes no gradient on.
+        pl, n = ctx.pad_left, ctx.n
+        g_left = g.narrow(d, pl, lw) if lw else None
+        g_right = g.narrow(d, pl + lw + n, rw) if rw else None
         # The halo gradients travel while this slab's own gradient is copied out of ``g``.
-        started = _start_halo_grads(g.narrow(d, lw, n), g_left, g_right, spec, ring, ctx.tag + 2)
-        grad_x = g.narrow(d, lw, n).clone()
+        started = _start_halo_grads(g.narrow(d, pl + lw, n), g_left, g_right, spec, ring, ctx.tag + 2)
+        grad_x = g.narrow(d, pl + lw, n).clone()
         _finish_halo_grads(grad_x, *started, spec, ring)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -246,6 +246,17 @@ def edge_slab(x: torch.Tensor, dim: int, width: int, left: bool, mode: str, valu
     return pad
 
 
+def _communicates(plan: WindowPlan, ring: AxisPeers) -> bool:
+    """Whether the one-hop ``plan`` moves any position along ``ring``.
+
+    Not where no rank has a halo (a 1x1 convolution of stride 2, a pool whose window fits its
+    stride): the exchange would only reserve tags and build empty buffers. Decided from the
+    plan, which every rank shares, so every rank skips alike and the tag counters stay in step.
+    """
+    h = plan.halo
+    return (ring.size > 1 or h.periodic) and (any(h.left) or any(h.right))
+
+
 def extend(
     x: torch.Tensor,
     plan: WindowPlan,
@@ -259,7 +270,15 @@ def extend(
         return halo_gather(x, plan.gather, ring, value=fill)
     d = plan.halo.dim
     r = ring.index
-    x = halo_cat(x, plan.halo, ring) if ring.size > 1 or plan.halo.periodic else x
+    communicates = _communicates(plan, ring)
+    if communicates and mode in ("zeros", "constant"):
+        # The edge padding written with the halos, into one buffer (no second copy of the slab).
+        # A trim comes only where there is no right halo and no right padding: it drops the
+        # slab's own last positions, which the exchange has sent already.
+        pad = (plan.pad_left if ring.is_first else 0, plan.pad_right if ring.is_last else 0)
+        x = halo_cat(x, plan.halo, ring, pad=pad, value=value)
+        return x.narrow(d, 0, x.shape[d] - plan.trim[r]) if plan.trim[r] else x
+    x = halo_cat(x, plan.halo, ring) if communicates else x
     # Left padding before the trim: reflect padding reads positions that the trim may drop.
     if ring.is_first:
         x = edge_pad(x, d, plan.pad_left, True, mode, value)
@@ -306,7 +325,7 @@ def apply_overlapped(
     # Output i reads x positions [i*s - lw, i*s - lw + e): interior when that lies in [0, usable).
     i0 = -(-lw // s)
     i1 = min((usable + lw - e) // s, n_out - 1)
-    communicates = ring.size > 1 or plan.halo.periodic
+    communicates = _communicates(plan, ring)
     if i1 < i0 or not communicates:
         return fn(extend(x, plan, ring, mode, value))
     handle = halo_exchange(x, plan.halo, ring)
@@ -373,7 +392,7 @@ def apply_linear(
     right = plan.halo.right[r] + (plan.pad_right if ring.is_last else 0) - plan.trim[r]
     if (n + 2 * pl - w.span) // s + 1 != n_out or right > pl:
         return None
-    communicates = ring.size > 1 or plan.halo.periodic
+    communicates = _communicates(plan, ring)
     handle = halo_exchange(x, plan.halo, ring, grad_inplace=True) if communicates else None
     if handle is not None:
         x = handle.x
