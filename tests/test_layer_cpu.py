@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import sharded_nn as snn
 
@@ -31,6 +32,11 @@ DEPTHWISE_CASES = [
     (6, 6, 7, 1, 3, 1, (23, 9)),  # ConvNeXt's 7x7: three rows read each halo (one band call)
     (6, 6, 7, 2, 3, 1, (26, 9)),
     (4, 2, 7, 1, (5, 3), 1, (23, 9)),  # padding wider than the halo rows the kernel reads
+    # One row per halo with depthwise weights: shifted multiply-adds (``_depthwise_row``), with a
+    # stride and a wider kernel row along the unsharded dim.
+    (6, 6, 3, 2, 1, 1, (24, 9)),
+    (6, 6, (3, 5), 1, (1, 2), 1, (23, 9)),
+    (6, 6, (3, 5), (1, 2), (1, 2), (1, 1), (23, 11)),
 ]
 
 
@@ -52,6 +58,32 @@ def _check_grouped(c, g, k, s, p, d, size, dim, domain):
 def test_grouped_conv2d_halo_rows_are_exact(run, case, dim, domain):
     errs = run(domain, _check_grouped, *case, dim, domain)
     assert all(e["out"] <= 1e-10 for e in errs)
+
+
+@pytest.mark.parametrize("k, s, p, d", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (5, 2, 2, 1), (3, 1, 2, 2), (5, 3, 0, 1)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_row_equals_conv2d(k, s, p, d, channels_last):
+    # The one-plane depthwise correction as multiply-adds equals torch's grouped conv2d: values,
+    # input and weight gradients (float64).
+    from sharded_nn.layers.conv import _depthwise_row, _depthwise_row_ok
+
+    g = torch.Generator().manual_seed(k * 10 + s)
+    c, w_in = 5, 13
+    x = torch.randn(2, c, 1, w_in, generator=g, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(c, 1, 3, k, generator=g, dtype=torch.float64)
+    assert _depthwise_row_ok(x, weight, c) and not _depthwise_row_ok(x, weight.repeat(1, 5, 1, 1), 1)
+    xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y = _depthwise_row(xs, ws.narrow(2, 1, 1), s, p, d)
+    ref = F.conv2d(xr, wr.narrow(2, 1, 1), None, (1, s), (0, p), (1, d), c)
+    torch.testing.assert_close(y, ref, rtol=1e-13, atol=1e-13)
+    gy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    (y * gy).sum().backward()
+    (ref * gy).sum().backward()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(ws.grad, wr.grad, rtol=1e-13, atol=1e-13)
 
 
 def _conv_kernels(c, k, s):
@@ -102,6 +134,8 @@ def test_halo_rows_take_one_call_per_halo(run, k, s, p, grad):
     # halo planes and zeros), not one per row: 2 calls on an edge rank, 3 on an inner one.
     calls = run(p, _conv_calls, 8, k, s, grad)
     expected = [2 if r in (0, p - 1) else 3 for r in range(p)]
+    if k == 3:  # one depthwise row per halo: shifted multiply-adds, no convolution call
+        expected = [1] * p
     if s == 2:  # stride 2, 7 taps, pad 3: rows 0-1 read the left halo, only row 9 the right one
         expected = [1 + (r > 0) + (r < p - 1) for r in range(p)]
     assert calls == expected

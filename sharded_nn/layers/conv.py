@@ -275,6 +275,8 @@ def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation,
         # 165-200 us thin; one-tap rows of dense or grouped weights within the noise of each
         # other, 0.02-0.4 ms either way: bench/cnn_profile.py --taps).
         wt = select_along(weight, dim, taps)
+        if dim == 2 and t == 1 and _depthwise_row_ok(planes, weight, groups):
+            return _depthwise_row(planes, wt, stride[1], padding[1], dilation[1])
         st, pd, dl = list(stride), list(padding), list(dilation)
         st[i], pd[i], dl[i] = 1, 0, 1
         return F.conv2d(planes, wt, None, st, pd, dl, groups)
@@ -293,6 +295,50 @@ def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation,
         u, wt, None, [stride[j] for j in keep], [padding[j] for j in keep], [dilation[j] for j in keep], groups
     )
     return y.unsqueeze(dim)
+
+
+#: Widest kernel row a depthwise one-row correction computes as shifted multiply-adds.
+_DEPTHWISE_ROW_MAX_TAPS = 5
+
+
+def _depthwise_row_ok(planes: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Whether a one-plane correction of this 2-d convolution runs as ``_depthwise_row``.
+
+    Depthwise weights (one input and one output channel per group) with a kernel row of at most
+    ``_DEPTHWISE_ROW_MAX_TAPS`` taps: there a thin grouped convolution costs about 55 us of
+    oneDNN's fixed cost per call whatever its size, the multiply-adds 26-49 us (forward) and
+    135-290 against 220-350 us with the backward (one thread; 32-960 channels, 8-128 columns,
+    3 and 5 taps). Wider rows and several planes are faster as one convolution (two planes of a
+    5x5 kernel: 110 against 58 us), and so are dense or grouped weights.
+    """
+    return (
+        groups > 1
+        and weight.shape[0] == groups
+        and weight.shape[1] == 1
+        and planes.shape[1] == groups
+        and weight.shape[3] <= _DEPTHWISE_ROW_MAX_TAPS
+    )
+
+
+def _depthwise_row(planes: torch.Tensor, wt: torch.Tensor, stride: int, padding: int, dilation: int) -> torch.Tensor:
+    """The depthwise convolution of one plane ``(N, C, 1, W)`` by ``wt`` ``(C, 1, 1, k)`` along W.
+
+    Equals ``F.conv2d(planes, wt, None, (1, stride), (0, padding), (1, dilation), C)``: the sum
+    over the k taps of the zero-padded plane shifted by each tap, times that tap's per-channel
+    weight, in k elementwise calls.
+    """
+    k = wt.shape[3]
+    xp = F.pad(planes, (padding, padding)) if padding else planes
+    n_out = (planes.shape[3] + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+    w = wt.reshape(1, wt.shape[0], 1, k)
+    acc = None
+    for j in range(k):
+        col = xp.narrow(3, j * dilation, (n_out - 1) * stride + 1)
+        if stride > 1:
+            col = col[..., ::stride]
+        wj = w.narrow(3, j, 1)
+        acc = col * wj if acc is None else torch.addcmul(acc, col, wj)
+    return acc
 
 
 class _ShardedConvNd(ShardedMixin):
