@@ -91,6 +91,7 @@ __all__ = [
     "shm_max_bytes",
     "start_all_gather",
     "start_all_reduce",
+    "start_p2p",
     "start_recv",
     "start_send",
 ]
