@@ -491,6 +491,27 @@ def test_plan_cache_is_bounded(run):
         assert n_plans == bound < 10
 
 
+def _reconfigured(world):
+    # A converted conv whose torch attributes change after a call (padding, dilation, kernel
+    # read by the halo plans) must plan afresh, not reuse the plans of the old configuration.
+    m = mesh(world)
+    torch.manual_seed(0)
+    ref = nn.Conv2d(2, 3, 3, padding=1).double()
+    conv = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 2, 13, 6, dtype=torch.float64)
+    for padding, dilation in [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((2, 2), (2, 1)), ((0, 1), (1, 1))]:
+        for module in (ref, conv):
+            module.padding, module.dilation = padding, dilation
+        y = snn.gather(conv(snn.shard(x, m, dims=(2,))), m, dims=(2,))
+        torch.testing.assert_close(y, ref(x), atol=1e-12, rtol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_changed_configuration_is_planned_afresh(run, world):
+    assert all(run(world, _reconfigured, world))
+
+
 def test_halo_tap_cache_is_bounded():
     from sharded_nn.layers import window
     from sharded_nn.layers.base import BoundedCache
