@@ -371,11 +371,10 @@ class _ShardedConvNd(ShardedMixin):
         pl, pr = self._pads()[i]
         return Window(self.kernel_size[i], self.stride[i], self.dilation[i], pl, pr)
 
-    def _plan(self, layouts: tuple[Layout, ...], conf: _ConvConf | None = None) -> tuple[WindowPlan, ...]:
+    def _plan(self, layouts: tuple[Layout, ...], conf: _ConvConf) -> tuple[WindowPlan, ...]:
         # Keyed by the gathered (global) layouts, which every rank shares, and the layer's
         # configuration: a hit or miss here is the same on every rank.
-        key = (layouts, (conf or self._conf()).key)
-        return self._plans.get(key, self._make_plans, layouts)
+        return self._plans.get((layouts, conf.key), self._make_plans, layouts)
 
     def _conf(self) -> _ConvConf:
         """What the sharded forward derives from the layer's configuration alone, worked out once.
@@ -440,9 +439,8 @@ class _ShardedConvNd(ShardedMixin):
         return self._conv_forward(x, self.weight, self.bias)
 
     @batched
-    def _sharded_forward(self, x: torch.Tensor, conf: _ConvConf | None = None) -> torch.Tensor:
+    def _sharded_forward(self, x: torch.Tensor, conf: _ConvConf) -> torch.Tensor:
         n = self._spatial_dims
-        conf = conf or self._conf()
         agreed = self._agree(x)
         layouts = agreed.layouts
         if x.shape[1] != self.in_channels:  # dim 1 is unsharded: the same on every rank
