@@ -146,6 +146,11 @@ def _timm_tables() -> dict[type, object]:
     return table
 
 
+#: Unregistered subclasses whose position-mixing calls the forward guard computes exactly (or
+#: refuses): see ``forward_guard._GuardMode._h_conv``.
+_GUARD_ROUTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...] | str:
     """The tensor dims ``m`` combines values along, ``MIXES``, or ``UNKNOWN``."""
     kind = timm_table.get(type(m), UNKNOWN)
@@ -367,6 +372,11 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
             continue
         if acts is UNKNOWN and module._modules:
             continue  # a composite: its children are checked one by one
+        if acts is UNKNOWN and guard and isinstance(module, _GUARD_ROUTED):
+            # A convolution subclass with its own forward (timm's StdConv2d, ScaledStdConv2d):
+            # not swapped, but its F.conv*d runs under the forward guard, which computes it with
+            # the sharded convolution of the weights it passes (or refuses it on every rank).
+            continue
         checked.append((name, module, acts))
 
     for name, new in replaced.items():

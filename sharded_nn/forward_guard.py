@@ -1358,8 +1358,26 @@ class _GuardMode(TorchFunctionMode):
             ones = all(k == 1 for k in ks) and all(s == 1 for s in ((stride,) if isinstance(stride, int) else stride))
             nopad = padding in ("valid", "same") or all(p == 0 for p in ((padding,) if isinstance(padding, int) else padding))
             if not (ones and nopad and "transpose" not in base):
-                self.fail(f"`{base}`", f"a {ks} convolution mixes positions along sharded dim(s) {hit}",
-                          "use an nn.Conv module (convert swaps it for its sharded class)")
+                if "transpose" in base:
+                    self.fail(f"`{base}`", f"a {ks} transposed convolution mixes positions along sharded dim(s) {hit}",
+                              "use an nn.ConvTranspose module (convert swaps it for its sharded class)")
+                if x.dim() != w.dim():
+                    self.fail(f"`{base}`", f"a {ks} convolution of an unbatched input mixes positions along sharded "
+                              f"dim(s) {hit}", "use an nn.Conv module (convert swaps it for its sharded class)")
+                # A convolution by weights the model computes itself (weight standardisation, fixed
+                # filters): the sharded convolution of those weights, halo exchange included.
+                from .layers.conv import conv as sharded_conv
+
+                dims = self._grid_dims(base, x, st)
+                names = ("bias", "stride", "padding", "dilation", "groups")
+                call = [_arg(args, kwargs, i + 2, nm, df) for i, (nm, df) in enumerate(zip(names, (None, 1, 0, 1, 1)))]
+                geometry = [v for c in call[1:] for v in (c if isinstance(c, (list, tuple)) else (c,))]
+                if any(_is_tagged(v) for v in geometry):
+                    self.fail(f"`{base}`", "its stride, padding, dilation or groups are computed from a slab's local "
+                              "size (they would be different for the full tensor)", "compute them from global sizes")
+                out = sharded_conv(x, w, *call, mesh=self.guard.mesh, dims=dims)
+                self._set(out, st)
+                return out
         out = func(*args, **kwargs)
         self._set(out, st)
         return out

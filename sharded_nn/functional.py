@@ -35,13 +35,18 @@ from .comm.ring_pass import gather_ints, ring_pass
 from .errors import ShardingError, ShardingNotImplementedError
 from .layout import Layout
 
-__all__ = ["interpolate", "pad", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["conv", "interpolate", "pad", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
 
 def __getattr__(name: str):
-    # The functional forms of the grid layers live beside their modules (layers/upsample.py,
-    # layers/padding.py), which import this module for attention; they are served from here
-    # too, where a reader of ``F.interpolate`` / ``F.pad`` looks for them, without an import cycle.
+    # The functional forms of the grid layers live beside their modules (layers/conv.py,
+    # layers/upsample.py, layers/padding.py), which import this module for attention; they are
+    # served from here too, where a reader of ``F.conv2d`` / ``F.pad`` looks for them, without an
+    # import cycle.
+    if name == "conv":
+        from .layers.conv import conv
+
+        return conv
     if name == "interpolate":
         from .layers.upsample import interpolate
 

@@ -29,6 +29,11 @@ class Hazards(nn.Module):
         self.kind = kind
         self.conv = nn.Conv2d(2, 4, 3, padding=1)
         self.head = nn.Conv2d(4, 3, 1)
+        if kind.startswith("fconv"):
+            # Weights of a convolution the model's forward calls itself (F.conv2d).
+            shapes = {"fconv_strided": (4, 2, 3, 3), "fconv_1x1_strided": (4, 4, 1, 1)}
+            self.w2 = nn.Parameter(torch.randn(shapes.get(kind, (4, 4, 3, 3))) * 0.3)
+            self.b2 = nn.Parameter(torch.randn(4) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.conv(x))
@@ -92,6 +97,20 @@ class Hazards(nn.Module):
         elif k == "attention_tokens":
             t = h.flatten(2).transpose(1, 2)  # (N, L, C): L sharded
             h = F.scaled_dot_product_attention(t, t, t).transpose(1, 2).reshape(h.shape)
+        elif k == "fconv_std":  # weight standardisation (timm's StdConv2d, NFNets' ScaledStdConv2d)
+            w = self.w2 - self.w2.mean((1, 2, 3), keepdim=True)
+            w = w / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+            h = F.conv2d(h, w, self.b2, padding=1)
+        elif k == "fconv_strided":
+            h = F.conv2d(h, self.w2, self.b2, 2, 2, 2, 2)
+        elif k == "fconv_same":
+            h = F.conv2d(h, self.w2 * 2, self.b2, padding="same")
+        elif k == "fconv_1x1_strided":
+            h = F.conv2d(h, self.w2, self.b2, stride=2)
+        elif k == "fconv_local_pad":  # 1, but derived from the slab's local size
+            h = F.conv2d(h, self.w2, self.b2, padding=h.shape[2] // h.shape[2])
+        elif k == "fconv_transpose":
+            h = F.conv_transpose2d(h, self.w2, self.b2, stride=2)
         elif k == "item_of_sum":  # a routed sum is replicated: reading it is fine
             h = h * float(h.sum())
         elif k == "tolist":
@@ -104,7 +123,7 @@ class Hazards(nn.Module):
 EXACT = [
     "interpolate_local_size", "interpolate_scale", "pad", "pad_circular", "max_pool", "avg_pool",
     "adaptive_pool", "mean", "sum", "amax", "max_all", "roll", "roll_back", "window_partition", "cat_split",
-    "crop_noop", "item_of_sum",
+    "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -116,6 +135,8 @@ REFUSED = {
     "stride_rows": "slice",
     "attention_tokens": "scaled_dot_product_attention",
     "tolist": "reads the values",
+    "fconv_transpose": "transposed convolution mixes positions along sharded dim",
+    "fconv_local_pad": "computed from a slab's local size",
 }
 
 
@@ -352,3 +373,29 @@ def test_layer_shared_by_two_models_keeps_its_guard_work(run):
     # The second model's mean must still be routed (exact): its encoder's output is a slab.
     for shared, err in run(2, _shared_layer, 2):
         assert shared and err < 1e-12, (shared, err)
+
+
+# --------------------------------------------------------------------------------------------
+# timm's weight-standardised convolutions (NFNets, BiT ResNets): F.conv2d of weights computed in
+# their own forward, routed to the sharded convolution of those weights
+
+
+def _std_convs(domain: int, sizes):
+    from timm.layers import ScaledStdConv2d, StdConv2d
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        ScaledStdConv2d(2, 6, 3, stride=2, padding=1), nn.GELU(), StdConv2d(6, 4, 3, padding=1, dilation=1),
+        nn.ReLU(), ScaledStdConv2d(4, 3, 5, padding=2, groups=1),
+    ).double()
+    x = torch.randn(2, 2, sum(sizes), 10, dtype=torch.float64)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    errs = check_against_reference(ref, x, m, sharded=model, sizes=sizes)
+    return max(errs.values())
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_timm_weight_standardised_convs_are_exact(run, domain):
+    sizes = _SIZES[domain]
+    assert max(run(domain, _std_convs, domain, sizes)) < 1e-10

@@ -122,6 +122,7 @@ else:
     __all__ += ["ShardedTimmAttention"]
 
 from .timm_norm_act import *  # noqa: E402,F403 - timm's norm(+act) layers, when timm is installed
+from .timm_conv import *  # noqa: E402,F403 - timm's TF-style 'SAME' convolution, when timm is installed
 from .timm_norm_act import __all__ as _timm_norm_act_all  # noqa: E402
 
 __all__ += _timm_norm_act_all

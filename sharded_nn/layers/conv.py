@@ -31,6 +31,7 @@ from ..comm import axis_peers
 from ..comm.sizes import scope_declare
 from ..errors import ShardingError
 from ..layout import Layout
+from ..mesh import mesh_cached
 from ..registry import register
 from .base import BoundedCache, ShardedMixin, batched
 from .window import (
@@ -355,8 +356,19 @@ class _ShardedConvNd(ShardedMixin):
         # Keyed by the gathered layouts: a few recent input geometries (e.g. train and eval sizes).
         self._plans = BoundedCache(_PLAN_CACHE_SIZE)
 
-    def _pads(self) -> list[tuple[int, int]]:
-        """Global (left, right) padding of each spatial dim."""
+    #: Whether the padding depends on the input's global size (TF-style "SAME", timm's
+    #: ``Conv2dSame``): then ``_input_pads`` gives it per call, after the layout is agreed.
+    _pads_from_input = False
+
+    def _input_pads(self, spatial: Sequence[int]) -> list[tuple[int, int]]:
+        """Global (left, right) padding of each spatial dim for an input of global ``spatial`` sizes."""
+        raise NotImplementedError
+
+    def _pads(self, spatial: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """Global (left, right) padding of each spatial dim (for global input sizes ``spatial``
+        where the layer pads by the input's size)."""
+        if self._pads_from_input:
+            return self._input_pads(spatial)
         if self.padding == "valid":
             return [(0, 0)] * self._spatial_dims
         if self.padding == "same":
@@ -367,16 +379,16 @@ class _ShardedConvNd(ShardedMixin):
             return out
         return [(p, p) for p in self.padding]
 
-    def _window(self, i: int) -> Window:
-        pl, pr = self._pads()[i]
+    def _window(self, i: int, pads: Sequence[tuple[int, int]]) -> Window:
+        pl, pr = pads[i]
         return Window(self.kernel_size[i], self.stride[i], self.dilation[i], pl, pr)
 
     def _plan(self, layouts: tuple[Layout, ...], conf: _ConvConf) -> tuple[WindowPlan, ...]:
         # Keyed by the gathered (global) layouts, which every rank shares, and the layer's
         # configuration: a hit or miss here is the same on every rank.
-        return self._plans.get((layouts, conf.key), self._make_plans, layouts)
+        return self._plans.get((layouts, conf.key), self._make_plans, layouts, conf)
 
-    def _conf(self) -> _ConvConf:
+    def _conf(self, spatial: Sequence[int] | None = None) -> _ConvConf:
         """What the sharded forward derives from the layer's configuration alone, worked out once.
 
         Every call of a sharded convolution needs its padding split (unsharded dims padded by the
@@ -386,18 +398,20 @@ class _ShardedConvNd(ShardedMixin):
         the torch attributes it is derived from, compared on every call).
         """
         key = (self.kernel_size, self.stride, self.padding, self.dilation, self.padding_mode, self.dims)
+        if self._pads_from_input:
+            key += (tuple(spatial),)  # the padding follows the global input size
         conf = self.__dict__.get("_snn_conv_conf")
         if conf is None or conf.key != key:
-            conf = self.__dict__["_snn_conv_conf"] = _ConvConf.of(self, key)
+            conf = self.__dict__["_snn_conv_conf"] = _ConvConf.of(self, key, self._pads(spatial))
         return conf
 
-    def _make_plans(self, layouts: tuple[Layout, ...]) -> tuple[WindowPlan, ...]:
+    def _make_plans(self, layouts: tuple[Layout, ...], conf: _ConvConf) -> tuple[WindowPlan, ...]:
         return tuple(
-            plan_window(lay, self._window(d - 2), d, mode=self.padding_mode, what=type(self).__name__)
+            plan_window(lay, conf.windows[d - 2], d, mode=self.padding_mode, what=type(self).__name__)
             for lay, d in zip(layouts, self.dims)
         )
 
-    def _pointwise(self) -> bool:
+    def _pointwise(self, pads: Sequence[tuple[int, int]]) -> bool:
         """Whether every output position reads its own input position only (1x1, stride 1, no padding).
 
         Such a convolution (the 1x1 convolutions of bottlenecks, inverted residuals and conv
@@ -408,19 +422,34 @@ class _ShardedConvNd(ShardedMixin):
         # Every spatial dim, not only the sharded ones: the empty-slab form below is a channel
         # contraction.
         return all(k == 1 for k in self.kernel_size) and all(s == 1 for s in self.stride) and all(
-            p == (0, 0) for p in self._pads()
+            p == (0, 0) for p in pads
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.forward_with(x, self.weight, self.bias)
+
+    def forward_with(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's forward with the given ``weight`` and ``bias`` in place of its own.
+
+        What ``sharded_nn.functional.conv`` runs (a layer's geometry, weights computed by the
+        caller: weight-standardised or fixed-filter convolutions); ``forward`` passes the
+        layer's parameters. ``weight`` must have the layer's shape.
+        """
         if self._local_only:
             # P=1: the torch layer itself (its own padding modes included); nothing to agree on.
-            return self._conv_forward(x, self.weight, self.bias)
+            return self._local_forward(x, weight, bias)
+        if self._pads_from_input:
+            return self._sharded_forward(x, None, (weight, bias))  # configured once the sizes are agreed
         conf = self._conf()
         if conf.pointwise:
-            return self._pointwise_forward(x)
-        return self._sharded_forward(x, conf)
+            return self._pointwise_forward(x, weight, bias)
+        return self._sharded_forward(x, conf, (weight, bias))
 
-    def _pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The unsharded layer's forward with these weights (a one-rank mesh)."""
+        return self._conv_forward(x, weight, bias)
+
+    def _pointwise_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[1 if x.dim() == self._spatial_dims + 2 else 0] != self.in_channels:
             # Checked here (torch's message names no layer): dim 1 is unsharded, so an input with
             # the wrong channels has them on every rank and every rank raises.
@@ -433,13 +462,17 @@ class _ShardedConvNd(ShardedMixin):
             # refuses a zero-sized spatial dim, so contract the channels directly; the output and
             # the (zero) weight gradient keep the layer's shapes on this rank too.
             # (C_out, C_in/g, 1...) -> the dense (C_out, C_in) block-diagonal matrix of the groups.
-            w = torch.block_diag(*self.weight.reshape(self.groups, -1, self.in_channels // self.groups))
+            w = torch.block_diag(*weight.reshape(self.groups, -1, self.in_channels // self.groups))
             y = torch.einsum("nc...,oc->no...", x, w)
-            return y if self.bias is None else y + self.bias.reshape(1, -1, *([1] * self._spatial_dims))
-        return self._conv_forward(x, self.weight, self.bias)
+            return y if bias is None else y + bias.reshape(1, -1, *([1] * self._spatial_dims))
+        return self._conv_forward(x, weight, bias)
 
     @batched
-    def _sharded_forward(self, x: torch.Tensor, conf: _ConvConf) -> torch.Tensor:
+    def _sharded_forward(
+        self, x: torch.Tensor, conf: _ConvConf | None, params: tuple[torch.Tensor, torch.Tensor | None]
+    ) -> torch.Tensor:
+        # (weight, bias) as one tuple: ``batched`` gives every tensor argument a batch dim.
+        weight, bias = params
         n = self._spatial_dims
         agreed = self._agree(x)
         layouts = agreed.layouts
@@ -448,6 +481,8 @@ class _ShardedConvNd(ShardedMixin):
                 f"{type(self).__name__}: expected {self.in_channels} input channels (dim 1), got global input "
                 f"shape {agreed.global_shape(self.dims)}."
             )
+        if conf is None:  # the padding follows the global input size (_pads_from_input)
+            conf = self._conf(agreed.global_shape(self.dims)[2:])
         plans = self._plan(layouts, conf)
         # The output's layout, derived from the agreed input's: the next layer need not agree.
         scope_declare(self.mesh, self.dims, x.dim(), [p.out for p in plans])
@@ -455,18 +490,15 @@ class _ShardedConvNd(ShardedMixin):
         rings = [axis_peers(self.mesh, axis) for axis in self.mesh_axes]
         pads, conv_padding = conf.pads, conf.conv_padding
 
-        def conv(t: torch.Tensor, pad: int = 0, bias: bool = True) -> torch.Tensor:
+        def conv(t: torch.Tensor, pad: int = 0, with_bias: bool = True) -> torch.Tensor:
             t = pad_unsharded(t, pads, mode)
             padding = list(conv_padding)
             padding[last_dim - 2] = pad
-            b = self.bias if bias else None
-            return _conv(n, t, self.weight, b, self.stride, padding, self.dilation, self.groups)
+            return _conv(n, t, weight, bias if with_bias else None, self.stride, padding, self.dilation, self.groups)
 
         def band(planes: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
             planes = pad_unsharded(planes, pads, mode)
-            return _tap_conv(
-                n, planes, self.weight, last_dim, taps, self.stride, conv_padding, self.dilation, self.groups
-            )
+            return _tap_conv(n, planes, weight, last_dim, taps, self.stride, conv_padding, self.dilation, self.groups)
 
         # Earlier sharded dims are extended first (this also fills the corners); the last one is
         # handled without an extended copy of the slab (apply_linear) where the geometry allows,
@@ -487,7 +519,7 @@ class _ShardedConvNd(ShardedMixin):
             if not _low_precision(x):
                 # 2-D: rows that read one halo corrected in one call (measured; see apply_linear).
                 # 1-d and 3-d keep one call per row: their folded tap rows avoid thin-volume kernels.
-                rows = (lambda t: conv(t, 0, bias=False)) if n == 2 else None
+                rows = (lambda t: conv(t, 0, with_bias=False)) if n == 2 else None
                 out = apply_linear(x, plans[last], rings[last], mode, window, conv, band, rows)
                 if out is not None:
                     return out
@@ -498,13 +530,66 @@ class _ShardedConvNd(ShardedMixin):
         return f"{super().sharding_repr()}, overlap={self.overlap}"
 
 
+def conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = 1,
+    padding: str | int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    *,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``F.conv1d/2d/3d(x_full, weight, bias, stride, padding, dilation, groups)`` on this rank's slab.
+
+    The functional form of the sharded convolutions, for weights a model computes in its own
+    ``forward`` (weight-standardised convolutions such as timm's ``StdConv2d`` and
+    ``ScaledStdConv2d`` in NFNets and BiT ResNets, fixed filters); the forward guard routes such
+    ``F.conv*d`` calls here. The number of spatial dims is
+    ``weight.dim() - 2``; the arguments are ``F.conv*d``'s, and the sharding contract, halo
+    exchange and gradients are those of ``ShardedConv{n}d`` (module docstring): the input gradient
+    is exact, the gradients reaching ``weight`` and ``bias`` are this rank's partial sums over the
+    domain ranks (reduce them as for any sharded layer's parameters, e.g. with
+    ``sharded_nn.parallelize``). ``dims`` defaults to the first spatial dims, one per domain axis.
+
+    One geometry-only layer (its parameters on the meta device, no memory) is kept per mesh and
+    configuration, so its halo plans are reused from call to call as a module's are.
+    """
+    n = weight.dim() - 2
+    cls = _FUNCTIONAL_CLASSES.get(n)
+    if cls is None or x.dim() not in (n + 1, n + 2):
+        raise ShardingError(
+            f"sharded_nn.functional.conv: expected a 3-d, 4-d or 5-d weight (C_out, C_in/groups, k...) and an "
+            f"input with one or two more dims than its spatial dims, got weight shape {tuple(weight.shape)} and "
+            f"local input shape {tuple(x.shape)}."
+        )
+
+    def norm(v):
+        return v if isinstance(v, (int, str)) else tuple(int(e) for e in v)
+
+    dims_key = dims if dims is None or isinstance(dims, int) else tuple(dims)
+    key = ("functional_conv", n, tuple(weight.shape), bias is not None, norm(stride), norm(padding), norm(dilation),
+           int(groups), dims_key)
+
+    def make() -> _ShardedConvNd:
+        return cls(
+            weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]), stride=stride, padding=padding,
+            dilation=dilation, groups=groups, bias=bias is not None, device="meta", mesh=mesh, dims=dims,
+        )
+
+    return mesh_cached(mesh, key, make).forward_with(x, weight, bias)
+
+
 @dataclass(frozen=True)
 class _ConvConf:
     """A sharded convolution's configuration as its forward uses it (``_ShardedConvNd._conf``).
 
     Attributes:
         key: the torch attributes it is derived from (kernel, stride, padding, dilation, padding
-            mode) and the sharded dims.
+            mode), the sharded dims and, for a layer that pads by its input's size
+            (``_pads_from_input``), the global spatial sizes.
         pointwise: see ``_ShardedConvNd._pointwise``.
         windows: the window of each spatial dim.
         pads: global padding of the unsharded dims applied before the convolution, by tensor dim
@@ -520,9 +605,9 @@ class _ConvConf:
     conv_padding: tuple[int, ...]
 
     @staticmethod
-    def of(layer: _ShardedConvNd, key: tuple) -> _ConvConf:
+    def of(layer: _ShardedConvNd, key: tuple, all_pads: Sequence[tuple[int, int]]) -> _ConvConf:
         n = layer._spatial_dims
-        pads = {2 + i: p for i, p in enumerate(layer._pads()) if 2 + i not in layer.dims}
+        pads = {2 + i: p for i, p in enumerate(all_pads) if 2 + i not in layer.dims}
         conv_padding = [0] * n
         if layer.padding_mode == "zeros":
             for d, (pl, pr) in list(pads.items()):
@@ -530,7 +615,7 @@ class _ConvConf:
                     conv_padding[d - 2] = pl
                     del pads[d]
         return _ConvConf(
-            key, layer._pointwise(), tuple(layer._window(i) for i in range(n)), pads, tuple(conv_padding)
+            key, layer._pointwise(all_pads), tuple(layer._window(i, all_pads) for i in range(n)), pads, tuple(conv_padding)
         )
 
 
@@ -553,3 +638,6 @@ class ShardedConv3d(_ShardedConvNd, nn.Conv3d):
     """``nn.Conv3d`` over a volume sharded along D (and H, W with 2-D/3-D domain meshes)."""
 
     _spatial_dims = 3
+
+
+_FUNCTIONAL_CLASSES = {1: ShardedConv1d, 2: ShardedConv2d, 3: ShardedConv3d}
