@@ -80,6 +80,9 @@ MODELS = {
     "timm/convnext_atto": (_timm("convnext_atto"), (1, 3, 192, 32), "timm CNN"),
     "timm/ghostnet_100": (_timm("ghostnet_100"), (1, 3, 64, 32), "timm CNN"),
     "timm/rexnet_100": (_timm("rexnet_100"), (1, 3, 64, 32), "timm CNN"),
+    "timm/nf_resnet26": (_timm("nf_resnet26"), (1, 3, 64, 32), "timm CNN"),
+    "timm/tf_efficientnet_b0": (_timm("tf_efficientnet_b0"), (1, 3, 64, 32), "timm CNN"),
+    "timm/resnetblur18": (_timm("resnetblur18"), (1, 3, 64, 32), "timm CNN"),
     "timm/mobilevit_xxs": (_timm("mobilevit_xxs"), (1, 3, 64, 64), "timm hybrid"),
     "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
                                   features=(4, 4, 8, 8, 8, 4)), (1, 1, 64, 32), "MONAI 2-D"),
@@ -130,10 +133,15 @@ def _outputs(y):
     return []
 
 
+def _entry(name: str):
+    """The table's entry for ``name``, or any other timm model name (3 input channels, 64x32)."""
+    return MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
+
+
 def _check_one(name: str, size_scale: int = 1) -> dict:
     import sharded_nn as snn
 
-    make, shape, family = MODELS[name]
+    make, shape, family = _entry(name)
     mesh = snn.init_mesh(domain=2, device_type="cpu")
     torch.manual_seed(0)
     ref = make().double().eval()
@@ -187,7 +195,7 @@ def run_model(name: str, timeout: float) -> dict:
     try:
         res = snn.launch(_check_one, 2, name, timeout=timeout, device_type="cpu", threads=1)
     except Exception as e:  # noqa: BLE001 - a hang or a rank-asymmetric failure
-        res = {"model": name, "family": MODELS[name][2], "status": "error", "reason": f"{type(e).__name__}: {e}"}
+        res = {"model": name, "family": _entry(name)[2], "status": "error", "reason": f"{type(e).__name__}: {e}"}
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
 
@@ -221,7 +229,7 @@ def _overhead(name: str, size: tuple[int, int], reps: int, guard: bool) -> dict:
     import sharded_nn as snn
 
     # A name of the table, or any timm model name (e.g. mobilenetv3_large_100): 3 input channels.
-    make, shape, _ = MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
+    make, shape, _ = _entry(name)
     mesh = snn.init_mesh(domain=2, device_type="cpu")
     torch.manual_seed(0)
     ref = make().eval()
@@ -260,7 +268,7 @@ def overhead(name: str, size: tuple[int, int], reps: int, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--models", default="", help="comma-separated names of the table or any timm model (default: the table)")
     ap.add_argument("--out", default="bench/compat.md")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--overhead", default="", help="model name: time the guard's per-forward overhead instead")
