@@ -124,5 +124,6 @@ else:
 from .timm_norm_act import *  # noqa: E402,F403 - timm's norm(+act) layers, when timm is installed
 from .timm_conv import *  # noqa: E402,F403 - timm's TF-style 'SAME' convolution, when timm is installed
 from .timm_norm_act import __all__ as _timm_norm_act_all  # noqa: E402
+from .timm_conv import __all__ as _timm_conv_all  # noqa: E402
 
-__all__ += _timm_norm_act_all
+__all__ += _timm_norm_act_all + _timm_conv_all
