@@ -82,3 +82,28 @@ def _efficientnet_stem(domain):
 @pytest.mark.parametrize("domain", [2, 3])
 def test_tf_same_stem_of_two_strided_convs(run, domain):
     assert max(run(domain, _efficientnet_stem, domain)) < 1e-10
+
+
+def _errors():
+    # Bad inputs raise the same ShardingError on every rank (facts every rank shares).
+    m = mesh(2)
+    conv = snn.convert(Conv2dSame(4, 8, 3, stride=2), m)
+    out = {}
+    for what, x in (
+        ("channels", torch.randn(1, 3, 8, 8)),  # 3 channels, the layer expects 4
+        ("misaligned", torch.randn(1, 4, 5 if m.get_local_rank("domain") == 0 else 6, 8)),  # slab 1 starts at 5
+    ):
+        try:
+            conv(x)
+            out[what] = None
+        except snn.ShardingError as e:
+            out[what] = (type(e).__name__, str(e))
+    return out
+
+
+def test_errors_raise_alike_on_every_rank(run):
+    got = run(2, _errors)
+    for what in got[0]:
+        assert got[0][what] is not None and got[0][what] == got[1][what], (what, got)
+    assert "expected 4 input channels" in got[0]["channels"][1]
+    assert "multiple of 2" in got[0]["misaligned"][1]
