@@ -136,6 +136,9 @@ def _timm_tables() -> dict[type, object]:
             "batchnorm": ("BatchNormAct2d", "SyncBatchNormAct"),
             "mixes": ("GroupNormAct", "GroupNorm1Act"),
         },
+        # Its statistics over positions are torch calls (a vector norm over H and W) that the
+        # forward guard routes to ``reductions.norm``: exact under the guard, mixing without it.
+        "timm.layers.grn": {"guarded": ("GlobalResponseNorm",)},
     }  # fmt: skip
     for mod_name, kinds in groups.items():
         mod = sys.modules.get(mod_name)
@@ -149,6 +152,9 @@ def _timm_tables() -> dict[type, object]:
 #: Unregistered subclasses whose position-mixing calls the forward guard computes exactly (or
 #: refuses): see ``forward_guard._GuardMode._h_conv``.
 _GUARD_ROUTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: ``_acts_on`` of a layer whose position-mixing calls the forward guard routes (timm's
+#: ``GlobalResponseNorm``): nothing to report with the guard on, ``MIXES`` with it off.
+_GUARDED = "guarded"
 
 
 def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...] | str:
@@ -162,6 +168,8 @@ def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...]
         return ()
     if kind == "mixes":
         return MIXES
+    if kind == "guarded":
+        return _GUARDED
     if kind == "batchnorm":
         # Batch statistics (over N and every position) in training, or without running stats.
         uses_batch_stats = m.training or m.running_mean is None
@@ -368,6 +376,10 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
             continue
         reviewed += [f"{name}.{c}" if name else c for c in _replicated_children(module)]
         acts = _acts_on(module, timm_table)
+        if acts == _GUARDED:
+            if guard:
+                continue
+            acts = MIXES
         if type(module) in done or acts == ():
             continue
         if acts is UNKNOWN and module._modules:

@@ -144,6 +144,8 @@ _PASSIVE = frozenset(
 )
 _VIEW_SAME = frozenset(["view_as", "reshape_as"])
 _ROUTED_REDUCE = frozenset(["sum", "mean", "amax", "amin", "max", "min", "nansum", "nanmean"])
+# Statistics routed to ``sharded_nn.reductions`` where they reduce a sharded dim (their own parser).
+_ROUTED_STATS = frozenset(["norm", "linalg_vector_norm", "linalg_norm", "var", "std", "var_mean", "std_mean"])
 _REDUCE = frozenset(
     """std var std_mean var_mean prod norm logsumexp argmax argmin all any count_nonzero median nanmedian
     mode cumsum cumprod cummax cummin logcumsumexp sort argsort topk kthvalue quantile nanquantile
@@ -251,7 +253,7 @@ def _classify(func) -> tuple[str, str, bool]:
         return simple[base], base, inplace and base not in ("copy",)
     if base in _POOL_NAMES:
         return "pool", base, False
-    if base in _ROUTED_REDUCE or base in _REDUCE:
+    if base in _ROUTED_REDUCE or base in _REDUCE or base in _ROUTED_STATS:
         return "reduce", base, False
     if base in _POSITIONAL:
         return "positional", base, inplace
@@ -1138,17 +1140,21 @@ class _GuardMode(TorchFunctionMode):
             if base == "normalize":
                 dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
             dims = _norm_dims(dim, nd) if dim is not None else tuple(range(nd))
+            if base == "normalize" and any(d in st for d in dims):
+                return self._route_normalize(x, args, kwargs, dims, st)
             if any(d in st for d in dims):
                 self.fail(f"`{base}`", f"it acts along sharded dim(s) {sorted(set(dims) & set(st))}", "")
             out = func(*args, **kwargs)
             self._set(out, st)
             return out
+        if base in _ROUTED_STATS:
+            return self._route_stats(func, base, x, args, kwargs, st)
         if base in ("topk", "kthvalue"):
             dim = _arg(args, kwargs, 2, "dim", -1)
-        elif base in ("norm", "quantile", "nanquantile"):
+        elif base in ("quantile", "nanquantile"):
             dim = _arg(args, kwargs, 2, "dim")
         dims = tuple(range(nd)) if dim is None else _norm_dims(dim, nd)
-        keepdim = bool(_arg(args, kwargs, 3 if base in ("norm", "quantile", "nanquantile") else 2, "keepdim", False))
+        keepdim = bool(_arg(args, kwargs, 3 if base in ("quantile", "nanquantile") else 2, "keepdim", False))
         if base in ("topk", "kthvalue"):
             keepdim = True
         hit = [d for d in dims if d in st]
@@ -1163,6 +1169,77 @@ class _GuardMode(TorchFunctionMode):
             f"`{base}`", f"it reduces over sharded dim(s) {hit}",
             "use sharded_nn.reductions (sum, mean, max, argmax) or amax/amin, which the guard routes",
         )
+
+    def _route_normalize(self, x, args, kwargs, dims, st):
+        """``F.normalize`` along a sharded dim: the routed vector norm, then torch's own formula."""
+        from . import reductions
+
+        p = _arg(args, kwargs, 1, "p", 2.0)
+        eps = _arg(args, kwargs, 3, "eps", 1e-12)
+        if _arg(args, kwargs, 4, "out") is not None:
+            self.fail("`normalize`", "its out= form is not routed over a sharded dim", "")
+        active = tuple(d for d in st if d is not None)
+        if len(active) != len(st) and st[: len(active)] != active:
+            self.fail("`normalize`", "the tensor is sharded by a later mesh axis only", "")
+        norm = reductions.norm(x, self.guard.mesh, dims, p, keepdim=True, sharded_dims=active)
+        out = x / norm.clamp_min(eps).expand_as(x)
+        self._set(out, st)
+        return out
+
+    def _route_stats(self, func, base, x, args, kwargs, st):
+        """Vector norms, variances and standard deviations: routed where they reduce a sharded dim."""
+        from . import reductions
+
+        nd = x.dim()
+        if base in ("norm", "linalg_vector_norm", "linalg_norm"):
+            # torch.norm(x, p="fro", dim, keepdim, out, dtype); linalg.vector_norm(x, ord=2, dim,
+            # keepdim, *, dtype); linalg.norm(x, ord=None, dim, keepdim, *, dtype).
+            linalg = base.startswith("linalg")
+            p = _arg(args, kwargs, 1, "ord" if linalg else "p", 2 if base == "linalg_vector_norm" else None)
+            dim = _arg(args, kwargs, 2, "dim")
+            keepdim = bool(_arg(args, kwargs, 3, "keepdim", False))
+            dtype = kwargs.get("dtype") if linalg else _arg(args, kwargs, 5, "dtype")
+            dims = tuple(range(nd)) if dim is None else _norm_dims(dim, nd)
+            hit = [d for d in dims if d in st]
+            # linalg.norm with an ord over two dims (or over a 2-d input without dim) is a matrix norm.
+            matrix = base == "linalg_norm" and p is not None and len(dims) == 2
+            p = 2 if p in (None, "fro") and not matrix else p
+            if hit and (matrix or isinstance(p, str) or _arg(args, kwargs, 4, "out") is not None and not linalg):
+                self.fail(f"`{base}`", f"it takes a matrix norm or an out= form (p={p!r}) over sharded dim(s) {hit}",
+                          "use a vector norm (torch.linalg.vector_norm), which the guard routes")
+            if hit and dtype is not None:
+                x = x.to(dtype)
+        else:  # var, std, var_mean, std_mean: (x, dim, unbiased, keepdim), (x, unbiased) or keywords
+            dim = _arg(args, kwargs, 1, "dim")
+            rest = list(args[2:])
+            unbiased = kwargs.get("unbiased")
+            if isinstance(dim, bool):  # torch.var(x, unbiased)
+                unbiased, dim = dim, kwargs.get("dim")
+            elif rest:
+                unbiased = rest[0]
+            keepdim = bool(rest[1] if len(rest) > 1 else kwargs.get("keepdim", False))
+            correction = kwargs.get("correction")
+            if correction is None:
+                correction = 0 if unbiased is False else 1
+            dims = tuple(range(nd)) if dim is None else _norm_dims(dim, nd)
+            hit = [d for d in dims if d in st]
+        if not hit:
+            out = func(*args, **kwargs)
+            shift = (lambda d: d) if keepdim else (lambda d: d - sum(r < d for r in dims))
+            self._set(out, tuple(None if d is None else shift(d) for d in st))
+            return out
+        active = tuple(d for d in st if d is not None)
+        if len(active) != len(st) and st[: len(active)] != active:
+            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
+        kw = {"keepdim": keepdim, "sharded_dims": active}
+        mesh = self.guard.mesh
+        if base in ("norm", "linalg_vector_norm", "linalg_norm"):
+            out = reductions.norm(x, mesh, dims, p, **kw)
+        else:
+            out = getattr(reductions, base)(x, mesh, dims, correction=correction, **kw)
+        remaining = tuple(None if (d is None or d in dims) else (d if keepdim else d - sum(r < d for r in dims)) for d in st)
+        self._set(out, None if all(d is None for d in remaining) else remaining)
+        return out
 
     def _route_reduce(self, base, x, dims, keepdim, st):
         from . import reductions

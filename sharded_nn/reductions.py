@@ -1,4 +1,4 @@
-"""Global reductions over sharded dims: ``sum``, ``mean``, ``max``, ``argmax``.
+"""Global reductions over sharded dims: ``sum``, ``mean``, ``max``, ``argmax``, ``norm``, ``var``, ``std``.
 
 For heads (global pooling, then a Linear on the replicated features) and for losses. ``x`` is
 this rank's slab of a tensor sharded along ``sharded_dims`` (default: ``default_dims(mesh)``,
@@ -20,6 +20,10 @@ Precision: sums and counts accumulate in float32 for fp16/bf16 inputs (in the in
 otherwise), as torch's own reductions do, and the result has the input dtype. ``max`` splits the gradient evenly among all
 elements equal to the maximum, on every rank that holds one, like ``torch.amax``. ``argmax``
 returns *global* indices (the first maximal position, like ``torch.argmax``); it has no gradient.
+``norm`` is ``torch.linalg.vector_norm`` (sum of ``|x|^p`` over the ranks, then the root; ``inf``
+through ``max``), with torch's zero gradient where the norm is zero. ``var`` and ``std`` take two
+passes (the global mean, then the global sum of squared deviations), as stable as torch's own,
+and their gradient does not travel back through the mean (its contribution is exactly zero).
 
 Every rank first agrees on the layout (``gather_layouts``), so bad input raises the same error
 on every rank.
@@ -40,7 +44,7 @@ from .layout import Layout
 from .mesh import domain_axes, group_over
 from .sharding import default_dims
 
-__all__ = ["argmax", "max", "mean", "sum"]
+__all__ = ["argmax", "max", "mean", "norm", "std", "std_mean", "sum", "var", "var_mean"]
 
 
 def _plan(
@@ -156,6 +160,11 @@ def max(  # noqa: A001 - mirrors torch.amax
     holds one), exactly like ``torch.amax``. NaNs are not supported.
     """
     dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.max", keepdim)
+    return _amax(x, mesh, dims, axes, keepdim)
+
+
+def _amax(x: torch.Tensor, mesh: DeviceMesh, dims: tuple[int, ...], axes: list[str], keepdim: bool) -> torch.Tensor:
+    """``max``'s body once the plan is agreed."""
     if not axes:
         return x.amax(dims, keepdim=keepdim)
     group = group_over(mesh, axes)
@@ -204,3 +213,152 @@ def argmax(
     cand = torch.where(local_top == top, -idx, -big)
     out = -all_reduce_max(cand, group)
     return out if keepdim else out.squeeze(d)
+
+
+def _safe_root(s: torch.Tensor, p: float) -> torch.Tensor:
+    """``s ** (1 / p)`` with torch's norm convention at ``s == 0``: value 0, gradient 0 (not NaN)."""
+    pos = s > 0
+    base = torch.where(pos, s, torch.ones_like(s))  # the gradient reaches ``s`` only where s > 0
+    root = base.sqrt() if p == 2 else base.pow(1.0 / p)
+    return torch.where(pos, root, torch.zeros_like(root))
+
+
+def norm(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+    p: float | str = 2,
+    *,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.linalg.vector_norm(x_full, p, dims, keepdim)`` from slabs; see ``sum``.
+
+    ``p``: any float, ``inf``, ``-inf``, ``0`` (the count of non-zeros: no gradient, as torch's
+    is zero) or ``"fro"`` (2). The p-th powers are summed over the ranks in the accumulation dtype
+    (float32 for fp16/bf16, as torch does), then the root is taken once: the result equals
+    torch's up to the order of summation. Where the norm is zero the gradient is zero, as torch's.
+    """
+    if p == "fro":
+        p = 2
+    if isinstance(p, str) or isinstance(p, bool):
+        raise ShardingError(f"reductions.norm: p must be a number, inf, -inf or 'fro'; got {p!r}. A matrix norm "
+                            "('nuc', spectral) over sharded dims is not supported: gather the tensor first.")
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.norm", keepdim)
+    if not axes:
+        return torch.linalg.vector_norm(x, p, dims, keepdim)
+    if not (x.is_floating_point() or x.is_complex()):
+        raise ShardingError(f"reductions.norm: expected a floating point tensor, got {x.dtype}.")
+    if x.is_complex():
+        raise ShardingError("reductions.norm: complex tensors over sharded dims are not supported; "
+                            "take the norm of x.abs().")
+    p = float(p)
+    if math.isinf(p):
+        a = x.abs()
+        return _amax(a, mesh, dims, axes, keepdim) if p > 0 else -_amax(-a, mesh, dims, axes, keepdim)
+    acc = accumulation_dtype(x.dtype)
+    if p == 0:
+        count = _reduce_sum((x.detach() != 0).sum(dims, keepdim=keepdim, dtype=acc), mesh, axes)
+        return count.to(x.dtype)
+    powered = x.abs() if p == 1 else (x * x if p == 2 else x.abs().pow(p))
+    total = _reduce_sum(powered.sum(dims, keepdim=keepdim, dtype=acc), mesh, axes)
+    out = total if p == 1 else _safe_root(total, p)
+    return out.to(x.dtype)
+
+
+def _moments(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None,
+    correction: float,
+    keepdim: bool,
+    sharded_dims: int | Sequence[int] | None,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(variance, mean) over ``dims``, or None where no sharded dim is reduced (torch's own then)."""
+    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, what, keepdim)
+    if not axes:
+        return None
+    if not x.is_floating_point():
+        raise ShardingError(f"{what}: expected a floating point tensor, got {x.dtype}.")
+    count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
+    acc = accumulation_dtype(x.dtype)
+    mean = _reduce_sum(x.sum(dims, keepdim=True, dtype=acc), mesh, axes) / count
+    # The mean's own gradient path is exactly zero (the deviations sum to zero), so the
+    # variance's backward skips it (torch's var backward has no such term either).
+    dev = x.to(acc) - mean.detach()
+    var = _reduce_sum((dev * dev).sum(dims, keepdim=keepdim), mesh, axes) / (count - correction)
+    if not keepdim:
+        mean = mean.squeeze(dims)
+    return var.to(x.dtype), mean.to(x.dtype)
+
+
+def var(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+    *,
+    correction: float = 1,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.var(x_full, dims, correction=correction, keepdim=keepdim)`` from slabs; see ``sum``."""
+    got = _moments(x, mesh, dims, correction, keepdim, sharded_dims, "reductions.var")
+    if got is None:
+        return torch.var(x, _torch_dims(dims, x), correction=correction, keepdim=keepdim)
+    return got[0]
+
+
+def std(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+    *,
+    correction: float = 1,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.std(x_full, dims, correction=correction, keepdim=keepdim)`` from slabs; see ``sum``.
+
+    Where the deviation is zero the gradient is zero, as torch's.
+    """
+    got = _moments(x, mesh, dims, correction, keepdim, sharded_dims, "reductions.std")
+    if got is None:
+        return torch.std(x, _torch_dims(dims, x), correction=correction, keepdim=keepdim)
+    return _safe_root(got[0], 2)
+
+
+def var_mean(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+    *,
+    correction: float = 1,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.var_mean`` from slabs: (variance, mean); see ``var``."""
+    got = _moments(x, mesh, dims, correction, keepdim, sharded_dims, "reductions.var_mean")
+    if got is None:
+        return torch.var_mean(x, _torch_dims(dims, x), correction=correction, keepdim=keepdim)
+    return got
+
+
+def std_mean(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+    *,
+    correction: float = 1,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.std_mean`` from slabs: (standard deviation, mean); see ``std``."""
+    got = _moments(x, mesh, dims, correction, keepdim, sharded_dims, "reductions.std_mean")
+    if got is None:
+        return torch.std_mean(x, _torch_dims(dims, x), correction=correction, keepdim=keepdim)
+    return _safe_root(got[0], 2), got[1]
+
+
+def _torch_dims(dims, x: torch.Tensor):
+    return tuple(range(x.dim())) if dims is None else dims

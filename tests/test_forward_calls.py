@@ -85,6 +85,22 @@ class Hazards(nn.Module):
             h = torch.flip(h, dims=(2,))
         elif k == "std":
             h = h / h.std(dim=(2, 3), keepdim=True)
+        elif k == "std_positional":  # Tensor.std(dim, unbiased, keepdim)
+            h = h / (1 + h.std(2, False, True))
+        elif k == "var_mean":
+            v, mu = torch.var_mean(h, (2, 3), correction=0, keepdim=True)
+            h = (h - mu) / (v + 1e-5).sqrt()
+        elif k == "grn":  # ConvNeXt-V2's global response norm (channels first)
+            g = h.norm(p=2, dim=(2, 3), keepdim=True)
+            h = h + h * (g / (g.mean(dim=1, keepdim=True) + 1e-6))
+        elif k == "vector_norm_inf":
+            h = h / (1 + torch.linalg.vector_norm(h, float("inf"), dim=2, keepdim=True))
+        elif k == "vector_norm_all":  # no dim: every dim, sharded ones included
+            h = h / torch.linalg.norm(h)
+        elif k == "normalize_rows":  # F.normalize along the sharded dim
+            h = F.normalize(h, p=3, dim=2)
+        elif k == "matrix_norm":
+            h = h / torch.linalg.norm(h, ord="nuc", dim=(2, 3), keepdim=True)
         elif k == "position_grid":
             ys = torch.linspace(-1, 1, h.shape[2], dtype=h.dtype)
             h = h + ys.view(1, 1, -1, 1)
@@ -124,12 +140,13 @@ EXACT = [
     "interpolate_local_size", "interpolate_scale", "pad", "pad_circular", "max_pool", "avg_pool",
     "adaptive_pool", "mean", "sum", "amax", "max_all", "roll", "roll_back", "window_partition", "cat_split",
     "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
+    "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
     "cat_sharded": "concatenates slabs along sharded dim 2",
     "flip": "`flip`",
-    "std": "`std`",
+    "matrix_norm": "`linalg_norm`.*matrix norm",
     "position_grid": "`linspace`",
     "slice_rows": "slice 1:None:None along sharded dim 2",
     "stride_rows": "slice",
@@ -399,3 +416,47 @@ def _std_convs(domain: int, sizes):
 def test_timm_weight_standardised_convs_are_exact(run, domain):
     sizes = _SIZES[domain]
     assert max(run(domain, _std_convs, domain, sizes)) < 1e-10
+
+
+def _convnext_v2(domain, sizes, conv_mlp):
+    # ConvNeXt-V2: the global response norm takes an L2 norm over H and W inside each block's MLP
+    # (channels-last, or channels-first with conv_mlp); the guard routes it to reductions.norm.
+    timm = pytest.importorskip("timm")
+    from timm.models.convnext import ConvNeXt
+
+    from .reference import reduce_param_grads
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = ConvNeXt(in_chans=2, num_classes=3, depths=(1, 1, 1, 1), dims=(8, 8, 12, 16), patch_size=2, use_grn=True,
+                   ls_init_value=None, conv_mlp=conv_mlp).double()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "grn" in name:
+                p.copy_(torch.randn_like(p))  # timm initialises them to zero (identity)
+    assert any(type(mod).__name__ == "GlobalResponseNorm" for mod in ref.modules())
+    # Without the guard nothing computes the norm over the slabs: strict convert reports it.
+    with pytest.raises(snn.ShardingNotImplementedError, match="GlobalResponseNorm"):
+        snn.convert(copy.deepcopy(ref), m, strict=True, guard=False)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(2, 2, sum(sizes), 32, dtype=torch.float64, requires_grad=True)
+    y = ref(x)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    (y * g).sum().backward()
+    r = m.get_local_rank("domain")
+    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    y_local = model(x_local)  # logits: replicated
+    torch.testing.assert_close(y_local, y.detach(), atol=1e-10, rtol=1e-10)
+    snn.losses.share((y_local * g).sum(), m).backward()
+    torch.testing.assert_close(snn.gather(x_local.grad, m), x.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("conv_mlp", [False, True])
+@pytest.mark.parametrize("domain", [2, 3])
+def test_timm_convnext_v2_global_response_norm_is_exact(run, domain, conv_mlp):
+    sizes = {2: (64, 32), 3: (64, 32, 32)}[domain]  # multiples of the total stride (32)
+    assert all(run(domain, _convnext_v2, domain, sizes, conv_mlp))

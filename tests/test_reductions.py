@@ -125,3 +125,76 @@ def _errors():
 def test_bad_input_raises_on_every_rank(run):
     assert all(run(2, _errors))
 
+
+
+# --------------------------------------------------------------------------------------------
+# Vector norms, variances, standard deviations
+
+STAT_DIMS = [(2, 3), (2,), (1, 2), None, (3,)]
+
+
+def _stat_cases():
+    for p in (2, 1, 3.5, float("inf"), float("-inf"), 0, "fro"):
+        yield f"norm p={p}", (lambda x, d, k, p=p: torch.linalg.vector_norm(x, 2 if p == "fro" else p, d, k)), (
+            lambda x, m, d, k, sd, p=p: snn.reductions.norm(x, m, d, p, keepdim=k, sharded_dims=sd))
+    for c in (1, 0, 2):
+        for op in ("var", "std"):
+            yield f"{op} correction={c}", (lambda x, d, k, op=op, c=c: getattr(torch, op)(x, d, correction=c, keepdim=k)), (
+                lambda x, m, d, k, sd, op=op, c=c: getattr(snn.reductions, op)(x, m, d, correction=c, keepdim=k, sharded_dims=sd))
+        for op in ("var_mean", "std_mean"):
+            yield f"{op} correction={c}", (lambda x, d, k, op=op, c=c: torch.stack(getattr(torch, op)(x, d, correction=c, keepdim=k))), (
+                lambda x, m, d, k, sd, op=op, c=c: torch.stack(getattr(snn.reductions, op)(x, m, d, correction=c, keepdim=k, sharded_dims=sd)))
+
+
+def _check_stats(domain, sharded_dims, reduce_dims=STAT_DIMS):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    x_full = torch.randn(2, 3, 11, 7, dtype=torch.float64)
+    x_full[1, 2] = 0  # a zero channel: torch's zero gradient where a norm or a deviation is zero
+    x_full[0, 1, :, 3] = 0.5  # a constant column: std over dim 2 is zero there
+    for name, ref_fn, ours in _stat_cases():
+        for dims in reduce_dims:
+            for keepdim in (False, True):
+                x = x_full.clone().requires_grad_()
+                y = ref_fn(x, dims, keepdim)
+                g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+                (y * g).sum().backward()
+                x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
+                y_local = ours(x_local, m, dims, keepdim, sharded_dims)
+                left = _still_sharded(sharded_dims, dims, x.dim(), keepdim)
+                if "_mean" in name and left:
+                    left = tuple(d + 1 for d in left)  # the stacked pair adds a leading dim
+                y_full = snn.gather(y_local, m, dims=left) if left else y_local
+                what = f"{name} dims={dims} keepdim={keepdim}"
+                torch.testing.assert_close(y_full, y.detach(), atol=1e-12, rtol=1e-12, msg=lambda s: f"{what}: {s}")
+                if name == "norm p=0":  # a count: no gradient (torch's is zero or none)
+                    assert x.grad is None or not x.grad.any(), what
+                    continue
+                snn.losses.share((y_full * g).sum(), m).backward()
+                gx = snn.gather(x_local.grad, m, dims=sharded_dims)
+                assert torch.isfinite(gx).all(), what
+                torch.testing.assert_close(gx, x.grad, atol=1e-11, rtol=1e-11, msg=lambda s: f"{what}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3, 4])
+def test_norm_var_std_1d_mesh(run, domain):
+    assert all(run(domain, _check_stats, domain, (2,)))
+
+
+def test_norm_var_std_2x2_mesh(run):
+    assert all(run(4, _check_stats, (2, 2), (2, 3), [(2, 3), None]))
+
+
+def _stat_errors():
+    m = mesh(2)
+    y = torch.randn(1, 2, 4, 3)
+    with pytest.raises(snn.ShardingError, match="p must be a number"):
+        snn.reductions.norm(y, m, (2, 3), "nuc")
+    with pytest.raises(snn.ShardingError, match="floating point"):
+        snn.reductions.var(torch.ones(1, 2, 4, 3, dtype=torch.int64), m, (2,))
+    return True
+
+
+def test_stat_bad_input_raises_on_every_rank(run):
+    assert all(run(2, _stat_errors))
