@@ -232,16 +232,28 @@ def _use_cpu_flash(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and q.dtype in dtypes
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit stride along its last dim (a copy only where it has another).
+
+    Why: the CPU flash kernel reads each row of head-dim values as contiguous memory and takes
+    only the other dims' strides; given a view whose last dim is strided (``x.transpose(1, 2)``
+    of a channels-first map), it silently reads the wrong elements. torch's own
+    ``scaled_dot_product_attention`` makes such inputs contiguous before calling it; so must we.
+    """
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 def _cpu_forward(q, k, v, pad, scale, diag):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, diag, attn_mask=_additive(pad, q.dtype), scale=scale
+        _rows(q), _rows(k), _rows(v), 0.0, diag, attn_mask=_additive(pad, q.dtype), scale=scale
     )
     return out, lse
 
 
 def _cpu_backward(dout, q, k, v, out, lse, pad, scale, diag):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, diag, attn_mask=_additive(pad, q.dtype), scale=scale
+        _rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), lse, 0.0, diag, attn_mask=_additive(pad, q.dtype),
+        scale=scale,
     )
 
 

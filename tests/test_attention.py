@@ -35,8 +35,18 @@ class Cfg:
     big: float = 1.0  # multiplies q and k: large logits
     dead: bool = False  # every key of batch item 1 is padding: its outputs and gradients are 0
     dtype: torch.dtype = torch.float64
+    # q, k, v and the output gradient as views whose last dim is strided (tokens of a
+    # channels-first map: ``x.flatten(2).transpose(1, 2)``); the CPU flash kernel once read them wrong.
+    strided: bool = False
 
     def tensors(self):
+        q, k, v, pad, grad = self._tensors()
+        if self.strided:
+            q, k, v, grad = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (q, k, v, grad))
+            assert q.stride(-1) != 1
+        return q, k, v, pad, grad
+
+    def _tensors(self):
         g = torch.Generator().manual_seed(0)
         hk = self.kv_heads or self.heads
         q = torch.randn(self.batch, self.heads, self.length, self.dim, generator=g, dtype=self.dtype) * self.big
@@ -101,8 +111,12 @@ def _check_cases(domain, cases, kind):
         ref.backward(grad.double())
         local = [_local(cfg, m, t.detach(), 2).requires_grad_() for t in (q, k, v)]
         pad_local = _local(cfg, m, pad, 1) if pad is not None else None
-        out = fn(*local, m, cfg.causal, cfg.scale, key_padding_mask=pad_local, layout=cfg.layout)
-        out.backward(_local(cfg, m, grad, 2))
+        ins, dout = local, _local(cfg, m, grad, 2)
+        if cfg.strided:  # the slabs too (a narrowed clone is contiguous)
+            ins = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in local]
+            dout = dout.transpose(2, 3).contiguous().transpose(2, 3)
+        out = fn(*ins, m, cfg.causal, cfg.scale, key_padding_mask=pad_local, layout=cfg.layout)
+        out.backward(dout)
         tol = dict(atol=1e-10, rtol=1e-10)
         if cfg.dtype != torch.float64:
             tol = dict(atol=2e-3, rtol=2e-3, check_dtype=False)
@@ -130,6 +144,8 @@ RING_CASES = [
     Cfg(dim_v=5),  # value head size != query head size: blocked math path
     Cfg(dim_v=5, causal=True, mask=True),
     Cfg(big=30.0, dtype=torch.float32, causal=True),  # logits ~ 1e3: the lse merge must stay finite
+    Cfg(strided=True),
+    Cfg(strided=True, causal=True, mask=True, kv_heads=2),
 ]
 
 
@@ -183,6 +199,7 @@ ULYSSES_CASES = [
     Cfg(heads=8, kv_heads=4, mask=True),
     Cfg(mask=True, causal=True),
     Cfg(scale=0.5, dim_v=6),
+    Cfg(strided=True, causal=True),
 ]
 
 
