@@ -5,7 +5,9 @@ running statistics and affine parameters (so that no zero-initialised branch hid
 convert a copy with ``snn.convert(model, mesh)``, run it on slabs of H (aligned with
 ``snn.alignment``) and compare the gathered output with the single-device output. Outcomes:
 
-- ``exact``: max abs error <= 1e-9 (relative to the output's scale);
+- ``exact``: max abs error <= 1e-9 (relative to the output's scale); for the models listed in
+  ``FLOAT32_INSIDE``, which cast to float32 inside their own forward whatever the input dtype,
+  1e-5 (float32 rounding of sums taken in another order), with the reason in the detail column;
 - ``refused``: a ``ShardingError`` / ``ShardingNotImplementedError`` on every rank, with its reason;
 - ``WRONG``: the model ran and the output differs (a silently wrong answer: must never happen);
 - ``error``: any other exception (a crash, not silent, but worth a look).
@@ -84,6 +86,9 @@ MODELS = {
     "timm/tf_efficientnet_b0": (_timm("tf_efficientnet_b0"), (1, 3, 64, 32), "timm CNN"),
     "timm/resnetblur18": (_timm("resnetblur18"), (1, 3, 64, 32), "timm CNN"),
     "timm/mobilevit_xxs": (_timm("mobilevit_xxs"), (1, 3, 64, 64), "timm hybrid"),
+    "timm/convnextv2_atto": (_timm("convnextv2_atto"), (1, 3, 64, 32), "timm CNN"),
+    "timm/pvt_v2_b0": (_timm("pvt_v2_b0"), (1, 3, 64, 32), "timm hybrid"),
+    "timm/efficientvit_b0": (_timm("efficientvit_b0"), (1, 3, 64, 32), "timm hybrid"),
     "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
                                   features=(4, 4, 8, 8, 8, 4)), (1, 1, 64, 32), "MONAI 2-D"),
     "monai/AttentionUnet-2d": (_monai("AttentionUnet", spatial_dims=2, in_channels=1, out_channels=2,
@@ -121,6 +126,14 @@ def randomise_norms(model: nn.Module, seed: int = 0) -> None:
             if p.numel() and bool((p == 0).all()) and "bias" not in name:
                 with torch.no_grad():
                     p.copy_(0.5 + torch.rand(p.shape, generator=gen, dtype=p.dtype))
+
+
+#: Models whose own forward computes part of the model in float32 whatever the input dtype: the
+#: float64 comparison then sees float32 rounding (checked: with that cast removed they agree to
+#: 1e-15), so they are held to 1e-5 relative, with this reason shown.
+FLOAT32_INSIDE = {
+    "efficientvit_b0": "LiteMLA computes its linear attention in float32 (`q.float()`); tolerance 1e-5",
+}
 
 
 def _outputs(y):
@@ -180,7 +193,10 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
                 err = max(err, (full - b).abs().max().item())
                 scale = max(scale, b.abs().max().item())
         rel = err / max(scale, 1e-30)
-        out.update(status="exact" if rel <= 1e-9 else "WRONG", max_abs_err=err, rel_err=rel)
+        f32 = FLOAT32_INSIDE.get(name.split("/")[-1])
+        out.update(status="exact" if rel <= (1e-5 if f32 else 1e-9) else "WRONG", max_abs_err=err, rel_err=rel)
+        if f32:
+            out["note"] = f32
     except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
         out.update(status="refused", reason=f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - recorded, not hidden
@@ -211,6 +227,8 @@ def table(results: list[dict]) -> str:
         what = (
             f"{r['max_abs_err']:.1e}" if r["status"] in ("exact", "WRONG") else _short(r.get("reason", ""))
         )
+        if r["status"] == "exact" and r.get("model", "").split("/")[-1] in FLOAT32_INSIDE:
+            what += f" ({FLOAT32_INSIDE[r['model'].split('/')[-1]]})"
         shape = "x".join(str(s) for s in r.get("shape", [])[2:])
         lines.append(f"| {r['model']} | {r['family']} | {shape} | {r['status']} | {what} |")
     counts = {s: sum(r["status"] == s for r in results) for s in ("exact", "refused", "WRONG", "error", "skipped")}

@@ -1142,6 +1142,8 @@ class _GuardMode(TorchFunctionMode):
             dims = _norm_dims(dim, nd) if dim is not None else tuple(range(nd))
             if base == "normalize" and any(d in st for d in dims):
                 return self._route_normalize(x, args, kwargs, dims, st)
+            if base in ("softmax", "log_softmax", "softmin") and dim is not None and any(d in st for d in dims):
+                return self._route_softmax(base, x, args, kwargs, dims[0], st)
             if any(d in st for d in dims):
                 self.fail(f"`{base}`", f"it acts along sharded dim(s) {sorted(set(dims) & set(st))}", "")
             out = func(*args, **kwargs)
@@ -1169,6 +1171,23 @@ class _GuardMode(TorchFunctionMode):
             f"`{base}`", f"it reduces over sharded dim(s) {hit}",
             "use sharded_nn.reductions (sum, mean, max, argmax) or amax/amin, which the guard routes",
         )
+
+    def _route_softmax(self, base, x, args, kwargs, dim, st):
+        """``softmax`` / ``log_softmax`` / ``softmin`` along a sharded dim (attention weights over
+        sharded tokens, a LambdaNet's key softmax): ``reductions.softmax``; the output keeps the layout."""
+        from . import reductions
+
+        active = tuple(d for d in st if d is not None)
+        if len(active) != len(st) and st[: len(active)] != active:
+            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
+        # dtype: a keyword, or positional after dim (torch.softmax(x, dim, dtype); F.softmax has
+        # _stacklevel before it).
+        dtype = kwargs.get("dtype") or next((a for a in args[2:] if isinstance(a, torch.dtype)), None)
+        x = x.to(dtype) if dtype is not None else x
+        fn = reductions.log_softmax if base == "log_softmax" else reductions.softmax
+        out = fn(-x if base == "softmin" else x, self.guard.mesh, dim, sharded_dims=active)
+        self._set(out, st)
+        return out
 
     def _route_normalize(self, x, args, kwargs, dims, st):
         """``F.normalize`` along a sharded dim: the routed vector norm, then torch's own formula."""
@@ -1361,6 +1380,8 @@ class _GuardMode(TorchFunctionMode):
             if sa is not None or sb is not None:
                 self.fail("`matmul`", "a vector operand of a slab is not mapped", "")
             return func(*args, **kwargs)
+        if sa is not None and sb is not None and (a.dim() - 1) in sa and (b.dim() - 2) in sb:
+            return self._contract_tokens(func, args, kwargs, a, b, sa, sb)
         if sa is not None and (a.dim() - 1) in sa:
             self.fail("`matmul`", "it contracts a sharded dim (the last dim of the first operand)", "")
         if sb is not None and (b.dim() - 2) in sb:
@@ -1398,6 +1419,31 @@ class _GuardMode(TorchFunctionMode):
         self._set(out, res)
         return out
 
+    def _contract_tokens(self, func, args, kwargs, a, b, sa, sb):
+        """``a @ b`` contracting a dim both operands shard along one mesh axis (linear attention's
+        ``k^T v``): the local product summed over that axis, a value replicated over it."""
+        from .comm import all_reduce_sum
+        from .mesh import group_over
+
+        ka, kb = sa.index(a.dim() - 1), sb.index(b.dim() - 2)
+        others = [d for i, d in enumerate(sa) if i != ka and d is not None] + [
+            d for i, d in enumerate(sb) if i != kb and d is not None]
+        if ka != kb or others:
+            self.fail("`matmul`", "it contracts dims sharded by different mesh axes, or its operands are sharded "
+                      "along more than the contracted dim", "")
+        # Both operands must hold the same positions along the contracted dim on every rank;
+        # equal local lengths everywhere are checked on every rank alike (a tiny all-gather), so
+        # that a mismatch raises everywhere instead of leaving the others in the sum.
+        rows = self._gather_with_coords([int(a.shape[-1]), int(b.shape[-2])], "forward guard: matmul")
+        bad = [tuple(r[len(self.guard.axes):]) for r in rows if r[-1] != r[-2]]
+        if bad:
+            self.fail("`matmul`", f"its operands' local lengths along the contracted sharded dim differ ({bad}): "
+                      "they are not slabs of one layout", "")
+        axis = self.guard.axes[ka]
+        out = all_reduce_sum(func(*args, **kwargs), group_over(self.guard.mesh, [axis]))
+        self._set(out, None)
+        return out
+
     def _h_einsum(self, func, base, args, kwargs, stateful):
         self.fail("`einsum`", f"the guard does not map einsum subscripts, and it receives {self._what(stateful, False)}",
                   "write it with matmul / permute, or register a sharded class for the module")
@@ -1405,16 +1451,73 @@ class _GuardMode(TorchFunctionMode):
     def _h_sdpa(self, func, base, args, kwargs, stateful):
         q, k, v = args[0], args[1], args[2]
         self._require_known(base, stateful)
-        for t in (k, v):
-            s = self._st(t)
-            if s is not None and (t.dim() - 2) in s:
-                self.fail("`scaled_dot_product_attention`", "its keys/values are sharded along the token dim",
-                          "use sharded_nn.functional.ring_attention or RingAttention")
+        if any(s is not None and (t.dim() - 2) in s for t, s in ((k, self._st(k)), (v, self._st(v)))):
+            return self._route_sdpa(q, k, v, args, kwargs)
         sq = self._st(q)
         if sq is not None and (q.dim() - 1) in sq:
             self.fail("`scaled_dot_product_attention`", "its head dim is sharded", "")
         out = func(*args, **kwargs)
         self._set(out, sq if sq is not None else (self._st(k) or self._st(v)))
+        return out
+
+    def _route_sdpa(self, q, k, v, args, kwargs):
+        """Attention over keys/values sharded along their token dim: ``functional.ring_attention``.
+
+        Queries sharded along their token dim (the same mesh axis) get this rank's rows of the
+        output; replicated queries (a pooling latent, a class token) attend over every rank's
+        keys and get the replicated output. Tokens are in the guard's contiguous layout (slab
+        order along the axis), as a flattened slab of a 1-D domain gives them.
+        """
+        from .comm.peers import domain_peers
+        from .functional import _replicated_query_attention, ring_attention
+
+        name = "`scaled_dot_product_attention`"
+        sq, sk, sv = self._st(q), self._st(k), self._st(v)
+        attn_mask = _arg(args, kwargs, 3, "attn_mask")
+        dropout_p = float(_arg(args, kwargs, 4, "dropout_p", 0.0))
+        is_causal = bool(_arg(args, kwargs, 5, "is_causal", False))
+        scale = _arg(args, kwargs, 6, "scale")
+        gqa = bool(_arg(args, kwargs, 7, "enable_gqa", False))
+        if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+            self.fail(name, f"keys/values sharded along their tokens need (N, L, E) or (N, H, L, E) operands, got "
+                      f"{q.dim()}-d / {k.dim()}-d / {v.dim()}-d", "")
+        tok = q.dim() - 2
+        if sk != sv or tok not in sk or any(d is not None and d != tok for d in sk):
+            self.fail(name, "its keys and values are not sharded alike along their token dim only", "")
+        if sq is not None and (sq != sk):
+            self.fail(name, "its queries are sharded other than along their token dim by the keys' mesh axis", "")
+        if attn_mask is not None:
+            self.fail(name, "an attn_mask over keys sharded along their tokens is not routed",
+                      "use sharded_nn.functional.ring_attention (key_padding_mask=...)")
+        if sq is None and is_causal:
+            self.fail(name, "causal attention of replicated queries over sharded keys has no global positions", "")
+        if len(self.guard.axes) != 1:
+            self.fail(name, "keys sharded along their tokens on a domain mesh of more than one axis", "")
+        if sq is None and dropout_p > 0:
+            self.fail(name, "attention dropout of replicated queries over sharded keys is not routed",
+                      "set the attention's dropout to 0 (or eval mode) for this call")
+        q4, k4, v4 = (t.unsqueeze(1) for t in (q, k, v)) if q.dim() == 3 else (q, k, v)
+        if q4.shape[0] != k4.shape[0] or k4.shape[:2] != v4.shape[:2]:
+            self.fail(name, f"batch or head sizes of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                      "differ (broadcast batch dims are not routed)", "")
+        if q4.shape[1] != k4.shape[1] and not (gqa and q4.shape[1] % k4.shape[1] == 0):
+            self.fail(name, f"{q4.shape[1]} query heads against {k4.shape[1]} key/value heads without enable_gqa", "")
+        drop = {}
+        if dropout_p > 0:
+            # One mask law on every rank (attention_kernels.dropout_keep): domain rank 0's draw
+            # from its default generator, as nn.Dropout draws from it. Same law, not the same bits.
+            seed = int(torch.randint(0, 1 << 62, (1,)).item())
+            rows = self._gather_with_coords([seed], "forward guard: attention dropout seed")
+            drop = {"dropout_p": dropout_p, "dropout_seed": min(rows)[-1]}
+        mesh = self.guard.mesh
+        if sq is not None:
+            out = ring_attention(q4, k4, v4, mesh, is_causal, scale, **drop)
+            state = sq
+        else:
+            out = _replicated_query_attention(q4, k4, v4, domain_peers(mesh), scale)
+            state = None
+        out = out.squeeze(1) if q.dim() == 3 else out
+        self._set(out, state)
         return out
 
     def _spatial_hit(self, st, x) -> list[int]:

@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from .attention_kernels import BlockDropout, acc_dtype, block_backward, block_forward, merge
 from .comm.all_to_all import heads_to_seq, seq_to_heads
-from .comm.collectives import all_gather_uneven
+from .comm.collectives import all_gather_uneven, all_reduce_max, all_reduce_sum
 from .comm.peers import AxisPeers, domain_peers
 from .comm.ring_pass import gather_ints, ring_pass
 from .errors import ShardingError, ShardingNotImplementedError
@@ -946,6 +946,30 @@ def ring_attention(
         return (out, lse) if return_lse else out
     out_r = buf[:, :lr].transpose(1, 2)
     return (out, lse, out_r) if return_lse else (out, out_r)
+
+
+def _replicated_query_attention(q, k, v, peers: AxisPeers, scale: float | None = None) -> torch.Tensor:
+    """Attention of queries held identically by every domain rank (a pooling latent, a class
+    token) over keys/values sharded along their tokens: the replicated ``(B, H, Lr, Dv)`` output.
+
+    Each rank attends over its own keys (blocked math: Lr is small), then the per-rank results
+    are merged by their log-sum-exp with two sums over the ranks (max shift, no gradient through
+    it). Autograd runs through the sums (gradient convention of DESIGN.md section 3: the output
+    gradient on each rank is a share; the gradient reaching ``q`` on each rank is its part from
+    this rank's keys, summed over the domain like any replicated parameter's). For the forward
+    guard, whose states guarantee replicated queries and slabs of one layout.
+    """
+    acc = acc_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    out = torch.softmax(scores, -1) @ v.to(acc)
+    weight = torch.exp(lse - all_reduce_max(lse, peers.group))
+    total = all_reduce_sum(weight * out, peers.group) / all_reduce_sum(weight, peers.group)
+    return total.to(q.dtype)
 
 
 # --------------------------------------------------------------------------- Ulysses

@@ -1,4 +1,5 @@
-"""Global reductions over sharded dims: ``sum``, ``mean``, ``max``, ``argmax``, ``norm``, ``var``, ``std``.
+"""Global reductions over sharded dims: ``sum``, ``mean``, ``max``, ``argmax``, ``norm``, ``var``, ``std``,
+and ``softmax`` / ``log_softmax`` along a sharded dim.
 
 For heads (global pooling, then a Linear on the replicated features) and for losses. ``x`` is
 this rank's slab of a tensor sharded along ``sharded_dims`` (default: ``default_dims(mesh)``,
@@ -44,7 +45,7 @@ from .layout import Layout
 from .mesh import domain_axes, group_over
 from .sharding import default_dims
 
-__all__ = ["argmax", "max", "mean", "norm", "std", "std_mean", "sum", "var", "var_mean"]
+__all__ = ["argmax", "log_softmax", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
 
 
 def _plan(
@@ -362,3 +363,49 @@ def std_mean(
 
 def _torch_dims(dims, x: torch.Tensor):
     return tuple(range(x.dim())) if dims is None else dims
+
+
+def _log_partition(x: torch.Tensor, mesh: DeviceMesh, dim: int, sharded_dims, what: str):
+    """(shifted x, log of the global sum of exp(shifted x)) along sharded ``dim``, or None where
+    ``dim`` is not sharded. The shift is the global max (no gradient: the result does not depend
+    on it)."""
+    dims, axes, _ = _plan(x, mesh, dim, sharded_dims, what, True)
+    if not axes:
+        return None
+    acc = accumulation_dtype(x.dtype)
+    xs = x.to(acc)
+    top = all_reduce_max(xs.detach().amax(dims, keepdim=True), group_over(mesh, axes))
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf stays NaN-free
+    shifted = xs - top
+    return shifted, _reduce_sum(shifted.exp().sum(dims, keepdim=True), mesh, axes).log()
+
+
+def softmax(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dim: int,
+    *,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.softmax(x_full, dim)`` from slabs, along a sharded ``dim`` too; the result keeps
+    ``x``'s layout (this rank's slab of the full softmax). Computed in the accumulation dtype."""
+    got = _log_partition(x, mesh, dim, sharded_dims, "reductions.softmax")
+    if got is None:
+        return torch.softmax(x, dim)
+    shifted, log_total = got
+    return (shifted - log_total).exp().to(x.dtype)
+
+
+def log_softmax(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dim: int,
+    *,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.log_softmax(x_full, dim)`` from slabs; see ``softmax``."""
+    got = _log_partition(x, mesh, dim, sharded_dims, "reductions.log_softmax")
+    if got is None:
+        return torch.log_softmax(x, dim)
+    shifted, log_total = got
+    return (shifted - log_total).to(x.dtype)

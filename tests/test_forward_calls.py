@@ -110,9 +110,36 @@ class Hazards(nn.Module):
             h = h[:, :, ::2]
         elif k == "crop_noop":
             h = h[:, :, : h.shape[2], 1:]
-        elif k == "attention_tokens":
+        elif k == "attention_tokens":  # routed to ring attention
             t = h.flatten(2).transpose(1, 2)  # (N, L, C): L sharded
             h = F.scaled_dot_product_attention(t, t, t).transpose(1, 2).reshape(h.shape)
+        elif k == "attention_heads_causal":
+            n, c, hh, ww = h.shape
+            t = h.flatten(2).transpose(1, 2).reshape(n, hh * ww, 2, c // 2).transpose(1, 2)  # (N, 2, L, C/2)
+            a = F.scaled_dot_product_attention(t, t * 0.5, t, is_causal=True, scale=0.7)
+            h = a.transpose(1, 2).reshape(n, hh * ww, c).transpose(1, 2).reshape(h.shape)
+        elif k == "attention_pooled_kv":  # PVT-style spatial reduction: keys from a 2x2 pool
+            q = h.flatten(2).transpose(1, 2)
+            kv = F.avg_pool2d(h, 2).flatten(2).transpose(1, 2)
+            h = F.scaled_dot_product_attention(q, kv, kv * 2).transpose(1, 2).reshape(h.shape)
+        elif k == "attention_latent_query":  # a learned query over every token: replicated
+            t = h.flatten(2).transpose(1, 2)
+            latent = self.head.weight[:1, :, 0, 0].expand(t.shape[0], 1, -1) * 3
+            pooled = F.scaled_dot_product_attention(latent, t, t)  # (N, 1, C)
+            h = h + pooled.transpose(1, 2).unsqueeze(-1)
+        elif k == "attention_mask":
+            t = h.flatten(2).transpose(1, 2)
+            mask = torch.ones(t.shape[1], t.shape[1], dtype=torch.bool)
+            h = F.scaled_dot_product_attention(t, t, t, attn_mask=mask).transpose(1, 2).reshape(h.shape)
+        elif k == "softmax_tokens":  # attention written out: softmax over the sharded key dim
+            t = h.flatten(2).transpose(1, 2)  # (N, L, C)
+            w = torch.softmax(self.head.weight[:2, :, 0, 0] @ t.transpose(1, 2), dim=-1)  # (N, 2, L)
+            pooled = w @ t  # contracts the sharded tokens: replicated (N, 2, C)
+            h = h + pooled.sum(1)[:, :, None, None] + F.log_softmax(h, dim=2) * 0.1 + F.softmin(h, 2, dtype=h.dtype)
+        elif k == "linear_attention":  # k^T v contracts the sharded tokens (EfficientViT's LiteMLA)
+            t = h.flatten(2).transpose(1, 2)
+            kv = F.relu(t).transpose(1, 2) @ t  # (N, C, C): replicated
+            h = h + (F.relu(t) @ kv / 50).transpose(1, 2).reshape(h.shape)
         elif k == "fconv_std":  # weight standardisation (timm's StdConv2d, NFNets' ScaledStdConv2d)
             w = self.w2 - self.w2.mean((1, 2, 3), keepdim=True)
             w = w / (w.std((1, 2, 3), keepdim=True) + 1e-5)
@@ -141,6 +168,8 @@ EXACT = [
     "adaptive_pool", "mean", "sum", "amax", "max_all", "roll", "roll_back", "window_partition", "cat_split",
     "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
+    "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
+    "linear_attention", "softmax_tokens",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -150,7 +179,7 @@ REFUSED = {
     "position_grid": "`linspace`",
     "slice_rows": "slice 1:None:None along sharded dim 2",
     "stride_rows": "slice",
-    "attention_tokens": "scaled_dot_product_attention",
+    "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",
@@ -460,3 +489,60 @@ def _convnext_v2(domain, sizes, conv_mlp):
 def test_timm_convnext_v2_global_response_norm_is_exact(run, domain, conv_mlp):
     sizes = {2: (64, 32), 3: (64, 32, 32)}[domain]  # multiples of the total stride (32)
     assert all(run(domain, _convnext_v2, domain, sizes, conv_mlp))
+
+
+def _pvt_v2(domain, sizes, linear, attn_drop):
+    # PVT-v2: every stage's attention takes its queries from the sharded tokens and its keys and
+    # values from a strided convolution (or, linear=True, a 7x7 adaptive pool) of them, through
+    # F.scaled_dot_product_attention: the guard routes it to ring attention.
+    pytest.importorskip("timm")
+    import torch.distributed as dist
+    from timm.models.pvt_v2 import PyramidVisionTransformerV2
+
+    from .reference import reduce_param_grads
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = PyramidVisionTransformerV2(
+        in_chans=2, num_classes=3, depths=(1, 1, 1, 1), embed_dims=(8, 8, 16, 16), num_heads=(1, 2, 2, 2),
+        mlp_ratios=(2, 2, 2, 2), sr_ratios=(4, 2, 2, 1), linear=linear, attn_drop_rate=attn_drop,
+    ).double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(2, 2, sum(sizes), 32, dtype=torch.float64, requires_grad=True)
+    r = m.get_local_rank("domain")
+    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    if attn_drop:
+        # Training with attention dropout: one mask law on every rank (the same seed), so the
+        # logits stay replicated; a different draw than the single-device model's, so compare
+        # only that it differs from the dropout-free output and that every rank agrees.
+        y_local = model(x_local)
+        rows = [torch.empty_like(y_local) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, y_local.detach().contiguous())
+        assert all(torch.equal(rows[0], t) for t in rows), "ranks disagree on the logits"
+        with torch.no_grad():
+            assert not torch.allclose(y_local, model.eval()(x_local)), "attention dropout had no effect"
+        snn.losses.share(y_local.sum(), m).backward()
+        assert torch.isfinite(x_local.grad).all()
+        return True
+    y = ref(x)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    (y * g).sum().backward()
+    y_local = model(x_local)  # logits: replicated
+    torch.testing.assert_close(y_local, y.detach(), atol=1e-10, rtol=1e-10)
+    snn.losses.share((y_local * g).sum(), m).backward()
+    torch.testing.assert_close(snn.gather(x_local.grad, m), x.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("linear", [False, True])
+@pytest.mark.parametrize("domain", [2, 3])
+def test_timm_pvt_v2_attention_over_sharded_tokens_is_exact(run, domain, linear):
+    sizes = {2: (64, 32), 3: (64, 32, 32)}[domain]  # multiples of the total stride (32)
+    assert all(run(domain, _pvt_v2, domain, sizes, linear, 0.0))
+
+
+def test_timm_pvt_v2_attention_dropout_in_training(run):
+    assert all(run(2, _pvt_v2, 2, (64, 32), False, 0.3))
