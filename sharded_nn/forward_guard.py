@@ -1514,6 +1514,12 @@ class _GuardMode(TorchFunctionMode):
             out = ring_attention(q4, k4, v4, mesh, is_causal, scale, **drop)
             state = sq
         else:
+            # Keys and values must hold the same tokens on every rank (ring attention's own plan
+            # checks that; this path has no plan): checked on every rank alike.
+            rows = self._gather_with_coords([int(k4.shape[2]), int(v4.shape[2])], "forward guard: attention")
+            if any(r[-1] != r[-2] for r in rows):
+                self.fail(name, f"its keys and values hold different numbers of tokens on some rank "
+                          f"({[tuple(r[-2:]) for r in rows]})", "")
             out = _replicated_query_attention(q4, k4, v4, domain_peers(mesh), scale)
             state = None
         out = out.squeeze(1) if q.dim() == 3 else out

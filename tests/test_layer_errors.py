@@ -314,7 +314,8 @@ def test_every_public_layer_is_covered():
     # Their error cases live with their other tests: test_transformer_fastpath.py
     # (test_container_errors_on_every_rank), test_timm_norm_act.py (test_errors_raise_alike) and
     # test_timm_conv.py (test_errors_raise_alike_on_every_rank).
-    covered |= {"ShardedTransformerEncoder", "ShardedTransformerEncoderLayer", "ShardedConv2dSame"}
+    covered |= {"ShardedTransformerEncoder", "ShardedTransformerEncoderLayer", "ShardedConv2dSame",
+                "ShardedStdConv2dSame", "ShardedScaledStdConv2dSame"}
     covered |= {"ShardedBatchNormAct2d", "ShardedGroupNormAct", "ShardedGroupNorm1Act", "ShardedTimmGroupNorm",
                 "ShardedTimmGroupNorm1"}  # fmt: skip
     public = {n for n in snn.layers.__all__ if isinstance(getattr(snn.layers, n), type)}

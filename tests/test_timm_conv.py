@@ -4,6 +4,7 @@
 is the local size. Converted, the padding comes from the global size (asymmetric where TF's
 rule makes it so), forward, input and parameter gradients equal timm's layer on the full
 tensor, on uneven slabs at P = 2, 3, 4 and on a 2x2 mesh; at P = 1 the layer is timm's.
+The weight-standardised ``StdConv2dSame`` and ``ScaledStdConv2dSame`` (NFNets) likewise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from timm.layers import create_conv2d
 from timm.layers.conv2d_same import Conv2dSame
+from timm.layers.std_conv import ScaledStdConv2dSame, StdConv2dSame
 
 import sharded_nn as snn
 
@@ -64,6 +66,38 @@ def test_conv2d_same_on_a_2x2_mesh(run, case):
     assert max(run(4, _same, case, (2, 2))) < 1e-10
 
 
+def _standardised(case, domain, cls_name):
+    # Weight-standardised TF-"SAME" convolutions (BiT stems, DeepMind NFNets): the sharded class
+    # standardises the weights as timm does and pads from the global size. Stride 1 gives a
+    # static padding (same_pad False), a plain sharded convolution of the standardised weights.
+    k, s, d, g, h, w = case
+    m = mesh(domain)
+    torch.manual_seed(0)
+    cls = {"std": StdConv2dSame, "scaled": ScaledStdConv2dSame}[cls_name]
+    ref = cls(4, 8, k, stride=s, dilation=d, groups=g, bias=True).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # a gain other than 1, a bias other than 0
+    x = torch.randn(2, 4, h, w, dtype=torch.float64)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    expected = {"std": snn.layers.ShardedStdConv2dSame, "scaled": snn.layers.ShardedScaledStdConv2dSame}[cls_name]
+    assert isinstance(model, expected) and model.same_pad == ref.same_pad
+    assert sorted(model.state_dict()) == sorted(ref.state_dict())
+    if isinstance(domain, int):
+        errs = check_against_reference(ref, x, m, sharded=model, sizes=_split(h, domain, s))
+    else:
+        errs = check_against_reference(ref, x, m, sharded=model, align=s)
+    return max(errs.values())
+
+
+@pytest.mark.parametrize("cls_name", ["std", "scaled"])
+@pytest.mark.parametrize("domain", [1, 2, 3, (2, 2)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=str)
+def test_standardised_same_convs_match_timm(run, case, domain, cls_name):
+    world = domain if isinstance(domain, int) else 4
+    assert max(run(world, _standardised, case, domain, cls_name)) < 1e-10
+
+
 def _efficientnet_stem(domain):
     # How timm builds it: create_conv2d(..., padding="same") with a stride gives a Conv2dSame.
     m = mesh(domain)
@@ -84,10 +118,11 @@ def test_tf_same_stem_of_two_strided_convs(run, domain):
     assert max(run(domain, _efficientnet_stem, domain)) < 1e-10
 
 
-def _errors():
+def _errors(cls_name):
     # Bad inputs raise the same ShardingError on every rank (facts every rank shares).
     m = mesh(2)
-    conv = snn.convert(Conv2dSame(4, 8, 3, stride=2), m)
+    cls = {"same": Conv2dSame, "std": StdConv2dSame, "scaled": ScaledStdConv2dSame}[cls_name]
+    conv = snn.convert(cls(4, 8, 3, stride=2), m)
     out = {}
     for what, x in (
         ("channels", torch.randn(1, 3, 8, 8)),  # 3 channels, the layer expects 4
@@ -101,8 +136,9 @@ def _errors():
     return out
 
 
-def test_errors_raise_alike_on_every_rank(run):
-    got = run(2, _errors)
+@pytest.mark.parametrize("cls_name", ["same", "std", "scaled"])
+def test_errors_raise_alike_on_every_rank(run, cls_name):
+    got = run(2, _errors, cls_name)
     for what in got[0]:
         assert got[0][what] is not None and got[0][what] == got[1][what], (what, got)
     assert "expected 4 input channels" in got[0]["channels"][1]
