@@ -581,10 +581,14 @@ FUNCTIONAL_CASES = [
     (2, 5, 1, "same", 1, 4, True),
     (2, 1, 2, 0, 1, 1, True),
     (3, 3, 1, 1, 1, 1, True),
+    # padding_mode (an option beyond F.conv*d's): padding of the full input from the edge slabs
+    (2, 3, 2, 1, 1, 4, False, "reflect"),
+    (2, 3, 1, 1, 2, 1, True, "circular"),
+    (1, 5, 1, 2, 1, 1, True, "replicate"),
 ]
 
 
-def _functional(nd, kernel, stride, padding, dilation, groups, bias, sizes):
+def _functional(nd, kernel, stride, padding, dilation, groups, bias, mode, sizes):
     import torch.nn.functional as F
 
     m = mesh(len(sizes))
@@ -601,7 +605,10 @@ def _functional(nd, kernel, stride, padding, dilation, groups, bias, sizes):
         return (p - p.mean(tuple(range(1, p.dim())), keepdim=True)) * 0.5
 
     xr = x.clone().requires_grad_()
-    y = fn(xr, weight(), b, stride, padding, dilation, groups)
+    if mode == "zeros":
+        y = fn(xr, weight(), b, stride, padding, dilation, groups)
+    else:  # what nn.Conv*d does with a padding mode
+        y = fn(F.pad(xr, [padding] * (2 * nd), mode=mode), weight(), b, stride, 0, dilation, groups)
     g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     (y * g).sum().backward()
     want = [p.grad.clone(), None if b is None else b.grad.clone()]
@@ -609,7 +616,7 @@ def _functional(nd, kernel, stride, padding, dilation, groups, bias, sizes):
     if b is not None:
         b.grad = None
     xs = x.narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
-    ys = snn.functional.conv(xs, weight(), b, stride, padding, dilation, groups, mesh=m)
+    ys = snn.functional.conv(xs, weight(), b, stride, padding, dilation, groups, mesh=m, padding_mode=mode)
     full = snn.gather(ys, m, dims=(2,))
     torch.testing.assert_close(full, y.detach(), rtol=1e-10, atol=1e-10)
     gl = g.narrow(2, sum(snn.gather(torch.tensor([ys.shape[2]]), m, dims=(0,))[:r].tolist()), ys.shape[2])
@@ -622,7 +629,7 @@ def _functional(nd, kernel, stride, padding, dilation, groups, bias, sizes):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     # A second call with the same configuration reuses the geometry-only layer (and its plans).
     again = snn.functional.conv(xs.detach(), weight().detach(), None if b is None else b.detach(), stride, padding,
-                                dilation, groups, mesh=m)
+                                dilation, groups, mesh=m, padding_mode=mode)
     torch.testing.assert_close(again, ys.detach(), rtol=0, atol=0)
     return True
 
@@ -630,6 +637,7 @@ def _functional(nd, kernel, stride, padding, dilation, groups, bias, sizes):
 @pytest.mark.parametrize("sizes", [(6, 4), (6, 4, 4), (8,)], ids=str)
 @pytest.mark.parametrize("case", FUNCTIONAL_CASES, ids=str)
 def test_functional_conv_matches_torch(run, case, sizes):
+    case = case if len(case) == 8 else (*case, "zeros")
     assert all(run(len(sizes), _functional, *case, sizes))
 
 

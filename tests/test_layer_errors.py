@@ -315,7 +315,7 @@ def test_every_public_layer_is_covered():
     # (test_container_errors_on_every_rank), test_timm_norm_act.py (test_errors_raise_alike) and
     # test_timm_conv.py (test_errors_raise_alike_on_every_rank).
     covered |= {"ShardedTransformerEncoder", "ShardedTransformerEncoderLayer", "ShardedConv2dSame",
-                "ShardedStdConv2dSame", "ShardedScaledStdConv2dSame"}
+                "ShardedStdConv2dSame", "ShardedScaledStdConv2dSame", "ShardedBlurPool2d"}
     covered |= {"ShardedBatchNormAct2d", "ShardedGroupNormAct", "ShardedGroupNorm1Act", "ShardedTimmGroupNorm",
                 "ShardedTimmGroupNorm1"}  # fmt: skip
     public = {n for n in snn.layers.__all__ if isinstance(getattr(snn.layers, n), type)}

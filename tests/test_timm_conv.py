@@ -4,7 +4,8 @@
 is the local size. Converted, the padding comes from the global size (asymmetric where TF's
 rule makes it so), forward, input and parameter gradients equal timm's layer on the full
 tensor, on uneven slabs at P = 2, 3, 4 and on a 2x2 mesh; at P = 1 the layer is timm's.
-The weight-standardised ``StdConv2dSame`` and ``ScaledStdConv2dSame`` (NFNets) likewise.
+The weight-standardised ``StdConv2dSame`` and ``ScaledStdConv2dSame`` (NFNets) and the
+anti-aliasing ``BlurPool2d`` likewise.
 """
 
 from __future__ import annotations
@@ -98,6 +99,39 @@ def test_standardised_same_convs_match_timm(run, case, domain, cls_name):
     assert max(run(world, _standardised, case, domain, cls_name)) < 1e-10
 
 
+def _blur(cfg, domain):
+    # timm's BlurPool2d: a (reflect) pad, then a strided depthwise blur; one sharded convolution.
+    from timm.layers.blur_pool import BlurPool2d
+
+    channels, filt, stride, mode, h, w = cfg
+    m = mesh(domain)
+    ref = BlurPool2d(channels, filt_size=filt, stride=stride, pad_mode=mode).double()
+    x = torch.randn(2, 4, h, w, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    assert isinstance(model, snn.layers.ShardedBlurPool2d)
+    if isinstance(domain, int):
+        errs = check_against_reference(ref, x, m, sharded=model, sizes=_split(h, domain, stride))
+    else:
+        errs = check_against_reference(ref, x, m, sharded=model, align=stride)
+    return max(errs.values())
+
+
+BLUR = [
+    (4, 3, 2, "reflect", 20, 9),
+    (None, 3, 2, "reflect", 19, 8),  # channels from the input
+    (4, 5, 2, "replicate", 24, 10),
+    (4, 4, 2, "constant", 16, 11),
+    (4, 3, 1, "reflect", 15, 7),
+]
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3, (2, 2)])
+@pytest.mark.parametrize("cfg", BLUR, ids=str)
+def test_blur_pool_matches_timm(run, cfg, domain):
+    world = domain if isinstance(domain, int) else 4
+    assert max(run(world, _blur, cfg, domain)) < 1e-10
+
+
 def _efficientnet_stem(domain):
     # How timm builds it: create_conv2d(..., padding="same") with a stride gives a Conv2dSame.
     m = mesh(domain)
@@ -121,8 +155,13 @@ def test_tf_same_stem_of_two_strided_convs(run, domain):
 def _errors(cls_name):
     # Bad inputs raise the same ShardingError on every rank (facts every rank shares).
     m = mesh(2)
-    cls = {"same": Conv2dSame, "std": StdConv2dSame, "scaled": ScaledStdConv2dSame}[cls_name]
-    conv = snn.convert(cls(4, 8, 3, stride=2), m)
+    if cls_name == "blur":
+        from timm.layers.blur_pool import BlurPool2d
+
+        conv = snn.convert(BlurPool2d(4, filt_size=3, stride=2), m)
+    else:
+        cls = {"same": Conv2dSame, "std": StdConv2dSame, "scaled": ScaledStdConv2dSame}[cls_name]
+        conv = snn.convert(cls(4, 8, 3, stride=2), m)
     out = {}
     for what, x in (
         ("channels", torch.randn(1, 3, 8, 8)),  # 3 channels, the layer expects 4
@@ -136,7 +175,7 @@ def _errors(cls_name):
     return out
 
 
-@pytest.mark.parametrize("cls_name", ["same", "std", "scaled"])
+@pytest.mark.parametrize("cls_name", ["same", "std", "scaled", "blur"])
 def test_errors_raise_alike_on_every_rank(run, cls_name):
     got = run(2, _errors, cls_name)
     for what in got[0]:

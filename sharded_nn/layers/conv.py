@@ -541,6 +541,7 @@ def conv(
     *,
     mesh: DeviceMesh,
     dims: int | Sequence[int] | None = None,
+    padding_mode: str = "zeros",
 ) -> torch.Tensor:
     """``F.conv1d/2d/3d(x_full, weight, bias, stride, padding, dilation, groups)`` on this rank's slab.
 
@@ -556,6 +557,10 @@ def conv(
 
     One geometry-only layer (its parameters on the meta device, no memory) is kept per mesh and
     configuration, so its halo plans are reused from call to call as a module's are.
+
+    ``padding_mode`` (an option beyond ``F.conv*d``'s, as ``nn.Conv*d``'s): ``"zeros"``,
+    ``"reflect"``, ``"replicate"`` or ``"circular"`` padding of the full input, read from the
+    domain's edge slabs (e.g. timm's ``BlurPool2d``: a reflect pad, then a strided convolution).
     """
     n = weight.dim() - 2
     cls = _FUNCTIONAL_CLASSES.get(n)
@@ -571,12 +576,13 @@ def conv(
 
     dims_key = dims if dims is None or isinstance(dims, int) else tuple(dims)
     key = ("functional_conv", n, tuple(weight.shape), bias is not None, norm(stride), norm(padding), norm(dilation),
-           int(groups), dims_key)
+           int(groups), dims_key, padding_mode)
 
     def make() -> _ShardedConvNd:
         return cls(
             weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]), stride=stride, padding=padding,
-            dilation=dilation, groups=groups, bias=bias is not None, device="meta", mesh=mesh, dims=dims,
+            dilation=dilation, groups=groups, bias=bias is not None, padding_mode=padding_mode, device="meta",
+            mesh=mesh, dims=dims,
         )
 
     return mesh_cached(mesh, key, make).forward_with(x, weight, bias)

@@ -17,6 +17,12 @@ the filter, in training mode, without running statistics; tested against timm's 
 convolve with the same global padding. With a static padding (``same_pad`` False: stride 1, or a
 size-independent padding) they are plain sharded convolutions of the standardised weights.
 
+timm's ``BlurPool2d`` (anti-aliased downsampling: ``resnetblur*``, TResNet) pads its input (reflect
+by default) and convolves it with a fixed binomial filter at a stride. Run as two calls on slabs,
+the padded slabs would start off the stride (the forward guard refuses that); its sharded class
+is the one sharded convolution of that filter with the padding folded in (``padding_mode`` from
+the layer's ``pad_mode``), read from the domain's edge slabs.
+
 Sharding contract: ``ShardedConv2d``'s (``(N, C, H, W)`` sharded along H, or H and W on a 2-D
 domain mesh; slabs starting at multiples of the stride); the output is this rank's slab of the
 unsharded layer's output. The state_dict keys are timm's. Only loaded when timm is installed.
@@ -29,8 +35,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import ShardingError
 from ..registry import register
+from .base import ShardedMixin
 from .conv import ShardedConv2d
+from .conv import conv as sharded_conv
 
 __all__: list[str] = []
 
@@ -38,9 +47,10 @@ try:
     # The module by its path: ``timm.layers.conv2d_same`` is also the name of a function there.
     _timm_conv2d_same = importlib.import_module("timm.layers.conv2d_same")
     _timm_std_conv = importlib.import_module("timm.layers.std_conv")
+    _timm_blur_pool = importlib.import_module("timm.layers.blur_pool")
     from timm.layers.padding import pad_same_arg as _pad_same_arg
 except ImportError:  # timm is optional
-    _timm_conv2d_same = _timm_std_conv = None
+    _timm_conv2d_same = _timm_std_conv = _timm_blur_pool = None
 
 
 class _TfSamePads:
@@ -99,4 +109,32 @@ if _timm_conv2d_same is not None:
         def _gain(self) -> torch.Tensor:
             return (self.gain * self.scale).view(-1)
 
-    __all__ += ["ShardedConv2dSame", "ShardedStdConv2dSame", "ShardedScaledStdConv2dSame"]
+    @register(_timm_blur_pool.BlurPool2d)
+    class ShardedBlurPool2d(ShardedMixin, _timm_blur_pool.BlurPool2d):
+        """timm ``BlurPool2d``: pad and strided blur as one sharded depthwise convolution.
+
+        Sharding contract: ``(N, C, H, W)`` sharded along H (or H and W on a 2-D domain mesh),
+        slabs starting at multiples of the stride; the output is this rank's slab of the unsharded
+        layer's output. The filter is a non-persistent buffer (no state_dict keys, as timm's).
+        """
+
+        _spatial_dims = 2
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+            channels = x.shape[1] if self.channels is None else self.channels
+            k = self.filt_size
+            weight = self.filt.expand(channels, 1, k, k) if self.channels is None else self.filt
+            left, right, top, bottom = self.padding
+            if left != right or top != bottom:
+                raise ShardingError(
+                    f"ShardedBlurPool2d: expected the same padding on both sides of each dim (timm builds it so), got "
+                    f"{self.padding} (left, right, top, bottom); set layer.padding to symmetric values."
+                )
+            mode = {"constant": "zeros"}.get(self.pad_mode, self.pad_mode)
+            return sharded_conv(x, weight, None, self.stride, (top, left), 1, int(channels),
+                                mesh=self.mesh, dims=self.dims, padding_mode=mode)
+
+        def sharding_repr(self) -> str:
+            return f"{super().sharding_repr()}, one sharded {self.pad_mode}-padded depthwise convolution"
+
+    __all__ += ["ShardedConv2dSame", "ShardedStdConv2dSame", "ShardedScaledStdConv2dSame", "ShardedBlurPool2d"]
