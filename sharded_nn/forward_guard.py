@@ -1161,10 +1161,7 @@ class _GuardMode(TorchFunctionMode):
             keepdim = True
         hit = [d for d in dims if d in st]
         if not hit:
-            out = func(*args, **kwargs)
-            shift = (lambda d: d) if keepdim else (lambda d: d - sum(r < d for r in dims))
-            self._set(out, tuple(None if d is None else shift(d) for d in st))
-            return out
+            return self._unrouted(func, args, kwargs, dims, keepdim, st)
         if base in _ROUTED_REDUCE and not (base in ("max", "min") and dim is not None) and not kwargs.get("dtype"):
             return self._route_reduce(base, x, dims, keepdim, st)
         self.fail(
@@ -1172,14 +1169,33 @@ class _GuardMode(TorchFunctionMode):
             "use sharded_nn.reductions (sum, mean, max, argmax) or amax/amin, which the guard routes",
         )
 
+    def _leading_dims(self, base: str, st) -> tuple[int, ...]:
+        """The sharded dims of state ``st`` (by mesh axis), which must be the leading axes' (what
+        ``sharded_nn.reductions`` takes as ``sharded_dims``)."""
+        active = tuple(d for d in st if d is not None)
+        if len(active) != len(st) and st[: len(active)] != active:
+            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
+        return active
+
+    def _unrouted(self, func, args, kwargs, dims, keepdim: bool, st):
+        """A reduction over unsharded dims only: torch's own call, the layout shifted past them."""
+        out = func(*args, **kwargs)
+        shift = (lambda d: d) if keepdim else (lambda d: d - sum(r < d for r in dims))
+        self._set(out, tuple(None if d is None else shift(d) for d in st))
+        return out
+
+    def _set_reduced(self, out, dims, keepdim: bool, st) -> None:
+        """The layout of a reduction over ``dims`` that include sharded ones: replicated where
+        every sharded dim is reduced, else the remaining sharded dims (shifted past dropped ones)."""
+        remaining = tuple(None if (d is None or d in dims) else (d if keepdim else d - sum(r < d for r in dims)) for d in st)
+        self._set(out, None if all(d is None for d in remaining) else remaining)
+
     def _route_softmax(self, base, x, args, kwargs, dim, st):
         """``softmax`` / ``log_softmax`` / ``softmin`` along a sharded dim (attention weights over
         sharded tokens, a LambdaNet's key softmax): ``reductions.softmax``; the output keeps the layout."""
         from . import reductions
 
-        active = tuple(d for d in st if d is not None)
-        if len(active) != len(st) and st[: len(active)] != active:
-            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
+        active = self._leading_dims(base, st)
         # dtype: a keyword, or positional after dim (torch.softmax(x, dim, dtype); F.softmax has
         # _stacklevel before it).
         dtype = kwargs.get("dtype") or next((a for a in args[2:] if isinstance(a, torch.dtype)), None)
@@ -1197,9 +1213,7 @@ class _GuardMode(TorchFunctionMode):
         eps = _arg(args, kwargs, 3, "eps", 1e-12)
         if _arg(args, kwargs, 4, "out") is not None:
             self.fail("`normalize`", "its out= form is not routed over a sharded dim", "")
-        active = tuple(d for d in st if d is not None)
-        if len(active) != len(st) and st[: len(active)] != active:
-            self.fail("`normalize`", "the tensor is sharded by a later mesh axis only", "")
+        active = self._leading_dims("normalize", st)
         norm = reductions.norm(x, self.guard.mesh, dims, p, keepdim=True, sharded_dims=active)
         out = x / norm.clamp_min(eps).expand_as(x)
         self._set(out, st)
@@ -1243,31 +1257,21 @@ class _GuardMode(TorchFunctionMode):
             dims = tuple(range(nd)) if dim is None else _norm_dims(dim, nd)
             hit = [d for d in dims if d in st]
         if not hit:
-            out = func(*args, **kwargs)
-            shift = (lambda d: d) if keepdim else (lambda d: d - sum(r < d for r in dims))
-            self._set(out, tuple(None if d is None else shift(d) for d in st))
-            return out
-        active = tuple(d for d in st if d is not None)
-        if len(active) != len(st) and st[: len(active)] != active:
-            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
-        kw = {"keepdim": keepdim, "sharded_dims": active}
+            return self._unrouted(func, args, kwargs, dims, keepdim, st)
+        kw = {"keepdim": keepdim, "sharded_dims": self._leading_dims(base, st)}
         mesh = self.guard.mesh
         if base in ("norm", "linalg_vector_norm", "linalg_norm"):
             out = reductions.norm(x, mesh, dims, p, **kw)
         else:
             out = getattr(reductions, base)(x, mesh, dims, correction=correction, **kw)
-        remaining = tuple(None if (d is None or d in dims) else (d if keepdim else d - sum(r < d for r in dims)) for d in st)
-        self._set(out, None if all(d is None for d in remaining) else remaining)
+        self._set_reduced(out, dims, keepdim, st)
         return out
 
     def _route_reduce(self, base, x, dims, keepdim, st):
         from . import reductions
 
-        active = tuple(d for d in st if d is not None)
-        if len(active) != len(st) and st[: len(active)] != active:
-            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
         mesh = self.guard.mesh
-        kw = {"keepdim": keepdim, "sharded_dims": active}
+        kw = {"keepdim": keepdim, "sharded_dims": self._leading_dims(base, st)}
         if base in ("sum", "nansum"):
             x = torch.nan_to_num(x, nan=0.0) if base == "nansum" else x
             out = reductions.sum(x, mesh, dims, **kw)
@@ -1279,8 +1283,7 @@ class _GuardMode(TorchFunctionMode):
             out = reductions.max(x, mesh, dims, **kw)
         else:
             out = -reductions.max(-x, mesh, dims, **kw)
-        remaining = tuple(None if (d is None or d in dims) else (d if keepdim else d - sum(r < d for r in dims)) for d in st)
-        self._set(out, None if all(d is None for d in remaining) else remaining)
+        self._set_reduced(out, dims, keepdim, st)
         return out
 
     def _plain_or_fail(self, func, base, args, kwargs, stateful):

@@ -447,13 +447,32 @@ def test_timm_weight_standardised_convs_are_exact(run, domain):
     assert max(run(domain, _std_convs, domain, sizes)) < 1e-10
 
 
+def _check_classifier(ref, model, m, x, sizes):
+    """A timm classifier on uneven H slabs against the single-device one: the replicated logits,
+    the input gradient and the parameter gradients (summed over the domain), float64."""
+    from .reference import reduce_param_grads
+
+    x = x.detach().requires_grad_()
+    y = ref(x)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    (y * g).sum().backward()
+    r = m.get_local_rank("domain")
+    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    y_local = model(x_local)  # logits: replicated
+    torch.testing.assert_close(y_local, y.detach(), atol=1e-10, rtol=1e-10)
+    snn.losses.share((y_local * g).sum(), m).backward()
+    torch.testing.assert_close(snn.gather(x_local.grad, m), x.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+    return True
+
+
 def _convnext_v2(domain, sizes, conv_mlp):
     # ConvNeXt-V2: the global response norm takes an L2 norm over H and W inside each block's MLP
     # (channels-last, or channels-first with conv_mlp); the guard routes it to reductions.norm.
     timm = pytest.importorskip("timm")
     from timm.models.convnext import ConvNeXt
-
-    from .reference import reduce_param_grads
 
     m = mesh(domain)
     torch.manual_seed(0)
@@ -469,19 +488,7 @@ def _convnext_v2(domain, sizes, conv_mlp):
         snn.convert(copy.deepcopy(ref), m, strict=True, guard=False)
     model = snn.convert(copy.deepcopy(ref), m, strict=True)
     x = torch.randn(2, 2, sum(sizes), 32, dtype=torch.float64, requires_grad=True)
-    y = ref(x)
-    g = torch.randn(y.shape, dtype=torch.float64)
-    (y * g).sum().backward()
-    r = m.get_local_rank("domain")
-    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
-    y_local = model(x_local)  # logits: replicated
-    torch.testing.assert_close(y_local, y.detach(), atol=1e-10, rtol=1e-10)
-    snn.losses.share((y_local * g).sum(), m).backward()
-    torch.testing.assert_close(snn.gather(x_local.grad, m), x.grad, atol=1e-10, rtol=1e-10)
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
-    return True
+    return _check_classifier(ref, model, m, x, sizes)
 
 
 @pytest.mark.parametrize("conv_mlp", [False, True])
@@ -498,8 +505,6 @@ def _pvt_v2(domain, sizes, linear, attn_drop):
     pytest.importorskip("timm")
     import torch.distributed as dist
     from timm.models.pvt_v2 import PyramidVisionTransformerV2
-
-    from .reference import reduce_param_grads
 
     m = mesh(domain)
     torch.manual_seed(0)
@@ -524,17 +529,7 @@ def _pvt_v2(domain, sizes, linear, attn_drop):
         snn.losses.share(y_local.sum(), m).backward()
         assert torch.isfinite(x_local.grad).all()
         return True
-    y = ref(x)
-    g = torch.randn(y.shape, dtype=torch.float64)
-    (y * g).sum().backward()
-    y_local = model(x_local)  # logits: replicated
-    torch.testing.assert_close(y_local, y.detach(), atol=1e-10, rtol=1e-10)
-    snn.losses.share((y_local * g).sum(), m).backward()
-    torch.testing.assert_close(snn.gather(x_local.grad, m), x.grad, atol=1e-10, rtol=1e-10)
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
-    return True
+    return _check_classifier(ref, model, m, x, sizes)
 
 
 @pytest.mark.parametrize("linear", [False, True])
