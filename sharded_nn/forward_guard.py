@@ -1234,8 +1234,9 @@ class _GuardMode(TorchFunctionMode):
             dtype = kwargs.get("dtype") if linalg else _arg(args, kwargs, 5, "dtype")
             dims = tuple(range(nd)) if dim is None else _norm_dims(dim, nd)
             hit = [d for d in dims if d in st]
-            # linalg.norm with an ord over two dims (or over a 2-d input without dim) is a matrix norm.
-            matrix = base == "linalg_norm" and p is not None and len(dims) == 2
+            # linalg.norm with an ord over two dims is a matrix norm (without dim, torch takes one
+            # of a 2-d input and refuses higher ranks): refused here when a sharded dim is hit.
+            matrix = base == "linalg_norm" and p is not None and (len(dims) == 2 or dim is None)
             p = 2 if p in (None, "fro") and not matrix else p
             if hit and (matrix or isinstance(p, str) or _arg(args, kwargs, 4, "out") is not None and not linalg):
                 self.fail(f"`{base}`", f"it takes a matrix norm or an out= form (p={p!r}) over sharded dim(s) {hit}",
