@@ -300,13 +300,21 @@ def test_launch_timeout_stops_every_rank():
 _INTERRUPTED_PARENT = r"""
 import faulthandler, json, signal, sys, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it is stuck, if it is
+# What a user's Ctrl-C meets: Python's default handler, SIGINT unblocked. A child inherits an
+# ignored disposition and a blocked mask from whoever started it; in the full suite the pytest
+# process had one of them (the parent then sat in launch's wait, SIGINT never delivered), so the
+# inherited state is reported and the user's state set explicitly.
+inherited = [str(signal.getsignal(signal.SIGINT)), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 import sharded_nn as snn
 from tests.test_mesh_launch import _block_until_interrupted, _descendants
 
 try:
     snn.launch(_block_until_interrupted, 2, sys.argv[1], timeout=300, device_type="cpu", threads=1)
 except KeyboardInterrupt:
-    print(json.dumps({"interrupted_at": time.monotonic(), "descendants": sorted(_descendants())}), flush=True)
+    print(json.dumps({"interrupted_at": time.monotonic(), "descendants": sorted(_descendants()),
+                      "inherited_sigint": inherited}), flush=True)
 """
 
 
