@@ -94,7 +94,7 @@ _TORCH_POINTWISE: tuple[type, ...] = (
 _TORCH_TRAILING: tuple[type, ...] = (nn.Linear, nn.Bilinear, nn.LazyLinear)  # the last dim
 _TORCH_DIM_ATTR: tuple[type, ...] = (nn.GLU, nn.Softmax, nn.LogSoftmax, nn.Softmin)  # their .dim
 # Channel dropout draws one mask per (sample, channel) for all positions; on slabs every rank
-# would draw its own.
+# would draw its own without the forward guard (``_GUARDED``).
 _CHANNEL_DROPOUT = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 # Grid layers give the rank of the tensors flowing through the model: 2 + k for a k-d layer.
@@ -110,7 +110,7 @@ _GRID_RANK: dict[type, int] = {
 
 
 def _timm_tables() -> dict[type, object]:
-    """timm layer class -> what it acts on (see ``_acts_on``), for the timm modules loaded.
+    """timm (and torchvision, MONAI) layer class -> what it acts on (see ``_acts_on``), for the modules loaded.
 
     A model can only hold timm layers once timm is imported, so nothing is imported here.
     """
@@ -139,6 +139,11 @@ def _timm_tables() -> dict[type, object]:
         # Its statistics over positions are torch calls (a vector norm over H and W) that the
         # forward guard routes to ``reductions.norm``: exact under the guard, mixing without it.
         "timm.layers.grn": {"guarded": ("GlobalResponseNorm",)},
+        # One keep/drop decision per sample: the guard draws it alike on every rank (its draws
+        # on replicated tensors share one stream), so every slab of a sample is dropped or kept.
+        "timm.layers.drop": {"guarded": ("DropPath",)},
+        "torchvision.ops.stochastic_depth": {"guarded": ("StochasticDepth",)},
+        "monai.networks.layers.drop_path": {"guarded": ("DropPath",)},
     }  # fmt: skip
     for mod_name, kinds in groups.items():
         mod = sys.modules.get(mod_name)
@@ -186,7 +191,8 @@ def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...]
     if isinstance(m, (nn.ChannelShuffle, nn.LocalResponseNorm)):
         return (1,)
     if isinstance(m, _CHANNEL_DROPOUT):
-        return () if not m.training or m.p == 0 else MIXES
+        # In training the guard draws the per-channel mask alike on every rank.
+        return () if not m.training or m.p == 0 else _GUARDED
     if isinstance(m, nn.LayerNorm):  # a subclass (the exact class is registered)
         return tuple(range(-len(m.normalized_shape), 0))
     return UNKNOWN

@@ -128,9 +128,8 @@ def _is_tagged(v) -> bool:
 _POINTWISE_EXTRA = frozenset(
     """relu relu6 silu gelu hardswish hardsigmoid hardtanh sigmoid tanh mish elu selu celu leaky_relu prelu
     rrelu softplus softsign tanhshrink softshrink hardshrink logsigmoid threshold glu_pointwise
-    dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
     clone contiguous detach detach_ to type float double half bfloat16 cpu cuda requires_grad_ type_as
-    zeros_like ones_like empty_like full_like rand_like randn_like fill_ zero_ where masked_fill clamp clip
+    zeros_like ones_like empty_like full_like fill_ zero_ where masked_fill clamp clip
     clamp_min clamp_max nan_to_num pin_memory data alias retain_grad square float_power
     __and__ __or__ __xor__ __invert__ logical_and logical_or logical_not logical_xor""".split()
 )
@@ -158,8 +157,18 @@ _POSITIONAL = frozenset(
     masked_scatter unfold fold grid_sample affine_grid pixel_shuffle_any embedding_bag
     conv_tbc histc bincount searchsorted bucketize cross""".split()
 )
-_CREATE_SIZED = frozenset(["zeros", "ones", "empty", "full", "rand", "randn", "randint", "new_zeros",
-                           "new_ones", "new_empty", "new_full", "normal"])
+_CREATE_SIZED = frozenset(["zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"])
+# Random draws: routed to a stream that matches what the drawn tensor is (``_h_random``).
+_RANDOM = frozenset(
+    """bernoulli rand randn randint rand_like randn_like randint_like normal uniform exponential geometric cauchy
+    log_normal random poisson multinomial randperm dropout alpha_dropout feature_alpha_dropout dropout1d
+    dropout2d dropout3d feature_dropout""".split()
+)
+_RANDOM_CREATE = frozenset(["rand", "randn", "randint", "normal"])
+# Channel dropout: the rank of a batched input (one mask entry per sample and channel; an
+# unbatched input has one per channel). ``None``: any rank, always batched.
+_FEATURE_DROPOUT = {"dropout1d": (3,), "dropout2d": None, "dropout3d": (5,), "feature_alpha_dropout": None,
+                    "feature_dropout": None}
 _CREATE_POSITIONS = frozenset(["arange", "range", "linspace", "logspace", "eye", "tril_indices",
                                "triu_indices", "meshgrid", "cartesian_prod", "ones_like_positions"])
 _POOL_NAMES = {
@@ -251,6 +260,8 @@ def _classify(func) -> tuple[str, str, bool]:
     }  # fmt: skip
     if base in simple:
         return simple[base], base, inplace and base not in ("copy",)
+    if base in _RANDOM:
+        return "random", base, inplace
     if base in _POOL_NAMES:
         return "pool", base, False
     if base in _ROUTED_REDUCE or base in _REDUCE or base in _ROUTED_STATS:
@@ -640,6 +651,7 @@ class _GuardMode(TorchFunctionMode):
         self.states = _States()
         self.suspended = 0
         self._popped: list = []
+        self.streams = None  # ``RandomStreams`` of this forward, made at its first random draw
 
     # -- suspension inside sharded layers: the mode leaves the stack, so their ops cost nothing.
 
@@ -725,7 +737,7 @@ class _GuardMode(TorchFunctionMode):
                     stateful.append(t)
             else:
                 tagged = True
-        if not stateful and not tagged:
+        if not stateful and not tagged and _classify_cached(func)[0] != "random":
             return func(*args, **kwargs)
         if _called_from_library():
             # sharded_nn's own functions (reductions, functional, gather) called in a model's
@@ -1313,20 +1325,79 @@ class _GuardMode(TorchFunctionMode):
 
     def _h_create(self, func, base, args, kwargs, stateful):
         out = func(*args, **kwargs)
-        if base.startswith("new_"):
-            sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "size", ())
-        elif base == "full":
-            sizes = _arg(args, kwargs, 0, "size", ())
-        elif base == "randint":
-            sizes = _arg(args, kwargs, len(args) - 1 if args and isinstance(args[-1], (tuple, list)) else 2, "size", ())
-        elif base == "normal":
-            return out
-        else:
-            sizes = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
-            sizes = kwargs.get("size", sizes)
-        sizes = list(sizes) if isinstance(sizes, (list, tuple, torch.Size)) else [sizes]
-        self._set(out, self._sized_state(sizes, f"`{base}`"))
+        self._set(out, self._sized_state(_created_sizes(base, args, kwargs), f"`{base}`"))
         return out
+
+    def _h_random(self, func, base, args, kwargs, stateful):
+        """A random draw, from the stream that matches what the drawn tensor is (``random_streams``).
+
+        The layout of the drawn values decides: a tensor with no sharded dim (a drop-path
+        decision per sample, a channel-dropout mask, dropout of pooled features) is drawn alike
+        on every domain rank; a slab's values are drawn independently by the ranks holding
+        different parts of it. The draw itself is torch's own call, run with the device's
+        default generator seeded from that stream (and restored afterwards). A caller's own
+        ``generator=`` is left alone.
+        """
+        if kwargs.get("generator") is not None:
+            if base in _RANDOM_CREATE and not any(isinstance(a, torch.Tensor) for a in args):
+                return self._h_create(func, base, args, kwargs, stateful)
+            return self._h_pointwise(func, base, args, kwargs, stateful)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if base in ("dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout") or base in _FEATURE_DROPOUT:
+            p = float(_arg(args, kwargs, 1, "p", 0.5))
+            if not _arg(args, kwargs, 2, "training", True) or p == 0.0:
+                out = func(*args, **kwargs)
+                self._set(out, self._st(x))
+                return out
+        if base in _RANDOM_CREATE and x is None and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            st = self._sized_state(_created_sizes(base, args, kwargs), f"`{base}`")
+            device = kwargs.get("device")
+            device = torch.device(device) if device is not None else torch.get_default_device()
+            out = self._draw(func, args, kwargs, st, device)
+            self._set(out, st)
+            return out
+        if base == "randperm":
+            if stateful or any(_is_tagged(a) for a in args):
+                self.fail("`randperm`", "its length is read from a slab's local size", "use a global length")
+            device = kwargs.get("device")
+            device = torch.device(device) if device is not None else torch.get_default_device()
+            return self._draw(func, args, kwargs, None, device)
+        tensors = _flat_tensors((args, kwargs))
+        like = max(tensors, key=lambda t: t.dim())  # the output's rank (a pointwise draw)
+        st = self._broadcast(base, args, kwargs, like)
+        if st is UNKNOWN:
+            self.fail(f"`{base}`", "it draws random values for a tensor whose layout the guard lost", "")
+        if base == "multinomial" and st is not None:
+            self.fail("`multinomial`", f"it samples rows of a slab ({self.describe(st)})",
+                      "sample from replicated probabilities")
+        noise = st
+        if st is not None and base in _FEATURE_DROPOUT:
+            # One mask entry per (sample, channel): the mask varies along dims 0 and 1 only.
+            ranks = _FEATURE_DROPOUT[base]
+            varying = (0, 1) if ranks is None or x.dim() in ranks else (0,)
+            noise = tuple(d if d in varying else None for d in st)
+        out = self._draw(func, args, kwargs, noise, like.device)
+        self._set(out, None if base == "multinomial" else st)
+        return out
+
+    def _draw(self, func, args, kwargs, noise_state, device: torch.device):
+        """Run the random call ``func`` on the stream of a tensor sharded like ``noise_state``."""
+        from .random_streams import RandomStreams, run_seeded
+
+        if self.streams is None:
+            # Once per forward that draws: domain rank 0's draw from its default generator (so
+            # torch.manual_seed makes runs repeatable), offset by the data-parallel index.
+            from .mesh import axis_index, data_axis
+
+            seed = int(torch.randint(0, (1 << 62) - 1, (1,)).item())
+            rows = self._gather_with_coords([seed], "forward guard: random seed")
+            seed = min(rows)[-1]
+            data = data_axis(self.guard.mesh)
+            if data is not None:
+                seed += 1_000_003 * axis_index(self.guard.mesh, data)
+            self.streams = RandomStreams(seed, [self.guard.mesh.get_local_rank(a) for a in self.guard.axes])
+        sharded = [False] * len(self.guard.axes) if noise_state is None else [d is not None for d in noise_state]
+        return run_seeded(func, args, kwargs, self.streams.next_seed(self.streams.key(sharded)), device)
 
     def _h_roll(self, func, base, args, kwargs, stateful):
         x = args[0]
@@ -1868,6 +1939,22 @@ def _called_from_library() -> bool:
         return False
     name = frame.f_code.co_filename
     return name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS
+
+
+def _created_sizes(base: str, args, kwargs) -> list:
+    """The size argument of a creation call (``zeros(2, 3)``, ``new_full((2, 3), v)``, ``randint(0, 5, (2,))``, ...)."""
+    if base.startswith("new_"):
+        sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "size", ())
+    elif base == "full":
+        sizes = _arg(args, kwargs, 0, "size", ())
+    elif base == "randint":
+        sizes = _arg(args, kwargs, len(args) - 1 if args and isinstance(args[-1], (tuple, list)) else 2, "size", ())
+    elif base == "normal":
+        sizes = _arg(args, kwargs, 2, "size", ())
+    else:
+        sizes = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args
+        sizes = kwargs.get("size", sizes)
+    return list(sizes) if isinstance(sizes, (list, tuple, torch.Size)) else [sizes]
 
 
 def _full_slice(i, length: int) -> bool:
