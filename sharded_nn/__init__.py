@@ -22,6 +22,7 @@ from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh, 
 from .parallel import parallelize
 from .planner import plan_memory
 from .points import PointCloudPartition
+from .recompute import activation_checkpoint
 from .registry import register
 from .reshard import reshard
 from .sharding import batch_slice, default_dims, gather, local_slices, shard
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Layout",
+    "activation_checkpoint",
     "PointCloudPartition",
     "alignment",
     "batch_slice",

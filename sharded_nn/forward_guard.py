@@ -652,6 +652,7 @@ class _GuardMode(TorchFunctionMode):
         self.suspended = 0
         self._popped: list = []
         self.streams = None  # ``RandomStreams`` of this forward, made at its first random draw
+        self.regions = 0  # depth of ``activation_checkpoint`` regions (their recompute is guarded)
 
     # -- suspension inside sharded layers: the mode leaves the stack, so their ops cost nothing.
 
@@ -1206,6 +1207,7 @@ class _GuardMode(TorchFunctionMode):
         """``softmax`` / ``log_softmax`` / ``softmin`` along a sharded dim (attention weights over
         sharded tokens, a LambdaNet's key softmax): ``reductions.softmax``; the output keeps the layout."""
         from . import reductions
+        self._routing(base)
 
         active = self._leading_dims(base, st)
         # dtype: a keyword, or positional after dim (torch.softmax(x, dim, dtype); F.softmax has
@@ -1220,6 +1222,7 @@ class _GuardMode(TorchFunctionMode):
     def _route_normalize(self, x, args, kwargs, dims, st):
         """``F.normalize`` along a sharded dim: the routed vector norm, then torch's own formula."""
         from . import reductions
+        self._routing("normalize")
 
         p = _arg(args, kwargs, 1, "p", 2.0)
         eps = _arg(args, kwargs, 3, "eps", 1e-12)
@@ -1271,6 +1274,7 @@ class _GuardMode(TorchFunctionMode):
             hit = [d for d in dims if d in st]
         if not hit:
             return self._unrouted(func, args, kwargs, dims, keepdim, st)
+        self._routing(base)
         kw = {"keepdim": keepdim, "sharded_dims": self._leading_dims(base, st)}
         mesh = self.guard.mesh
         if base in ("norm", "linalg_vector_norm", "linalg_norm"):
@@ -1282,6 +1286,7 @@ class _GuardMode(TorchFunctionMode):
 
     def _route_reduce(self, base, x, dims, keepdim, st):
         from . import reductions
+        self._routing(base)
 
         mesh = self.guard.mesh
         kw = {"keepdim": keepdim, "sharded_dims": self._leading_dims(base, st)}
@@ -1384,6 +1389,7 @@ class _GuardMode(TorchFunctionMode):
         """Run the random call ``func`` on the stream of a tensor sharded like ``noise_state``."""
         from .random_streams import RandomStreams, run_seeded
 
+        self._routing(f"a random draw (`{getattr(func, '__name__', func)}`)")
         if self.streams is None:
             # Once per forward that draws: domain rank 0's draw from its default generator (so
             # torch.manual_seed makes runs repeatable), offset by the data-parallel index.
@@ -1420,6 +1426,7 @@ class _GuardMode(TorchFunctionMode):
                     self.fail("`roll`", f"its shift ({s}) along sharded dim {d} is computed from a local size", "")
                 from .comm.shift import periodic_shift
 
+                self._routing("roll")
                 active = tuple(a for a in st if a is not None)
                 if tuple(st[: len(active)]) != active:
                     self.fail("`roll`", "the tensor is sharded by a later mesh axis only", "")
@@ -1500,6 +1507,7 @@ class _GuardMode(TorchFunctionMode):
         from .comm import all_reduce_sum
         from .mesh import group_over
 
+        self._routing("matmul")
         ka, kb = sa.index(a.dim() - 1), sb.index(b.dim() - 2)
         others = [d for i, d in enumerate(sa) if i != ka and d is not None] + [
             d for i, d in enumerate(sb) if i != kb and d is not None]
@@ -1547,6 +1555,7 @@ class _GuardMode(TorchFunctionMode):
         from .functional import _replicated_query_attention, ring_attention
 
         name = "`scaled_dot_product_attention`"
+        self._routing(name)
         sq, sk, sv = self._st(q), self._st(k), self._st(v)
         attn_mask = _arg(args, kwargs, 3, "attn_mask")
         dropout_p = float(_arg(args, kwargs, 4, "dropout_p", 0.0))
@@ -1628,6 +1637,8 @@ class _GuardMode(TorchFunctionMode):
                 # A convolution by weights the model computes itself (weight standardisation, fixed
                 # filters): the sharded convolution of those weights, halo exchange included.
                 from .layers.conv import conv as sharded_conv
+
+                self._routing(base)
 
                 dims = self._grid_dims(base, x, st)
                 names = ("bias", "stride", "padding", "dilation", "groups")
@@ -1729,6 +1740,7 @@ class _GuardMode(TorchFunctionMode):
         dims = self._grid_dims(base, x, st)
         if not dims:
             return self._passthrough_plain_sizes(func, base, args, kwargs, st)
+        self._routing("interpolate")
         names = ["size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias"]
         call = {n: _arg(args, kwargs, i + 1, n) for i, n in enumerate(names)}
         if base == "upsample_bilinear":
@@ -1785,6 +1797,25 @@ class _GuardMode(TorchFunctionMode):
                       "(size=skip.shape[2:]), which the guard tracks")
         self.fail("`interpolate`", f"its sizes along sharded dim {d} ({[c[1] for c in col]} by rank) are neither one "
                   "global size nor the local sizes of slabs of one tensor", "pass scale_factor=... or a global size")
+
+    def _routing(self, call: str) -> None:
+        """Called where the guard computes a call with its sharded form (or draws from its streams).
+
+        Inside ``torch.utils.checkpoint`` (timm's ``set_grad_checkpointing``), the region's forward
+        runs again in backward, where no guard runs: this call would then be computed on the slab
+        alone (or drawn from another stream) and the gradients would be silently wrong. So it is
+        refused there, except in a region made by ``sharded_nn.activation_checkpoint``, whose
+        recomputation runs under the guard.
+        """
+        if self.regions == 0 and _inside_torch_checkpoint():
+            self.fail(
+                call if call.startswith(("`", "a ")) else f"`{call}`",
+                "it runs inside torch.utils.checkpoint (activation checkpointing, e.g. timm's set_grad_checkpointing), "
+                "whose recomputation in backward runs without the forward guard, so the gradients would be computed "
+                "from this slab alone",
+                "checkpoint such regions with sharded_nn.activation_checkpoint(fn, *args) (recomputed under the guard), "
+                "or turn activation checkpointing off for them",
+            )
 
     def _gather_with_coords(self, facts, what: str):
         from .layers.base import gather_facts
@@ -1857,6 +1888,7 @@ class _GuardMode(TorchFunctionMode):
             if any(_is_tagged(v) for v in per_dim[d]) and any(per_dim[d]):
                 self.fail("`pad`", f"its padding {per_dim[d]} along sharded dim {d} is computed from a slab's local "
                           "size (it would be different for the full tensor)", "pad by amounts computed from global sizes")
+        self._routing("pad")
         out = sharded_pad(x, [int(p) for p in pad], self.guard.mesh, mode, value, dims=active)
         self._set(out, st)
         return out
@@ -1876,6 +1908,7 @@ class _GuardMode(TorchFunctionMode):
             return out
         if unbatched or base.startswith(("lp_", "fractional")):
             self.fail(f"`{base}`", "it pools along a sharded dim", "use an nn pooling module (convert swaps it)")
+        self._routing(base)
         from . import layers as L
 
         mesh = self.guard.mesh
@@ -1939,6 +1972,25 @@ def _called_from_library() -> bool:
         return False
     name = frame.f_code.co_filename
     return name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS
+
+
+_CHECKPOINT_FILE = os.path.join(_TORCH_DIR, "utils", "checkpoint.py")
+
+
+def _inside_torch_checkpoint() -> bool:
+    """Whether a ``torch.utils.checkpoint`` call is on the stack, around a forward whose region
+    will be recomputed in backward (grad enabled, or a reentrant checkpoint of inputs that
+    require grad)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            if torch.is_grad_enabled():
+                return True
+            args = frame.f_locals.get("args")  # CheckpointFunction.forward runs under no_grad
+            if frame.f_code.co_name == "forward" and isinstance(args, tuple):
+                return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        frame = frame.f_back
+    return False
 
 
 def _created_sizes(base: str, args, kwargs) -> list:

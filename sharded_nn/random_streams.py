@@ -59,6 +59,14 @@ class RandomStreams:
         return int(torch.randint(0, _MASK62, (1,), generator=gen).item())
 
 
+    def snapshot(self) -> RandomStreams:
+        """A copy whose streams continue from where this one's are now (for a recomputation)."""
+        copy = RandomStreams(self.seed, self.coords)
+        for key, gen in self._gens.items():
+            copy._gens[key] = torch.Generator().set_state(gen.get_state())
+        return copy
+
+
 def _default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
         return torch.default_generator
