@@ -1966,7 +1966,7 @@ def _called_from_library() -> bool:
     torch model called by the demo would pass through unchecked.
     """
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code in _PASS_THROUGH_CODES):
         frame = frame.f_back
     if frame is None:
         return False
@@ -2151,6 +2151,8 @@ def install(
     model.__dict__["_snn_guard_handles"] = handles
     model.__dict__["_snn_guard_layers"] = layers
     model.__dict__["_snn_guard"] = guard
+    if not guard.single and not _compiles_as_is(model, sharded, reviewed_set):
+        model.__dict__["forward"] = _CompileSafeForward(model)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -2167,6 +2169,83 @@ def uninstall(model: nn.Module) -> None:
             m.__dict__.pop("_snn_guard_owners", None)
             m.__dict__.pop("_snn_guard_call", None)
     model.__dict__.pop("_snn_guard", None)
+    if isinstance(model.__dict__.get("forward"), _CompileSafeForward):
+        del model.__dict__["forward"]
+
+
+#: Leaf modules whose forward is one elementwise torch call (nothing for the guard to route).
+_ELEMENTWISE_LEAVES = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Threshold, nn.LogSigmoid, nn.Hardshrink, nn.Softshrink,
+)  # fmt: skip
+
+
+def _compiles_as_is(model: nn.Module, sharded: set[type], reviewed: set[str]) -> bool:
+    """Whether no forward in ``model`` has torch calls of its own that the guard would route.
+
+    True when every module is a sharded layer or a reviewed module (their forwards are exact on
+    slabs by themselves), a container (``nn.Sequential``), or an elementwise activation: then a
+    compiled forward computes what the guarded one does, and ``torch.compile`` may trace it.
+    """
+    done: list[str] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(p) for p in done):
+            continue
+        t = type(m)
+        if t in REVIEWED or (m is not model and (t in sharded or name in reviewed)):
+            done.append(f"{name}." if name else "")
+            continue
+        if t.forward is nn.Sequential.forward or isinstance(m, (nn.ModuleList, nn.ModuleDict, _ELEMENTWISE_LEAVES)):
+            continue
+        if isinstance(m, nn.Dropout) and m.p == 0:
+            continue
+        return False
+    return True
+
+
+class _CompileSafeForward:
+    """The guarded root's ``forward`` (an instance attribute set by ``install``).
+
+    Eagerly it is the class's forward. Under ``torch.compile`` the guard cannot run (its mode
+    is Python that Dynamo does not trace), so a compiled root would run the model's own
+    position-mixing calls on the slab alone: a silently wrong answer. There the forward runs
+    eagerly instead (``torch._dynamo.disable``), under the guard, with the sharded layers it
+    calls. Models in which no forward has such calls of its own (``_compiles_as_is``: sharded
+    layers and reviewed modules in containers) and models converted with ``guard=False`` are
+    compiled as usual.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        if not _EAGER:  # made on first use: torch._dynamo is a heavy import
+            _EAGER.append(torch._dynamo.disable(_eager_guarded_forward_impl))
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _EAGER[0](self.module, *args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _eager_guarded_forward_impl(module: nn.Module, *args, **kwargs):
+    # The root hooks ran while Dynamo traced the call (as no-ops: they skip under compile);
+    # here they run for real around the eager forward.
+    guard = module.__dict__["_snn_guard"]
+    guard.root_pre(module, args, kwargs)
+    try:
+        out = type(module).forward(module, *args, **kwargs)
+    except BaseException:
+        guard.root_post(module, args, kwargs, None)
+        raise
+    guard.root_post(module, args, kwargs, out)
+    return out
+
+
+#: ``torch._dynamo.disable(_eager_guarded_forward_impl)``, made by the first ``_CompileSafeForward``.
+_EAGER: list = []
+#: Frames of ours that only pass a model's forward on: not library code for ``_called_from_library``
+#: (the calls a torch module makes when the root calls it come from the model, not from us).
+_PASS_THROUGH_CODES = frozenset({_CompileSafeForward.__call__.__code__, _eager_guarded_forward_impl.__code__})
 
 
 def _unused(*_: Any) -> None:  # keep linters quiet about weakref in type comments

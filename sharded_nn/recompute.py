@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.utils.checkpoint
-
-from . import forward_guard as _fg
+if TYPE_CHECKING:
+    from . import forward_guard as _fg
 
 __all__ = ["activation_checkpoint"]
 
@@ -42,6 +40,13 @@ def activation_checkpoint(function: Callable[..., Any], *args, **kwargs) -> Any:
     Raises:
         ValueError: for ``use_reentrant=True`` or a ``context_fn``.
     """
+    # Imported here: ``import sharded_nn`` stays light (the guard and torch.utils.checkpoint are
+    # loaded by the first convert / checkpoint; an import's churn also reshapes the heap that
+    # ``launch`` tunes, tests/test_host_memory.py).
+    import torch.utils.checkpoint
+
+    from . import forward_guard as _fg
+
     if kwargs.pop("use_reentrant", False):
         raise ValueError(
             "activation_checkpoint: use_reentrant=True is not supported (the reentrant checkpoint "
@@ -87,6 +92,8 @@ class _Recompute(contextlib.AbstractContextManager):
         self.previous = None
 
     def __enter__(self):
+        from . import forward_guard as _fg
+
         mode = _fg._GuardMode(self.guard)
         for t, state in self.inputs:
             if state is not None:
@@ -102,6 +109,8 @@ class _Recompute(contextlib.AbstractContextManager):
         return self
 
     def __exit__(self, *exc) -> None:
+        from . import forward_guard as _fg
+
         self.mode.__exit__(*exc)
         _fg._ACTIVE.guard = self.previous
         self.mode = None

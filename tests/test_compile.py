@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -209,3 +210,63 @@ def _check_compiled_unet(domain: int):
 
 def test_compiled_unet(run):
     assert all(run(2, _check_compiled_unet, 2, timeout=300))
+
+
+class _SqueezeExcite(nn.Module):
+    """A block whose own forward mixes positions (a mean over H and W): exact only under the guard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        return x + h * torch.sigmoid(h.mean((2, 3), keepdim=True))
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 3, 3, padding=1)
+        self.block = _SqueezeExcite()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.relu(self.stem(x)))
+
+
+def _check_compiled_routed(domain: int, what: str):
+    # Before session 35 a compiled converted model ran its own calls without the guard: the
+    # squeeze-excite mean was taken over each slab alone (an error of about 1e-2, silently).
+    torch._dynamo.reset()
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = _Outer().double()
+    sharded = snn.convert(copy.deepcopy(ref), m)
+    if what == "root":
+        sharded.compile(backend="aot_eager")
+    else:
+        sharded.block.compile(backend="aot_eager")
+    x = torch.randn(2, 3, 10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for p in (*ref.parameters(), *sharded.parameters()):
+            p.grad = None
+        check_against_reference(ref, x, m, dims=(2,), sharded=sharded, sizes=(6, 4), atol=1e-10, rtol=1e-10)
+    return "forward" in sharded.__dict__
+
+
+@pytest.mark.parametrize("what", ["root", "block"])
+def test_compiled_model_with_own_position_mixing_calls_is_exact(run, what):
+    # The root's forward runs eagerly under the guard (its instance ``forward`` says so).
+    assert all(run(2, _check_compiled_routed, 2, what, timeout=300))
+
+
+def _compile_decision(domain: int):
+    m = mesh(domain)
+    plain = snn.convert(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GELU(), nn.BatchNorm2d(2)), m)
+    routed = snn.convert(_Outer(), m)
+    unguarded = snn.convert(_Outer(), m, guard=False)
+    return ["forward" in model.__dict__ for model in (plain, routed, unguarded)]
+
+
+def test_only_models_with_calls_to_guard_run_eagerly_under_compile(run):
+    assert run(2, _compile_decision, 2) == [[False, True, False]] * 2

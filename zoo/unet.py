@@ -442,6 +442,10 @@ class Level(nn.Module):
 # Model
 
 
+# Its forward's own calls are a channel concatenation and module calls; every position-mixing
+# step is a sharded layer (or the reviewed attention block), so it is exact on slabs without the
+# guard looking inside, and torch.compile may trace it as a whole.
+@mark_reviewed
 class UNet(nn.Module):
     """A 2-D or 3-D UNet with concatenation skips; single-device code, sharded by ``convert``.
 
