@@ -2153,6 +2153,9 @@ def install(
     model.__dict__["_snn_guard"] = guard
     if not guard.single and not _compiles_as_is(model, sharded, reviewed_set):
         model.__dict__["forward"] = _CompileSafeForward(model)
+    if not guard.single:
+        for name in _entry_methods(type(model)):
+            model.__dict__[name] = _GuardedEntry(model, name)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -2169,8 +2172,47 @@ def uninstall(model: nn.Module) -> None:
             m.__dict__.pop("_snn_guard_owners", None)
             m.__dict__.pop("_snn_guard_call", None)
     model.__dict__.pop("_snn_guard", None)
-    if isinstance(model.__dict__.get("forward"), _CompileSafeForward):
-        del model.__dict__["forward"]
+    for name, value in list(model.__dict__.items()):
+        if isinstance(value, (_CompileSafeForward, _GuardedEntry)):
+            del model.__dict__[name]
+
+
+def _entry_methods(cls: type) -> list[str]:
+    """The model's other forward entry points: methods named ``forward_*`` (timm's
+    ``forward_features``, ``forward_head``, ``forward_intermediates``, ...)."""
+    import inspect
+    import types
+
+    return [
+        name for name in dir(cls)
+        if name.startswith("forward_") and not hasattr(nn.Module, name)
+        and isinstance(inspect.getattr_static(cls, name, None), types.FunctionType)
+    ]
+
+
+class _GuardedEntry:
+    """A ``forward_*`` method of the guarded root (an instance attribute set by ``install``).
+
+    The guard's root hooks run around ``model(x)`` only; ``model.forward_features(x)`` or
+    ``model.forward_intermediates(x)`` called directly would run the model's own calls on the
+    slab alone (a silently wrong answer before session 35). Called from outside a guarded forward,
+    the method runs as the root's forward does: inputs taken as slabs along the model's dims,
+    under the guard (eagerly under ``torch.compile``); called from inside one (timm's ``forward``
+    calls ``self.forward_features``), it is the plain method.
+    """
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+        if not _EAGER:
+            _EAGER.append(torch._dynamo.disable(_eager_guarded_forward_impl))
+
+    def __call__(self, *args, **kwargs):
+        method = getattr(type(self.module), self.name)
+        if torch.compiler.is_compiling():
+            return _EAGER[0](self.module, *args, _method=method, **kwargs)
+        if guard_active():
+            return method(self.module, *args, **kwargs)
+        return _eager_guarded_forward_impl(self.module, *args, _method=method, **kwargs)
 
 
 #: Leaf modules whose forward is one elementwise torch call (nothing for the guard to route).
@@ -2227,13 +2269,13 @@ class _CompileSafeForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
-def _eager_guarded_forward_impl(module: nn.Module, *args, **kwargs):
+def _eager_guarded_forward_impl(module: nn.Module, *args, _method=None, **kwargs):
     # The root hooks ran while Dynamo traced the call (as no-ops: they skip under compile);
-    # here they run for real around the eager forward.
+    # here they run for real around the eager forward (or another entry method, ``_method``).
     guard = module.__dict__["_snn_guard"]
     guard.root_pre(module, args, kwargs)
     try:
-        out = type(module).forward(module, *args, **kwargs)
+        out = (_method or type(module).forward)(module, *args, **kwargs)
     except BaseException:
         guard.root_post(module, args, kwargs, None)
         raise
@@ -2245,7 +2287,9 @@ def _eager_guarded_forward_impl(module: nn.Module, *args, **kwargs):
 _EAGER: list = []
 #: Frames of ours that only pass a model's forward on: not library code for ``_called_from_library``
 #: (the calls a torch module makes when the root calls it come from the model, not from us).
-_PASS_THROUGH_CODES = frozenset({_CompileSafeForward.__call__.__code__, _eager_guarded_forward_impl.__code__})
+_PASS_THROUGH_CODES = frozenset(
+    {_CompileSafeForward.__call__.__code__, _GuardedEntry.__call__.__code__, _eager_guarded_forward_impl.__code__}
+)
 
 
 def _unused(*_: Any) -> None:  # keep linters quiet about weakref in type comments

@@ -541,3 +541,54 @@ def test_timm_pvt_v2_attention_over_sharded_tokens_is_exact(run, domain, linear)
 
 def test_timm_pvt_v2_attention_dropout_in_training(run):
     assert all(run(2, _pvt_v2, 2, (64, 32), False, 0.3))
+
+
+def _entry_methods(domain, sizes):
+    # timm's other entry points on the converted root: forward_features, forward_intermediates
+    # (dense features for segmentation heads) and forward_head. Before session 35 they ran
+    # without the guard: ConvNeXt-V2's global response norm over each slab alone, silently.
+    pytest.importorskip("timm")
+    import torch.distributed as dist
+    from timm.models.convnext import ConvNeXt
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = ConvNeXt(in_chans=2, num_classes=3, depths=(1, 1, 1, 1), dims=(8, 8, 12, 16), patch_size=2, use_grn=True,
+                   ls_init_value=None).double()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "grn" in name:
+                p.copy_(torch.randn_like(p))
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    r = m.get_local_rank("domain")
+    x = torch.randn(2, 2, sum(sizes), 32, dtype=torch.float64)
+    xl = x.narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    xr = x.clone().requires_grad_()
+    feats = model.forward_features(xl)
+    feats_ref = ref.forward_features(xr)
+    w = torch.randn(feats_ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rows = feats_ref.shape[2] * sizes[r] // sum(sizes)  # the total stride divides every slab
+    start = feats_ref.shape[2] * sum(sizes[:r]) // sum(sizes)
+    (feats * w.narrow(2, start, rows)).sum().backward()
+    (feats_ref * w).sum().backward()
+    errs = [(snn.gather(feats.detach(), m) - feats_ref.detach()).abs().max().item(),
+            (xl.grad - xr.grad.narrow(2, sum(sizes[:r]), sizes[r])).abs().max().item()]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)  # the head takes no part in forward_features
+        if q.grad is not None:
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            errs.append((g - q.grad).abs().max().item())
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(xl.detach())
+        final_ref, inter_ref = ref.forward_intermediates(x)
+        errs += [(snn.gather(a, m) - b).abs().max().item() for a, b in zip([final, *inter], [final_ref, *inter_ref])]
+        logits = model.forward_head(model.forward_features(xl.detach()))
+        errs.append((logits - ref.forward_head(ref.forward_features(x))).abs().max().item())
+    return max(errs)
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_timm_entry_methods_run_under_the_guard(run, domain):
+    sizes = {2: (64, 32), 3: (64, 32, 32)}[domain]
+    assert max(run(domain, _entry_methods, domain, sizes)) < 1e-10
