@@ -2151,11 +2151,10 @@ def install(
     model.__dict__["_snn_guard_handles"] = handles
     model.__dict__["_snn_guard_layers"] = layers
     model.__dict__["_snn_guard"] = guard
-    if not guard.single and not _compiles_as_is(model, sharded, reviewed_set):
-        model.__dict__["forward"] = _CompileSafeForward(model)
     if not guard.single:
-        for name in _entry_methods(type(model)):
-            model.__dict__[name] = _GuardedEntry(model, name)
+        eager = not _compiles_as_is(model, sharded, reviewed_set)
+        for name in (["forward"] if eager else []) + _entry_methods(type(model)):
+            model.__dict__[name] = _GuardedEntry(model, name, eager)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -2173,7 +2172,7 @@ def uninstall(model: nn.Module) -> None:
             m.__dict__.pop("_snn_guard_call", None)
     model.__dict__.pop("_snn_guard", None)
     for name, value in list(model.__dict__.items()):
-        if isinstance(value, (_CompileSafeForward, _GuardedEntry)):
+        if isinstance(value, _GuardedEntry):
             del model.__dict__[name]
 
 
@@ -2191,28 +2190,36 @@ def _entry_methods(cls: type) -> list[str]:
 
 
 class _GuardedEntry:
-    """A ``forward_*`` method of the guarded root (an instance attribute set by ``install``).
+    """An entry method of the guarded root (an instance attribute set by ``install``): its
+    ``forward_*`` methods, and ``forward`` itself where the model has calls to guard.
 
-    The guard's root hooks run around ``model(x)`` only; ``model.forward_features(x)`` or
-    ``model.forward_intermediates(x)`` called directly would run the model's own calls on the
-    slab alone (a silently wrong answer before session 35). Called from outside a guarded forward,
-    the method runs as the root's forward does: inputs taken as slabs along the model's dims,
-    under the guard (eagerly under ``torch.compile``); called from inside one (timm's ``forward``
-    calls ``self.forward_features``), it is the plain method.
+    The guard's root hooks run around ``model(x)`` only: ``model.forward_features(x)``,
+    ``model.forward_intermediates(x)`` or ``model.forward(x)`` called directly would run the
+    model's own calls on the slab alone. Called from outside a guarded forward, the method runs as
+    ``model(x)`` does: inputs taken as slabs along the model's dims, under the guard; from inside
+    one (timm's ``forward`` calls ``self.forward_features``) it is the plain method.
+
+    Under ``torch.compile`` the guard cannot run (its mode is Python that Dynamo does not trace):
+    where the model has calls to guard (``eager``, from ``_compiles_as_is``), the method runs
+    eagerly under the guard (``torch._dynamo.disable``), with the sharded layers it calls; models
+    of sharded layers and reviewed modules in containers, and ``guard=False`` models, compile as
+    usual. (Before session 35 both paths ran unguarded: silently wrong answers.)
     """
 
-    def __init__(self, module: nn.Module, name: str) -> None:
-        self.module, self.name = module, name
-        if not _EAGER:
+    def __init__(self, module: nn.Module, name: str, eager: bool) -> None:
+        self.module, self.name, self.eager = module, name, eager
+        if eager and not _EAGER:  # made on first use: torch._dynamo is a heavy import
             _EAGER.append(torch._dynamo.disable(_eager_guarded_forward_impl))
 
     def __call__(self, *args, **kwargs):
         method = getattr(type(self.module), self.name)
         if torch.compiler.is_compiling():
-            return _EAGER[0](self.module, *args, _method=method, **kwargs)
+            if self.eager:
+                return _EAGER[0](self.module, method, *args, **kwargs)
+            return method(self.module, *args, **kwargs)
         if guard_active():
             return method(self.module, *args, **kwargs)
-        return _eager_guarded_forward_impl(self.module, *args, _method=method, **kwargs)
+        return _eager_guarded_forward_impl(self.module, method, *args, **kwargs)
 
 
 #: Leaf modules whose forward is one elementwise torch call (nothing for the guard to route).
@@ -2246,36 +2253,13 @@ def _compiles_as_is(model: nn.Module, sharded: set[type], reviewed: set[str]) ->
     return True
 
 
-class _CompileSafeForward:
-    """The guarded root's ``forward`` (an instance attribute set by ``install``).
-
-    Eagerly it is the class's forward. Under ``torch.compile`` the guard cannot run (its mode
-    is Python that Dynamo does not trace), so a compiled root would run the model's own
-    position-mixing calls on the slab alone: a silently wrong answer. There the forward runs
-    eagerly instead (``torch._dynamo.disable``), under the guard, with the sharded layers it
-    calls. Models in which no forward has such calls of its own (``_compiles_as_is``: sharded
-    layers and reviewed modules in containers) and models converted with ``guard=False`` are
-    compiled as usual.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        if not _EAGER:  # made on first use: torch._dynamo is a heavy import
-            _EAGER.append(torch._dynamo.disable(_eager_guarded_forward_impl))
-
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return _EAGER[0](self.module, *args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-
-def _eager_guarded_forward_impl(module: nn.Module, *args, _method=None, **kwargs):
-    # The root hooks ran while Dynamo traced the call (as no-ops: they skip under compile);
-    # here they run for real around the eager forward (or another entry method, ``_method``).
+def _eager_guarded_forward_impl(module: nn.Module, method, *args, **kwargs):
+    # The root hooks' work around ``method``: for a direct method call they did not run, and
+    # under compile they ran as no-ops while Dynamo traced the call.
     guard = module.__dict__["_snn_guard"]
     guard.root_pre(module, args, kwargs)
     try:
-        out = (_method or type(module).forward)(module, *args, **kwargs)
+        out = method(module, *args, **kwargs)
     except BaseException:
         guard.root_post(module, args, kwargs, None)
         raise
@@ -2283,13 +2267,11 @@ def _eager_guarded_forward_impl(module: nn.Module, *args, _method=None, **kwargs
     return out
 
 
-#: ``torch._dynamo.disable(_eager_guarded_forward_impl)``, made by the first ``_CompileSafeForward``.
+#: ``torch._dynamo.disable(_eager_guarded_forward_impl)``, made by the first eager ``_GuardedEntry``.
 _EAGER: list = []
 #: Frames of ours that only pass a model's forward on: not library code for ``_called_from_library``
 #: (the calls a torch module makes when the root calls it come from the model, not from us).
-_PASS_THROUGH_CODES = frozenset(
-    {_CompileSafeForward.__call__.__code__, _GuardedEntry.__call__.__code__, _eager_guarded_forward_impl.__code__}
-)
+_PASS_THROUGH_CODES = frozenset({_GuardedEntry.__call__.__code__, _eager_guarded_forward_impl.__code__})
 
 
 def _unused(*_: Any) -> None:  # keep linters quiet about weakref in type comments

@@ -545,8 +545,9 @@ def test_timm_pvt_v2_attention_dropout_in_training(run):
 
 def _entry_methods(domain, sizes):
     # timm's other entry points on the converted root: forward_features, forward_intermediates
-    # (dense features for segmentation heads) and forward_head. Before session 35 they ran
-    # without the guard: ConvNeXt-V2's global response norm over each slab alone, silently.
+    # (dense features for segmentation heads), forward_head, and forward called directly. Before
+    # session 35 they ran without the guard: ConvNeXt-V2's global response norm over each slab
+    # alone, silently.
     pytest.importorskip("timm")
     import torch.distributed as dist
     from timm.models.convnext import ConvNeXt
@@ -585,6 +586,7 @@ def _entry_methods(domain, sizes):
         errs += [(snn.gather(a, m) - b).abs().max().item() for a, b in zip([final, *inter], [final_ref, *inter_ref])]
         logits = model.forward_head(model.forward_features(xl.detach()))
         errs.append((logits - ref.forward_head(ref.forward_features(x))).abs().max().item())
+        errs.append((model.forward(xl.detach()) - ref(x)).abs().max().item())  # forward itself, called directly
     return max(errs)
 
 
