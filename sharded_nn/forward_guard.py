@@ -1348,7 +1348,7 @@ class _GuardMode(TorchFunctionMode):
                 return self._h_create(func, base, args, kwargs, stateful)
             return self._h_pointwise(func, base, args, kwargs, stateful)
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if base in ("dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout") or base in _FEATURE_DROPOUT:
+        if base in ("dropout", "alpha_dropout") or base in _FEATURE_DROPOUT:
             p = float(_arg(args, kwargs, 1, "p", 0.5))
             if not _arg(args, kwargs, 2, "training", True) or p == 0.0:
                 out = func(*args, **kwargs)
@@ -1356,16 +1356,14 @@ class _GuardMode(TorchFunctionMode):
                 return out
         if base in _RANDOM_CREATE and x is None and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             st = self._sized_state(_created_sizes(base, args, kwargs), f"`{base}`")
-            device = kwargs.get("device")
-            device = torch.device(device) if device is not None else torch.get_default_device()
+            device = _created_device(kwargs)
             out = self._draw(func, args, kwargs, st, device)
             self._set(out, st)
             return out
         if base == "randperm":
             if stateful or any(_is_tagged(a) for a in args):
                 self.fail("`randperm`", "its length is read from a slab's local size", "use a global length")
-            device = kwargs.get("device")
-            device = torch.device(device) if device is not None else torch.get_default_device()
+            device = _created_device(kwargs)
             return self._draw(func, args, kwargs, None, device)
         tensors = _flat_tensors((args, kwargs))
         like = max(tensors, key=lambda t: t.dim())  # the output's rank (a pointwise draw)
@@ -1991,6 +1989,12 @@ def _inside_torch_checkpoint() -> bool:
                 return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         frame = frame.f_back
     return False
+
+
+def _created_device(kwargs) -> torch.device:
+    """The device a creation call puts its tensor on."""
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.get_default_device()
 
 
 def _created_sizes(base: str, args, kwargs) -> list:

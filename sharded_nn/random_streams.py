@@ -58,7 +58,6 @@ class RandomStreams:
             gen = self._gens[key] = torch.Generator().manual_seed(mixed)
         return int(torch.randint(0, _MASK62, (1,), generator=gen).item())
 
-
     def snapshot(self) -> RandomStreams:
         """A copy whose streams continue from where this one's are now (for a recomputation)."""
         copy = RandomStreams(self.seed, self.coords)
