@@ -16,8 +16,10 @@ knows which tensors are slabs, and along which dims:
   the tensor *unknown*;
 - sizes read from a slab (``x.shape``, ``x.size(d)``) along a sharded dim come back as
   ``LocalLength`` ints (plain ints that remember they are local), and arithmetic on them gives
-  ``LocalDerived`` ints, so that a size computed from a local shape is recognised where it is
-  used (``F.interpolate(size=...)``, ``F.pad``, ``torch.zeros``/``arange``).
+  ``LocalDerived`` ints (``LocalFloat`` for ``/`` and ``**``), so that a size computed from a local
+  shape is recognised where it is used (``F.interpolate(size=...)``, ``F.pad``,
+  ``torch.zeros``/``arange``); where such a number is used as a value (a scalar of a pointwise
+  call, a fill value, ``torch.tensor``), it is evaluated on the global lengths (``_globalise``).
 
 A call that mixes positions along a sharded dim is then computed exactly by its sharded form
 (``interpolate``, ``pad`` and the pools of ``sharded_nn.layers``; ``mean``/``sum``/``amax``/
@@ -39,6 +41,7 @@ a sharded layer runs). See the README ("Inside forward") for the measured overhe
 from __future__ import annotations
 
 import linecache
+import operator
 import os
 import sys
 import threading
@@ -54,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import ShardingError
 from .mesh import axis_size, domain_axes
 
-__all__ = ["ForwardGuard", "LocalDerived", "LocalLength", "guard_active", "install", "mark_reviewed"]
+__all__ = ["ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_reviewed"]
 
 #: A tensor whose layout the guard could not follow (a reshape it cannot map, a call it routes
 #: but whose result it cannot describe). Pointwise work on it is fine; mixing raises.
@@ -80,32 +83,83 @@ def guard_active() -> bool:
 
 
 class LocalDerived(int):
-    """An int computed from a local slab size: arithmetic on it stays tagged."""
+    """An int computed from local slab sizes: arithmetic on it stays tagged.
 
-    def _wrap(self, v):
-        return LocalDerived(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    It also remembers *how* it was computed: ``_leaves`` (the ``LocalLength`` sizes it came from)
+    and ``_fn`` (the same arithmetic on any values of those leaves), so that where it is used as
+    a *value* (``y * x.shape[2]``, ``s / (h * w)``: the single device would use the global
+    number), the guard can evaluate it on the global lengths instead (``_GuardMode._globalise``).
+    ``_leaves`` is None where the expression is not known (then such a use is refused).
+    """
 
-    def __neg__(self):
-        return LocalDerived(-int(self))
+    _leaves: tuple | None = None
+    _fn: Callable | None = None
 
     def __repr__(self) -> str:
         return int.__repr__(self)
 
 
-def _tagged_binary(name: str):
-    op = getattr(int, name)
+class LocalFloat(float):
+    """A float computed from local slab sizes (``1 / h``, ``n ** -0.5``); tagged like ``LocalDerived``."""
+
+    _leaves: tuple | None = None
+    _fn: Callable | None = None
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+def _derive(v, a, b, op):
+    """``v = op(a, b)`` where ``a`` is tagged, as a tagged number that remembers the expression."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return v
+    out = LocalDerived(v) if isinstance(v, int) else LocalFloat(v)
+    la = a._leaves
+    if la is None:
+        return out
+    fa = a._fn
+    if isinstance(b, (LocalDerived, LocalFloat)):
+        lb, fb = b._leaves, b._fn
+        if lb is None:
+            return out
+        n = len(la)
+        out._leaves, out._fn = la + lb, lambda vals: op(fa(vals[:n]), fb(vals[n:]))
+    else:
+        out._leaves, out._fn = la, lambda vals: op(fa(vals), b)
+    return out
+
+
+def _tagged_binary(base: type, name: str):
+    own = getattr(base, name)
+    plain = name.replace("__r", "__", 1) if name.startswith("__r") else name
+    fwd = getattr(operator, plain.strip("_"))
+    # ``op(self_value, other)`` in the operand order of the original expression.
+    op = (lambda a, b: fwd(b, a)) if name != plain else fwd
 
     def method(self, o):
-        return self._wrap(op(self, o))
+        v = own(self, o)
+        if v is NotImplemented:
+            if base is int and isinstance(o, float):  # ``h * 0.5``: Python would fall back to float's own
+                v = op(float(self), o)
+            else:
+                return v
+        return _derive(v, self, o, op)
 
     method.__name__ = name
     return method
 
 
-# Arithmetic on a tagged size stays tagged (int's own operators, result re-wrapped).
-for _name in ('__add__', '__radd__', '__sub__', '__rsub__', '__mul__', '__rmul__', '__floordiv__', '__rfloordiv__', '__mod__', '__rmod__'):
-    setattr(LocalDerived, _name, _tagged_binary(_name))
-del _name
+# Arithmetic on a tagged size stays tagged and remembers its expression (the type's own operator,
+# result re-wrapped). A Python float on the left of an int size (``0.5 * h``) is float's own
+# operator and loses the tag, as do ``float()``, ``int()`` and ``math`` functions (README).
+_ARITH = ("add", "sub", "mul", "floordiv", "mod", "truediv", "pow")
+for _cls in (LocalDerived, LocalFloat):
+    for _op in _ARITH:
+        for _name in (f"__{_op}__", f"__r{_op}__"):
+            setattr(_cls, _name, _tagged_binary(_cls.__mro__[1], _name))
+del _cls, _op, _name
+LocalDerived.__neg__ = lambda self: _derive(-int(self), self, 0, lambda a, _: -a)  # type: ignore[method-assign]
+LocalFloat.__neg__ = lambda self: _derive(-float(self), self, 0, lambda a, _: -a)  # type: ignore[method-assign]
 
 
 class LocalLength(LocalDerived):
@@ -118,9 +172,17 @@ class LocalLength(LocalDerived):
         obj.axis = axis
         return obj
 
+    @property
+    def _leaves(self) -> tuple:  # type: ignore[override]
+        return (self,)
+
+    @staticmethod
+    def _fn(vals):  # type: ignore[override]
+        return vals[0]
+
 
 def _is_tagged(v) -> bool:
-    return isinstance(v, LocalDerived)
+    return isinstance(v, (LocalDerived, LocalFloat))
 
 
 # ------------------------------------------------------------------------------- op tables
@@ -256,7 +318,8 @@ def _classify(func) -> tuple[str, str, bool]:
         "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
         "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
-        "embedding": "plain_only",
+        "embedding": "plain_only", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
+        "new_tensor": "literal",
     }  # fmt: skip
     if base in simple:
         return simple[base], base, inplace and base not in ("copy",)
@@ -724,7 +787,7 @@ class _GuardMode(TorchFunctionMode):
         for a in (*args, *kwargs.values()) if kwargs else args:
             if type(a) in _PLAIN_TYPES:  # dims, sizes, flags: most arguments of a permute or a view
                 continue
-            if isinstance(a, (torch.Tensor, LocalDerived)):
+            if isinstance(a, (torch.Tensor, LocalDerived, LocalFloat)):
                 found.append(a)
             elif isinstance(a, (list, tuple, dict)):
                 _walk(a, found, 1)
@@ -746,6 +809,10 @@ class _GuardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         kind, base, inplace = _classify_cached(func)
         states = self.states
+        if tagged and kind == "pointwise":
+            # Every scalar of a pointwise call is a value: a size read from a slab stands for the
+            # global one there (``y * x.shape[2]``, ``s / (h * w)``), as on a single device.
+            args, kwargs = self._globalise(f"`{base}`", args, kwargs)
         if kind == "pointwise":
             out = func(*args, **kwargs)
             if len(found) == 1 and stateful and isinstance(out, torch.Tensor) and out.dim() == found[0].dim():
@@ -821,7 +888,18 @@ class _GuardMode(TorchFunctionMode):
 
     def _h_numel(self, func, base, args, kwargs, stateful):
         out = func(*args, **kwargs)
-        return LocalDerived(out) if stateful else out
+        st = self._st(args[0])
+        if st is None:
+            return out
+        if st is UNKNOWN:
+            return LocalDerived(out)  # expression unknown: refused where it is used as a value
+        # The product of the sizes with the local lengths tagged: the slab's count, which stands
+        # for the global count where it is used as a value (``y / y.numel()``).
+        pos = {d: k for k, d in enumerate(st) if d is not None}
+        n = 1
+        for i, v in enumerate(args[0].shape):
+            n = (LocalLength(v, pos[i]) if i in pos else v) * n
+        return n
 
     def _h_data(self, func, base, args, kwargs, stateful):
         self.fail(
@@ -1329,6 +1407,15 @@ class _GuardMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _h_create(self, func, base, args, kwargs, stateful):
+        if base in ("full", "new_full"):
+            i = 2 if base == "new_full" else 1
+            fill = _arg(args, kwargs, i, "fill_value")
+            if _is_tagged(fill):  # a value: the global number (``torch.full(shape, x.shape[2])``)
+                (fill,), _ = self._globalise(f"`{base}`", (fill,), {})
+                if "fill_value" in kwargs:
+                    kwargs = {**kwargs, "fill_value": fill}
+                else:
+                    args = (*args[:i], fill, *args[i + 1 :])
         out = func(*args, **kwargs)
         self._set(out, self._sized_state(_created_sizes(base, args, kwargs), f"`{base}`"))
         return out
@@ -1711,6 +1798,13 @@ class _GuardMode(TorchFunctionMode):
     def _h_plain_only(self, func, base, args, kwargs, stateful):
         return self._plain_or_fail(func, base, args, kwargs, stateful)
 
+    def _h_literal(self, func, base, args, kwargs, stateful):
+        """``torch.tensor(v)`` and kin: a number computed from slab sizes stands for the global one."""
+        if stateful:
+            return self._h_other(func, base, args, kwargs, stateful)
+        args, kwargs = self._globalise(f"`{base}`", args, kwargs)
+        return func(*args, **kwargs)
+
     def _h_other(self, func, base, args, kwargs, stateful):
         self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, bool(not stateful))}",
                   "")
@@ -1814,6 +1908,42 @@ class _GuardMode(TorchFunctionMode):
                 "checkpoint such regions with sharded_nn.activation_checkpoint(fn, *args) (recomputed under the guard), "
                 "or turn activation checkpointing off for them",
             )
+
+    def _globalise(self, call: str, args, kwargs):
+        """``args`` and ``kwargs`` with every number computed from slab sizes (``LocalDerived``,
+        ``LocalFloat``) replaced by the same arithmetic on the global sizes: a size read from a
+        slab is this rank's part of the global one, and where it is used as a *value* the single
+        device would use the global number. One small all-gather of the local lengths."""
+        found: list = []
+        _walk((args, kwargs), found)
+        tagged = [v for v in found if _is_tagged(v)]
+        if not tagged:
+            return args, kwargs
+        if any(v._leaves is None for v in tagged):
+            self.fail(call, "it uses as a value a number computed from the size of a tensor whose layout the guard lost",
+                      "compute the number from global sizes")
+        self._routing(call)
+        leaves: dict[int, LocalLength] = {}
+        for v in tagged:
+            for leaf in v._leaves:
+                leaves.setdefault(id(leaf), leaf)
+        order = list(leaves.values())
+        rows = self._gather_with_coords([int(leaf) for leaf in order], f"forward guard: global sizes for {call}")
+        total = {
+            id(leaf): sum(r[j] for r in self._along_axis(rows, leaf.axis)) for j, leaf in enumerate(order)
+        }
+        glob = {id(v): v._fn([total[id(leaf)] for leaf in v._leaves]) for v in tagged}
+
+        def sub(obj, depth=0):
+            if _is_tagged(obj):
+                return glob[id(obj)]
+            if depth < 3 and isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+                return type(obj)(sub(o, depth + 1) for o in obj)
+            if depth < 2 and isinstance(obj, dict):
+                return {k: sub(o, depth + 1) for k, o in obj.items()}
+            return obj
+
+        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
 
     def _gather_with_coords(self, facts, what: str):
         from .layers.base import gather_facts
@@ -1999,7 +2129,9 @@ def _created_device(kwargs) -> torch.device:
 
 def _created_sizes(base: str, args, kwargs) -> list:
     """The size argument of a creation call (``zeros(2, 3)``, ``new_full((2, 3), v)``, ``randint(0, 5, (2,))``, ...)."""
-    if base.startswith("new_"):
+    if base == "new_full":
+        sizes = _arg(args, kwargs, 1, "size", ())
+    elif base.startswith("new_"):
         sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "size", ())
     elif base == "full":
         sizes = _arg(args, kwargs, 0, "size", ())

@@ -154,6 +154,21 @@ class Hazards(nn.Module):
             h = F.conv2d(h, self.w2, self.b2, padding=h.shape[2] // h.shape[2])
         elif k == "fconv_transpose":
             h = F.conv_transpose2d(h, self.w2, self.b2, stride=2)
+        elif k == "size_mean":  # a squeeze-excite mean written by hand: a sum over the global count
+            n, c, hh, ww = h.shape
+            h = h * torch.sigmoid(h.sum((2, 3), keepdim=True) / (hh * ww) * 3)
+        elif k == "size_tokens":  # mean over tokens by their count
+            t = h.flatten(2).transpose(1, 2)  # (N, L, C): L sharded
+            h = h + (t.sum(1) / t.size(1))[:, :, None, None]
+        elif k == "size_numel":
+            h = h / h.numel() * 100 + h.abs().sum() / h[:1].numel()
+        elif k == "size_tensor":  # numbers from sizes made into tensors
+            hh, ww = h.shape[2], h.shape[3]
+            h = h * torch.tensor(hh**0.5, dtype=h.dtype) + torch.full((1, 4, 1, 1), hh, dtype=h.dtype) / 10
+            h = h + h.new_full((1, 1, 1, 1), hh * ww + 1) / 50 + torch.scalar_tensor(-ww, dtype=h.dtype) / 7
+        elif k == "size_scalars":  # sizes as scalars of pointwise calls (int and float arithmetic)
+            hh, ww = h.shape[2:]
+            h = torch.clamp(h * (1 / ww) * (hh % 5 + 1), max=hh / 40) + torch.add(h, h, alpha=hh // 3) * ww**-0.5
         elif k == "item_of_sum":  # a routed sum is replicated: reading it is fine
             h = h * float(h.sum())
         elif k == "tolist":
@@ -169,7 +184,8 @@ EXACT = [
     "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
-    "linear_attention", "softmax_tokens",
+    "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
+    "size_scalars",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -235,6 +251,48 @@ def test_hazard_is_refused_on_every_rank(run, kind, domain):
 
     assert re.search(REFUSED[kind], msg), msg
     assert "module '<root>' (Hazards)" in msg and "test_forward_calls.py" in msg, msg
+
+
+def _size_values_2d(kind: str):
+    m = mesh((2, 2))
+    torch.manual_seed(0)
+    ref = Hazards(kind).double()
+    x = torch.randn(2, 2, 7, 5, dtype=torch.float64)  # uneven slabs along H and W
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    return max(check_against_reference(ref, x, m, sharded=model).values())
+
+
+@pytest.mark.parametrize("kind", ["size_mean", "size_numel", "size_tensor", "size_scalars"])
+def test_sizes_used_as_values_are_global_on_a_2d_mesh(run, kind):
+    # A number computed from sizes of both sharded dims (h * w) stands for the global one.
+    assert max(run(4, _size_values_2d, kind)) < 1e-10
+
+
+def _size_value_of_lost_layout(domain):
+    m = mesh(domain)
+
+    class Lost(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 4, 3, padding=1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            u = h.reshape(-1, 3)  # the guard cannot follow this reshape: layout unknown
+            return h / u.numel()
+
+    model = snn.convert(Lost().double(), m)
+    x = torch.randn(1, 2, 6, 6, dtype=torch.float64)
+    try:
+        model(x[snn.local_slices(x.shape, m, dims=(2,))])
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_size_value_of_a_lost_layout_is_refused(run):
+    out = run(2, _size_value_of_lost_layout, 2)
+    assert out[0] == out[1] and "whose layout the guard lost" in out[0], out
 
 
 # --------------------------------------------------------------------------------------------
