@@ -30,9 +30,10 @@ slab or an unknown tensor, raises too: a model that cannot be checked says so. C
 tensors (replicated features after a global pool, parameters) run untouched.
 
 Every rank runs the same code on tensors of the same layouts, so every rank takes the same
-decision and raises the same error (a model whose control flow depends on its local slab sizes
-could diverge; such branches raise only where they differ). Routed calls gather every rank's
-arguments and raise on every rank when they differ.
+decision and raises the same error. Branches on sizes (``if x.shape[2] % 2:``, ``if x.shape !=
+skip.shape``) are decided on the global sizes, as one device decides them, so ranks whose slabs
+differ still take the same branch (``_branch_mode``). Routed calls gather every rank's arguments
+and raise on every rank when they differ.
 
 Cost: one Python call per torch call made outside the sharded layers (the mode is popped while
 a sharded layer runs). See the README ("Inside forward") for the measured overhead.
@@ -40,6 +41,7 @@ a sharded layer runs). See the README ("Inside forward") for the measured overhe
 
 from __future__ import annotations
 
+import dis
 import linecache
 import operator
 import os
@@ -157,7 +159,66 @@ for _cls in (LocalDerived, LocalFloat):
     for _op in _ARITH:
         for _name in (f"__{_op}__", f"__r{_op}__"):
             setattr(_cls, _name, _tagged_binary(_cls.__mro__[1], _name))
-del _cls, _op, _name
+del _op, _name
+
+
+def _tagged_compare(base: type, name: str):
+    own = getattr(base, name)
+    op = getattr(operator, name.strip("_"))
+
+    def method(self, o):
+        v = own(self, o)
+        if v is NotImplemented:
+            if base is int and isinstance(o, float):
+                v = op(float(self), o)
+            else:
+                return v
+        mode = _branch_mode()
+        return v if mode is None else mode.global_compare(op, self, o)
+
+    method.__name__ = name
+    return method
+
+
+def _tagged_bool(self) -> bool:
+    mode = _branch_mode()
+    v = (float if isinstance(self, float) else int)(self) != 0
+    return v if mode is None else mode.global_compare(operator.ne, self, 0)
+
+
+#: Instructions of a comparison or truth test written in the caller's code (``==``, ``<``, ``if``,
+#: ``and``/``or``, ``not``; names of Python 3.11-3.13). A dict or cache lookup (einops' recipe
+#: cache keyed by shapes), ``in`` or ``min``/``max`` compare the slab's own sizes instead.
+_BRANCH_OPS = frozenset(
+    i for i, n in enumerate(dis.opname) if n.startswith(("COMPARE_OP", "POP_JUMP", "JUMP_IF_", "TO_BOOL", "UNARY_NOT"))
+)
+
+
+def _branch_mode():
+    """The guard mode that decides a comparison of a tagged size on the global sizes, or None.
+
+    Only a comparison or truth test written as such in a model's own code while its guarded
+    forward runs (not in a sharded layer, a reviewed module, a guard handler or sharded_nn's
+    code): every rank runs that code alike, so the small all-gather it costs pairs up.
+    """
+    mode = getattr(_ACTIVE, "guard", None)
+    if mode is None or mode is _SINGLE or mode.suspended:
+        return None
+    f = sys._getframe(2)  # the frame whose instruction called the comparison method
+    if f.f_code.co_code[f.f_lasti] not in _BRANCH_OPS or not mode.on_stack() or _called_from_library(3):
+        return None
+    return mode
+
+
+# Branches on a tagged size (``if x.shape[2] % 2:``, ``if skip.shape != x.shape:``, ``min(h, w)``)
+# are decided on the global sizes, as on one device, in a model's own code: ranks whose slabs
+# differ would otherwise take different branches (a routed call on some ranks only hangs).
+for _cls in (LocalDerived, LocalFloat):
+    for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+        setattr(_cls, _name, _tagged_compare(_cls.__mro__[1], _name))
+    _cls.__hash__ = _cls.__mro__[1].__hash__  # type: ignore[method-assign]
+    _cls.__bool__ = _tagged_bool  # type: ignore[method-assign]
+del _cls, _name
 LocalDerived.__neg__ = lambda self: _derive(-int(self), self, 0, lambda a, _: -a)  # type: ignore[method-assign]
 LocalFloat.__neg__ = lambda self: _derive(-float(self), self, 0, lambda a, _: -a)  # type: ignore[method-assign]
 
@@ -1919,6 +1980,21 @@ class _GuardMode(TorchFunctionMode):
         tagged = [v for v in found if _is_tagged(v)]
         if not tagged:
             return args, kwargs
+        glob = self._global_values(tagged, call)
+
+        def sub(obj, depth=0):
+            if _is_tagged(obj):
+                return glob[id(obj)]
+            if depth < 3 and isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+                return type(obj)(sub(o, depth + 1) for o in obj)
+            if depth < 2 and isinstance(obj, dict):
+                return {k: sub(o, depth + 1) for k, o in obj.items()}
+            return obj
+
+        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+
+    def _global_values(self, tagged: list, call: str) -> dict[int, int | float]:
+        """``id(v) -> v`` evaluated on the global lengths, for tagged numbers ``tagged``."""
         if any(v._leaves is None for v in tagged):
             self.fail(call, "it uses as a value a number computed from the size of a tensor whose layout the guard lost",
                       "compute the number from global sizes")
@@ -1932,18 +2008,21 @@ class _GuardMode(TorchFunctionMode):
         total = {
             id(leaf): sum(r[j] for r in self._along_axis(rows, leaf.axis)) for j, leaf in enumerate(order)
         }
-        glob = {id(v): v._fn([total[id(leaf)] for leaf in v._leaves]) for v in tagged}
+        return {id(v): v._fn([total[id(leaf)] for leaf in v._leaves]) for v in tagged}
 
-        def sub(obj, depth=0):
-            if _is_tagged(obj):
-                return glob[id(obj)]
-            if depth < 3 and isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-                return type(obj)(sub(o, depth + 1) for o in obj)
-            if depth < 2 and isinstance(obj, dict):
-                return {k: sub(o, depth + 1) for k, o in obj.items()}
-            return obj
+    def global_compare(self, op, a, b) -> bool:
+        """``op(a, b)`` for a tagged ``a`` (and maybe ``b``) on the global sizes: a branch of the
+        model's own code decided as one device decides it, alike on every rank."""
+        tagged = [v for v in (a, b) if _is_tagged(v)]
+        call = f"a comparison of sizes read from slabs (`{op.__name__}`)"
+        glob = self._global_values(tagged, call)
+        return bool(op(glob[id(a)], glob[id(b)] if _is_tagged(b) else b))
 
-        return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+    def on_stack(self) -> bool:
+        """Whether this mode is on torch's function-mode stack (not popped to run one of its own
+        handlers, or suspended for a sharded layer)."""
+        n = torch._C._len_torch_function_stack()
+        return any(torch._C._get_function_stack_at(i) is self for i in range(n))
 
     def _gather_with_coords(self, facts, what: str):
         from .layers.base import gather_facts
@@ -2086,14 +2165,15 @@ _MODEL_RUNNERS = frozenset(
 )
 
 
-def _called_from_library() -> bool:
-    """Whether the torch call was made by sharded_nn's own code (not the model's).
+def _called_from_library(depth: int = 2) -> bool:
+    """Whether the torch call was made by sharded_nn's own code (not the model's); ``depth``:
+    the caller's frame, counted from this function's.
 
     torch's own frames are skipped (a torch module's forward calling ``F.gelu``), so the first
     other frame decides; the files that run models do not count as library code, or a plain
     torch model called by the demo would pass through unchecked.
     """
-    frame = sys._getframe(2)
+    frame = sys._getframe(depth)
     while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code in _PASS_THROUGH_CODES):
         frame = frame.f_back
     if frame is None:

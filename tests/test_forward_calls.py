@@ -169,6 +169,13 @@ class Hazards(nn.Module):
         elif k == "size_scalars":  # sizes as scalars of pointwise calls (int and float arithmetic)
             hh, ww = h.shape[2:]
             h = torch.clamp(h * (1 / ww) * (hh % 5 + 1), max=hh / 40) + torch.add(h, h, alpha=hh // 3) * ww**-0.5
+        elif k == "branch_pad":  # a branch on a size with a routed call in it (hung: ranks disagreed)
+            if h.shape[2] % 4 == 2:
+                h = F.pad(h, (0, 0, 0, 2)) * 0.5
+        elif k == "branch_truth":  # a branch on a size's truth value (ranks disagreed silently)
+            h = h * 2 if h.shape[2] % 4 else -h
+            if not (h.shape[2] > 5 and h.shape[3] > 5):
+                h = h + 1
         elif k == "item_of_sum":  # a routed sum is replicated: reading it is fine
             h = h * float(h.sum())
         elif k == "tolist":
@@ -185,7 +192,7 @@ EXACT = [
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
-    "size_scalars",
+    "size_scalars", "branch_pad", "branch_truth",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
