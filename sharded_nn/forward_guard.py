@@ -210,9 +210,9 @@ def _branch_mode():
     return mode
 
 
-# Branches on a tagged size (``if x.shape[2] % 2:``, ``if skip.shape != x.shape:``, ``min(h, w)``)
-# are decided on the global sizes, as on one device, in a model's own code: ranks whose slabs
-# differ would otherwise take different branches (a routed call on some ranks only hangs).
+# Branches on a tagged size (``if x.shape[2] % 2:``, ``if skip.shape != x.shape:``) are decided on
+# the global sizes, as on one device, in a model's own code: ranks whose slabs differ would
+# otherwise take different branches (a routed call on some ranks only hangs).
 for _cls in (LocalDerived, LocalFloat):
     for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
         setattr(_cls, _name, _tagged_compare(_cls.__mro__[1], _name))
