@@ -985,6 +985,7 @@ class _GuardMode(TorchFunctionMode):
             _walk(kwargs, found)
         tensors = [t for t in found if isinstance(t, torch.Tensor)]
         result = None
+        partial = False
         for t in tensors:
             st = self.states.get(t)
             if st is None:
@@ -995,23 +996,31 @@ class _GuardMode(TorchFunctionMode):
             if result is None:
                 result = shifted
             elif result != shifted:
-                return UNKNOWN
+                # On a 2-D mesh a slab along some axes only (a row grid: sharded by the first
+                # axis) broadcasts against a slab along all of them where it has extent 1 along
+                # the others' dims (checked below); other disagreements lose the layout.
+                if any(a is not None and b is not None and a != b for a, b in zip(result, shifted)):
+                    return UNKNOWN
+                result = tuple(a if a is not None else b for a, b in zip(result, shifted))
+                partial = True
         if result is None:
             return None
-        # A plain tensor that varies along a sharded dim is not a slab of anything: refuse.
+        # A tensor that varies along a dim it is not sharded along, where the result is, is not
+        # a slab of anything (a plain tensor the same on every rank): refuse.
         for t in tensors:
-            if t in self.states:
+            st = self.states.get(t)
+            if st is not None and not partial:
                 continue
-            for d in result:
-                if d is None:
+            for k, d in enumerate(result):
+                if d is None or (st is not None and st[k] is not None):
                     continue
                 i = d - (nd - t.dim())
                 if 0 <= i < t.dim() and t.shape[i] > 1:
                     self.fail(
                         f"`{base}`",
-                        f"a tensor that is not a slab (shape {tuple(t.shape)}) is combined with a slab along "
-                        f"sharded dim {d}; it is the same on every rank, so its positions do not line up with "
-                        "the slab's",
+                        f"a tensor that is not sharded along dim {d} (shape {tuple(t.shape)}) is combined with a "
+                        f"slab along it; it holds the whole dim on every rank, so its positions do not line up "
+                        "with the slab's",
                         "build it from the slab (e.g. torch.zeros(x.shape)) or shard it too",
                     )
         return result
@@ -1460,12 +1469,49 @@ class _GuardMode(TorchFunctionMode):
     def _h_positions(self, func, base, args, kwargs, stateful):
         found: list = []
         _walk((args, kwargs), found)
+        if not stateful and base in ("arange", "linspace", "logspace"):
+            out = self._positions_of_rows(func, base, args, kwargs)
+            if out is not None:
+                return out
         if stateful or any(_is_tagged(v) for v in found):
             self.fail(
                 f"`{base}`", "it builds a grid of positions from a slab's local size (local positions, not global ones)",
                 "build position grids for the full domain before sharding and shard them with the input",
             )
         return func(*args, **kwargs)
+
+    def _positions_of_rows(self, func, base, args, kwargs):
+        """``torch.arange(n)`` and ``torch.linspace/logspace(a, b, n)`` whose count ``n`` is a slab's
+        local length: this rank's rows of the same call on the global length (a slab along
+        dim 0), computed in full and cut, so the values are bitwise one device's. None where the
+        call has another form (then it is refused as before)."""
+        if base == "arange":
+            if len(args) == 1 and not ({"start", "end", "step"} & kwargs.keys()):
+                n, at = args[0], 0  # arange(n)
+            elif len(args) == 2 and args[0] == 0 and type(args[0]) is int and not ({"step"} & kwargs.keys()):
+                n, at = args[1], 1  # arange(0, n)
+            else:
+                return None
+        else:
+            at = 2 if len(args) > 2 else None
+            n = args[2] if at is not None else kwargs.get("steps")
+        if not isinstance(n, LocalLength):
+            return None
+        self._routing(f"`{base}`")
+        k = n.axis
+        rows = self._gather_with_coords([int(n)], f"forward guard: {base}")
+        lengths = [r[0] for r in self._along_axis(rows, k)]
+        mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+        total = sum(lengths)
+        if at is None:
+            kwargs = {**kwargs, "steps": total}
+        else:
+            args = (*args[:at], total, *args[at + 1 :])
+        out = func(*args, **kwargs).narrow(0, sum(lengths[:mine]), int(n))
+        state = [None] * len(self.guard.axes)
+        state[k] = 0
+        self._set(out, tuple(state))
+        return out
 
     def _h_create(self, func, base, args, kwargs, stateful):
         if base in ("full", "new_full"):

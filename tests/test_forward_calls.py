@@ -104,6 +104,12 @@ class Hazards(nn.Module):
         elif k == "position_grid":
             ys = torch.linspace(-1, 1, h.shape[2], dtype=h.dtype)
             h = h + ys.view(1, 1, -1, 1)
+        elif k == "position_rows":  # row indices and a log grid over the sharded rows: global ones
+            rows = torch.arange(h.shape[2], dtype=h.dtype).view(-1, 1)
+            h = h * (rows / 10) + torch.logspace(0, 1, steps=h.shape[2], dtype=h.dtype).view(1, 1, -1, 1)
+            h = h + torch.arange(0, h.shape[2])[None, None, :, None] % 3
+        elif k == "position_step":  # every other row: not a slab of rows
+            h = h + torch.arange(0, h.shape[2], 2, dtype=h.dtype).sum()
         elif k == "slice_rows":
             h = h[:, :, 1:]
         elif k == "stride_rows":
@@ -192,14 +198,14 @@ EXACT = [
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
-    "size_scalars", "branch_pad", "branch_truth",
+    "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
     "cat_sharded": "concatenates slabs along sharded dim 2",
     "flip": "`flip`",
     "matrix_norm": "`linalg_norm`.*matrix norm",
-    "position_grid": "`linspace`",
+    "position_step": "`arange`",
     "slice_rows": "slice 1:None:None along sharded dim 2",
     "stride_rows": "slice",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
@@ -269,10 +275,37 @@ def _size_values_2d(kind: str):
     return max(check_against_reference(ref, x, m, sharded=model).values())
 
 
-@pytest.mark.parametrize("kind", ["size_mean", "size_numel", "size_tensor", "size_scalars"])
+@pytest.mark.parametrize("kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows"])
 def test_sizes_used_as_values_are_global_on_a_2d_mesh(run, kind):
     # A number computed from sizes of both sharded dims (h * w) stands for the global one.
     assert max(run(4, _size_values_2d, kind)) < 1e-10
+
+
+def _row_grid_misaligned_2d():
+    m = mesh((2, 2))
+
+    class RowGrid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 4, 3, padding=1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            rows = torch.arange(h.shape[2], dtype=h.dtype).view(1, 1, -1, 1)  # sharded by axis 0 only
+            return h + rows * torch.ones(1, 1, 1, 3, dtype=h.dtype)  # whole along W: not W's slab
+
+    model = snn.convert(RowGrid().double(), m)
+    x = torch.randn(1, 2, 5, 6, dtype=torch.float64)  # W = 6: a local width of 3 on every rank
+    try:
+        model(snn.shard(x, m, dims=(2, 3)))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_row_grid_whole_along_the_other_sharded_dim_is_refused(run):
+    out = run(4, _row_grid_misaligned_2d)
+    assert all("`add`" in o and "is not sharded along dim 3" in o for o in out), out
 
 
 def _size_value_of_lost_layout(domain):
