@@ -1488,7 +1488,7 @@ class _GuardMode(TorchFunctionMode):
         if base == "arange":
             if len(args) == 1 and not ({"start", "end", "step"} & kwargs.keys()):
                 n, at = args[0], 0  # arange(n)
-            elif len(args) == 2 and args[0] == 0 and type(args[0]) is int and not ({"step"} & kwargs.keys()):
+            elif len(args) == 2 and type(args[0]) is int and args[0] == 0 and not ({"step"} & kwargs.keys()):
                 n, at = args[1], 1  # arange(0, n)
             else:
                 return None

@@ -275,9 +275,12 @@ def _size_values_2d(kind: str):
     return max(check_against_reference(ref, x, m, sharded=model).values())
 
 
-@pytest.mark.parametrize("kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows"])
-def test_sizes_used_as_values_are_global_on_a_2d_mesh(run, kind):
-    # A number computed from sizes of both sharded dims (h * w) stands for the global one.
+@pytest.mark.parametrize(
+    "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows"]
+)
+def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
+    # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a
+    # row grid (sharded by the first axis only) broadcasts against the full slab.
     assert max(run(4, _size_values_2d, kind)) < 1e-10
 
 
