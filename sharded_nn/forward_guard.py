@@ -1499,8 +1499,7 @@ class _GuardMode(TorchFunctionMode):
             return None
         self._routing(f"`{base}`")
         k = n.axis
-        rows = self._gather_with_coords([int(n)], f"forward guard: {base}")
-        lengths = [r[0] for r in self._along_axis(rows, k)]
+        (lengths,) = self._axis_lengths([n], f"forward guard: {base}")
         mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
         total = sum(lengths)
         if at is None:
@@ -1518,7 +1517,7 @@ class _GuardMode(TorchFunctionMode):
             i = 2 if base == "new_full" else 1
             fill = _arg(args, kwargs, i, "fill_value")
             if _is_tagged(fill):  # a value: the global number (``torch.full(shape, x.shape[2])``)
-                (fill,), _ = self._globalise(f"`{base}`", (fill,), {})
+                fill = self._global_values([fill], f"`{base}`")[id(fill)]
                 if "fill_value" in kwargs:
                     kwargs = {**kwargs, "fill_value": fill}
                 else:
@@ -2050,11 +2049,15 @@ class _GuardMode(TorchFunctionMode):
             for leaf in v._leaves:
                 leaves.setdefault(id(leaf), leaf)
         order = list(leaves.values())
-        rows = self._gather_with_coords([int(leaf) for leaf in order], f"forward guard: global sizes for {call}")
-        total = {
-            id(leaf): sum(r[j] for r in self._along_axis(rows, leaf.axis)) for j, leaf in enumerate(order)
-        }
+        lengths = self._axis_lengths(order, f"forward guard: global sizes for {call}")
+        total = {id(leaf): sum(col) for leaf, col in zip(order, lengths)}
         return {id(v): v._fn([total[id(leaf)] for leaf in v._leaves]) for v in tagged}
+
+    def _axis_lengths(self, leaves: list, what: str) -> list[list[int]]:
+        """Per ``LocalLength`` in ``leaves``: the local lengths of the ranks along its mesh axis that
+        share this rank's other coordinates, in axis order (one all-gather for all of them)."""
+        rows = self._gather_with_coords([int(leaf) for leaf in leaves], what)
+        return [[r[j] for r in self._along_axis(rows, leaf.axis)] for j, leaf in enumerate(leaves)]
 
     def global_compare(self, op, a, b) -> bool:
         """``op(a, b)`` for a tagged ``a`` (and maybe ``b``) on the global sizes: a branch of the
