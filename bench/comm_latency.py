@@ -15,7 +15,12 @@ load change on a shared machine hits them alike):
 * the floors: a plain TCP socket ping-pong between the same two processes, and a shared-memory
   ping-pong (spinning on a flag in an anonymous shared mapping).
 
-Run it from the repository root: ``python bench/comm_latency.py [--iters 300]``.
+``--large``: one ring hop of two 1.5 MiB float32 tensors each way (ring attention's key and value
+blocks of vit_tiny at 1024^2, P=2) through the transport's direct reads (the receiver copies out
+of the sender's tensor), its shared-memory arena (``SHARDED_NN_TRANSPORT_DIRECT=0``) and gloo
+(``SHARDED_NN_TRANSPORT=gloo``), in alternating blocks, and the pages of the arena left resident.
+
+Run it from the repository root: ``python bench/comm_latency.py [--iters 300] [--large]``.
 """
 
 from __future__ import annotations
@@ -224,11 +229,50 @@ def _measure(iters: int, warmup: int) -> dict[str, float]:
     return out
 
 
+def _shmem_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _measure_large(iters: int, rounds: int) -> dict[str, tuple[float, float, float, float]]:
+    from sharded_nn.comm import local_transport as lt
+    from sharded_nn.comm.ring_pass import ring_pass
+
+    mesh = snn.init_mesh(domain=2)
+    ring = axis_peers(mesh, "domain")
+    k, v = (torch.randn(1, 3, 2048, 64) for _ in range(2))  # 1.5 MiB each
+    shapes = [tuple(k.shape), tuple(v.shape)]
+    modes = {"direct": {}, "arena": {"SHARDED_NN_TRANSPORT_DIRECT": "0"}, "gloo": {"SHARDED_NN_TRANSPORT": "gloo"}}
+    rows: dict[str, list] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode, env in modes.items():
+            for key in ("SHARDED_NN_TRANSPORT_DIRECT", "SHARDED_NN_TRANSPORT"):
+                os.environ.pop(key, None)
+            os.environ.update(env)
+            dist.barrier()
+            lt.reset_connections()  # a new announcement, so that the path follows the setting
+            dist.barrier()
+            res = _time({mode: lambda: ring_pass(ring, [k, v], shapes).wait()}, iters, 5)
+            rows[mode].append(res[mode] + (_shmem_mib(),))
+    return {m: tuple(statistics.median(r[i] for r in rs) for i in range(5)) for m, rs in rows.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--large", action="store_true", help="ring hops of 2 x 1.5 MiB: direct reads, arena, gloo")
     args = ap.parse_args()
+    if args.large:
+        r = snn.launch(_measure_large, 2, args.iters, 3, device_type="cpu", threads=1)
+        print(f"ring hop, 2 x 1.5 MiB each way, 2 local processes, {args.iters} hops x 3 blocks per path, slowest rank")
+        print(f"{'':>8} {'wall us':>9} {'caller CPU us':>14} {'process CPU us':>15} {'vol. ctx sw':>12} {'RssShmem MiB':>13}")
+        for k, (w, c, p, n, shm) in r.items():
+            print(f"{k:>8} {w * 1e6:9.1f} {c * 1e6:14.1f} {p * 1e6:15.1f} {n:12.1f} {shm:13.1f}")
+        return
     r = snn.launch(_measure, 2, args.iters, args.warmup, device_type="cpu", threads=1)
     print(f"2 local processes, gloo, 1 thread each, {args.iters} calls, slowest rank")
     print(f"{'':>26} {'wall us':>9} {'caller CPU us':>14} {'process CPU us':>15} {'vol. ctx sw':>12}")

@@ -2,9 +2,11 @@
 
 * point-to-point: tags matched like gloo (out-of-order receives), messages in both directions
   larger than the socket buffers (no deadlock), above-threshold messages left to gloo;
-* large point-to-point messages through the shared-memory arena, at P = 2, 3, with receives
-  posted before and after the messages arrive; inline over the socket when the arena is full or
-  the peer cannot map it; the arena's space all comes back;
+* large point-to-point messages read straight from the sender's tensor (``process_vm_readv``)
+  or through the shared-memory arena, at P = 2, 3, with receives posted before and after the
+  messages arrive; through the arena when the kernel refuses direct reads; inline over the socket
+  when the arena is full or the peer cannot map it; the arena's space and the lent tensors all
+  come back;
 * collectives through it equal gloo's, bitwise the same on every rank (P = 2, 3, 4);
 * failures: a peer that closes its connection, or raises instead of joining a collective, gives
   every other rank a ``TransportError`` naming it, within the group's timeout;
@@ -154,12 +156,14 @@ def test_start_p2p_routes_by_size(run):
     assert off == [([False, False], True)] * 2
 
 
-def _fresh_arena(shm_max: int):
+def _fresh_arena(shm_max: int, direct: bool = False):
     """Drop this process's connections and arena, so that the next large send makes an arena
-    sized for ``shm_max`` (every rank calls it at the same point)."""
+    sized for ``shm_max`` and announces the large-message paths afresh (every rank calls it at
+    the same point); ``direct``: direct reads allowed."""
     dist.barrier()
     lt.reset_connections()
     os.environ["SHARDED_NN_TRANSPORT_SHM_MAX_BYTES"] = str(shm_max)
+    os.environ["SHARDED_NN_TRANSPORT_DIRECT"] = "1" if direct else "0"
     dist.barrier()
 
 
@@ -167,21 +171,28 @@ def _arena_back_to_default():
     dist.barrier()
     lt.reset_connections()
     os.environ.pop("SHARDED_NN_TRANSPORT_SHM_MAX_BYTES", None)
+    os.environ.pop("SHARDED_NN_TRANSPORT_DIRECT", None)
     dist.barrier()
 
 
 @_transport_on
-def _large_p2p(world: int, numel: int, n_msgs: int, shm_max: int, late: bool, break_map: bool | str):
+def _large_p2p(
+    world: int, numel: int, n_msgs: int, shm_max: int, late: bool, break_map: bool | str, direct: bool | str = False
+):
     """Every rank sends ``n_msgs`` messages of ``numel`` doubles to its right neighbour and
     receives as many from its left one, tags out of order, in two rounds after a setup round;
     ``late``: the receiver posts its receives after the messages arrived (they wait in the
-    arena); ``break_map``: ranks cannot map their peers' arenas (payloads go inline); "token":
-    the file a peer opens is not the announced arena (its token differs: inline too).
+    arena); "sends first": every rank waits for its sends before posting its receives; ``break_map``: ranks cannot map their peers' arenas (payloads go inline); "token":
+    the file a peer opens is not the announced arena (its token differs: inline too);
+    ``direct``: direct reads allowed ("refused": allowed, but the kernel refuses them).
 
-    Returns (data ok, messages sent through the arena, large messages sent inline, arena bytes
-    still held at the end) for the two measured rounds."""
-    _fresh_arena(shm_max)
-    real_map = lt._map_peer_arena
+    Returns (data ok, messages sent through the arena, messages read directly, large messages
+    sent inline, arena bytes still held at the end, tensors still lent to a peer at the end) for
+    the two measured rounds."""
+    _fresh_arena(shm_max, bool(direct))
+    real_map, real_probe = lt._map_peer_arena, lt._probe_peer
+    if direct == "refused":
+        lt._probe_peer = lambda *args: False  # as under Yama's ptrace_scope or a seccomp profile
     if break_map == "token":
         def wrong_file(pid, fd, size, token):
             return real_map(pid, fd, size, bytes(16))  # as if /proc/<pid> named another process
@@ -200,7 +211,10 @@ def _large_p2p(world: int, numel: int, n_msgs: int, shm_max: int, late: bool, br
             bufs = [torch.full((numel,), -1.0, dtype=D) for _ in range(count)]
             tags = [500 + 10 * rnd + i for i in range(count)]
             sw = [lt.start_send(t, group, right, tag) for t, tag in zip(sends, tags)]
-            if late:
+            if late == "sends first":
+                for w in sw:  # completes before any receive is posted (the peer does the same)
+                    w.wait()
+            elif late:
                 time.sleep(0.3)  # the left neighbour's messages are all in by now
             rw = [lt.start_recv(b, group, left, tag) for b, tag in reversed(list(zip(bufs, tags)))]
             for w in sw + rw:
@@ -213,30 +227,48 @@ def _large_p2p(world: int, numel: int, n_msgs: int, shm_max: int, late: bool, br
         ok = exchange(0, 1, False)  # setup: the arena is announced and mapped
         before = dict(lt.STATS)
         ok = exchange(1, n_msgs, late) and exchange(2, n_msgs, late) and ok
-        arena = lt._transport().arena
-        held = None if not isinstance(arena, lt._Arena) else sum(arena.used.values())
-        return ok, lt.STATS["shm"] - before["shm"], lt.STATS["inline large"] - before["inline large"], held
+        all_reduce_sum(torch.ones(1, dtype=D), group)  # the peers' last "read" answers are in
+        tr = lt._transport()
+        held = None if not isinstance(tr.arena, lt._Arena) else sum(tr.arena.used.values())
+        lent = sum(len(c.lent) for c in tr.conns.values())
+        sent = {k: lt.STATS[k] - before[k] for k in ("shm", "direct", "inline large")}
+        return ok, sent["shm"], sent["direct"], sent["inline large"], held, lent
     finally:
-        lt._map_peer_arena = real_map
+        lt._map_peer_arena, lt._probe_peer = real_map, real_probe
         _arena_back_to_default()
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("late", [False, True, "sends first"])
 def test_large_p2p_through_shared_memory(run, world, late):
     numel = (600 << 10) // 8  # 600 KiB: above the socket threshold
-    assert run(world, _large_p2p, world, numel, 3, 8 << 20, late, False) == [(True, 6, 0, 0)] * world
+    assert run(world, _large_p2p, world, numel, 3, 8 << 20, late, False) == [(True, 6, 0, 0, 0, 0)] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("late", [False, True, "sends first"])
+def test_large_p2p_read_directly_from_the_sender(run, world, late):
+    # Late receives: the payload is copied out at once (into the stash), so the sender's send
+    # completes before the receive is posted; no arena space is used, no tensor stays lent.
+    numel = (600 << 10) // 8
+    assert run(world, _large_p2p, world, numel, 3, 8 << 20, late, False, True) == [(True, 0, 6, 0, 0, 0)] * world
+
+
+@pytest.mark.parametrize("break_map", [False, True])
+def test_large_p2p_through_the_arena_or_inline_when_direct_reads_are_refused(run, break_map):
+    want = (True, 0, 0, 6, 0, 0) if break_map else (True, 6, 0, 0, 0, 0)
+    assert run(2, _large_p2p, 2, (600 << 10) // 8, 3, 8 << 20, False, break_map, "refused") == [want] * 2
 
 
 def test_large_p2p_falls_back_inline_when_the_arena_is_full(run):
     # An arena of 4 x 1 MiB less its token's 64 bytes; six 1 MiB messages each way before any
     # receive is posted: three through the arena, three inline, per round.
-    assert run(2, _large_p2p, 2, (1 << 20) // 8, 6, 1 << 20, True, False) == [(True, 6, 6, 0)] * 2
+    assert run(2, _large_p2p, 2, (1 << 20) // 8, 6, 1 << 20, True, False) == [(True, 6, 0, 6, 0, 0)] * 2
 
 
 @pytest.mark.parametrize("why", [True, "token"])
 def test_large_p2p_inline_when_the_peer_cannot_map_the_arena(run, why):
-    assert run(2, _large_p2p, 2, (600 << 10) // 8, 3, 8 << 20, False, why) == [(True, 0, 6, 0)] * 2
+    assert run(2, _large_p2p, 2, (600 << 10) // 8, 3, 8 << 20, False, why) == [(True, 0, 0, 6, 0, 0)] * 2
 
 
 @_transport_on
@@ -302,10 +334,10 @@ def _ring_attention_big(domain: int, transport: str):
         g = torch.Generator().manual_seed(7 + r)
         n = 1000 + 37 * r  # uneven slabs
         q, k, v = (torch.randn(1, 2, n, 64, dtype=D, generator=g).requires_grad_() for _ in range(3))
-        before = lt.STATS["shm"]
+        before = lt.STATS["shm"] + lt.STATS["direct"]
         out = ring_attention(q, k, v, m)
         out.backward(torch.randn(out.shape, dtype=D, generator=g))
-        return [t.tolist() for t in (out, q.grad, k.grad, v.grad)], lt.STATS["shm"] - before
+        return [t.tolist() for t in (out, q.grad, k.grad, v.grad)], lt.STATS["shm"] + lt.STATS["direct"] - before
 
 
 @pytest.mark.parametrize("domain", [2, 3])

@@ -19,20 +19,32 @@ hosts and code under ``torch.compile`` keep using torch.distributed.
 
 Large messages (ring attention's key/value blocks, the 1 MiB halo planes of a 3-D UNet): above
 ``max_bytes()`` and up to ``shm_max_bytes()`` (``SHARDED_NN_TRANSPORT_SHM_MAX_BYTES``, 64 MiB by
-default, 0 turns it off; the same on every rank) a point-to-point payload travels through shared
-memory: the sender copies it into its *arena* (one ``memfd`` per process, mapped by each peer
-through ``/proc/<pid>/fd`` and checked by a random token at its start; a few times the largest
-message in virtual size, allocated first fit from the lowest offsets, so only the pages of the
-bytes in flight at once are ever touched) and sends a 16-byte descriptor over the socket; the
-receiver copies the payload into the receive buffer (at once when the receive is posted, else
-when it is) and gives the space back with a ``free`` message. One memcpy per side, on the
-callers' threads, instead of gloo's socket copies and thread hand-offs: a ring hop of two 1.5 MiB
-tensors each way at P=2 costs each rank 0.76 ms of CPU and 0.76 ms of wall time, against 1.8 ms
-of CPU (two thirds on gloo's threads, which compete with the ranks for the cores) and 2.5 ms
-through gloo. A send never waits for arena space: until the peer has mapped the arena (the
-first messages to it), when the arena is full, or when the peer cannot map it (no ``/proc``, a
-hardened kernel, another pid namespace), the payload goes inline over the socket, queued like
-any other send.
+default, 0 turns both paths below off; the same on every rank) a point-to-point payload skips the
+socket. Where the kernel lets a rank read its peer's memory (``process_vm_readv``: the same user,
+and no Yama ``ptrace_scope`` or seccomp rule against it; probed once per pair by reading a random
+token the peer announces), the sender sends only a 24-byte descriptor (address, size, sequence
+number) and keeps its tensor; the receiver copies the payload straight into its receive buffer
+(at once when the receive is posted, else into a buffer of its own as the descriptor arrives, so
+that the sender never waits for a receive to be posted) and answers ``done``, which completes the
+send. One copy in all, and no memory besides the two tensors: a ring hop of two 1.5 MiB tensors
+each way at P=2 costs each rank 1.1 ms of wall and CPU time, against 1.7 ms through the arena
+and 3.5 ms (2.9 ms of process CPU) through gloo (``bench/comm_latency.py --large``). The send's
+tensor must stay unchanged until its ``wait`` (as on gloo; every caller waits for its sends).
+``SHARDED_NN_TRANSPORT_DIRECT=0`` turns direct reads off.
+
+Otherwise the payload travels through shared memory: the sender copies it into its *arena* (one
+``memfd`` per process, mapped by each peer through ``/proc/<pid>/fd`` and checked by a random
+token at its start; a few times the largest message in virtual size, allocated first fit from
+the lowest offsets, so only the pages of the bytes in flight at once are ever touched) and sends
+a 16-byte descriptor over the socket; the receiver copies the payload into the receive buffer (at
+once when the receive is posted, else when it is) and gives the space back with a ``free``
+message. One memcpy per side, on the callers' threads, instead of gloo's socket copies and thread
+hand-offs; the price is the arena's resident pages (about twice the bytes in flight at once,
+counted in both processes: 12 MiB per rank for vit_tiny at 1024^2, P=2). A send never waits for
+arena space: until the peer has answered the announcement (the first messages to it), when the
+arena is full, or when the peer can neither read our memory nor map the arena (no ``/proc``, a
+hardened kernel, another pid namespace), the payload goes inline over the socket, queued like any
+other send.
 
 Matching. Each message carries ``(group id, tag, nbytes)``; the group id hashes the group's name
 and global ranks (the same on every rank). Point-to-point messages match by (group, peer, tag)
@@ -106,6 +118,10 @@ _DEFAULT_MAX_BYTES = 256 * 1024
 #: shared memory (0: none; must agree across ranks). Larger ones use gloo.
 ENV_SHM_MAX_BYTES = "SHARDED_NN_TRANSPORT_SHM_MAX_BYTES"
 _DEFAULT_SHM_MAX_BYTES = 64 << 20
+#: ``SHARDED_NN_TRANSPORT_DIRECT``: ``1`` (default) lets a receiver copy a large payload straight
+#: out of the sender's tensor (``process_vm_readv``) where the kernel allows it; ``0`` keeps such
+#: payloads on the arena.
+ENV_DIRECT = "SHARDED_NN_TRANSPORT_DIRECT"
 #: Virtual size of a process's arena in multiples of the largest shared-memory message: room for
 #: several messages in flight (a ring hop's key and value, both directions of a halo) before a
 #: send falls back to the socket.
@@ -123,10 +139,16 @@ _POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
 #: Header flag (in the byte count) of a shared-memory descriptor: the body is ``_DESC``.
 _SHM_FLAG = 1 << 63
 _DESC = struct.Struct("<QQ")  # arena offset, payload bytes
-#: Control messages (group id 0; the tag says which): arena announcement, the peer's answer to
-#: it, and the return of arena space.
-_CTL_ANNOUNCE, _CTL_REPLY, _CTL_FREE = 1, 2, 3
-_ANNOUNCE = struct.Struct("<qqQ16s")  # pid, fd, arena bytes, the arena's token
+#: Header flag of a direct-read descriptor: the body is ``_DIRECT``.
+_DIRECT_FLAG = 1 << 62
+_DIRECT = struct.Struct("<QQQ")  # address in the sender, payload bytes, the sender's sequence number
+#: Control messages (group id 0; the tag says which): the announcement of the large-message
+#: paths, the peer's answer to it, the return of arena space, and the end of a direct read.
+_CTL_ANNOUNCE, _CTL_REPLY, _CTL_FREE, _CTL_DONE = 1, 2, 3, 4
+#: pid, arena fd (-1: none), arena bytes, the arena's token, address and bytes of the probe.
+_ANNOUNCE = struct.Struct("<qqQ16sQ16s")
+#: Bits of the answer: the peer mapped the arena; the peer read the probe (direct reads work).
+_REPLY_ARENA, _REPLY_DIRECT = 1, 2
 #: Bytes at the start of an arena that hold its random token (never allocated).
 _TOKEN_BYTES = 64
 _U64 = struct.Struct("<Q")
@@ -173,11 +195,55 @@ def shm_max_bytes() -> int:
 
 
 #: Counters of the messages sent by this process, by path (tests and benchmarks read them).
-STATS = {"socket": 0, "shm": 0, "inline large": 0}
+STATS = {"socket": 0, "shm": 0, "direct": 0, "inline large": 0}
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def direct_enabled() -> bool:
+    """Whether large payloads may be read straight from the sender's memory (``ENV_DIRECT``)."""
+    raw = os.environ.get(ENV_DIRECT, "1")
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"{ENV_DIRECT}={raw!r}: expected 1 (direct reads where allowed, the default) or 0 (never).")
+    return raw != "0"
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_VM_READV: list = []  # [process_vm_readv or None], looked up once
+
+
+def _vm_readv():
+    if not _VM_READV:
+        fn = None
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+            fn.restype = ctypes.c_ssize_t
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+        except (OSError, AttributeError):
+            fn = None
+        _VM_READV.append(fn)
+    return _VM_READV[0]
+
+
+def _read_peer(pid: int, remote: int, local: int, n: int) -> None:
+    """Copy ``n`` bytes at address ``remote`` of process ``pid`` to address ``local`` of this one
+    (``process_vm_readv``: one copy, no buffer in between); OSError when the kernel refuses."""
+    fn = _vm_readv()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available")
+    done = 0
+    while done < n:
+        lv, rv = _IoVec(local + done, n - done), _IoVec(remote + done, n - done)
+        got = fn(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno() if got < 0 else errno.EIO
+            raise OSError(err, os.strerror(err))
+        done += got
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -314,6 +380,20 @@ def _map_peer_arena(pid: int, fd: int, size: int, token: bytes) -> _PeerArena:
     return _PeerArena(pid, fd, size, token)
 
 
+def _probe_peer(pid: int, addr: int, token: bytes) -> bool:
+    """Whether this process may read process ``pid``'s memory: the peer's probe bytes at ``addr``
+    read back as ``token`` (the kernel's ptrace rules decide: same user and, under Yama's
+    ``ptrace_scope`` 1, only an ancestor; containers' seccomp profiles may refuse the call)."""
+    if not direct_enabled():
+        return False
+    got = ctypes.create_string_buffer(len(token))
+    try:
+        _read_peer(pid, addr, ctypes.addressof(got), len(token))
+    except OSError:
+        return False
+    return got.raw == token
+
+
 # --------------------------------------------------------------------------------------------
 # Works: what the call sites wait on (the subset of ``dist.Work`` they use).
 
@@ -351,13 +431,16 @@ class _Recv(_Work):
         super().__init__(timeout, what, peer, tr)
         self.tensor, self.dst, self.key = tensor, _bytes_of(tensor), key
 
-    def fill(self, body: memoryview) -> None:
-        if len(body) != len(self.dst):
+    def check(self, n: int) -> None:
+        if n != len(self.dst):
             raise TransportError(
-                f"sharded_nn transport: a message of {len(body)} bytes from rank {self.peer} ({self.what}) "
+                f"sharded_nn transport: a message of {n} bytes from rank {self.peer} ({self.what}) "
                 f"arrived for a receive buffer of {len(self.dst)} bytes. The ranks disagree on the tensor's "
                 f"shape or dtype, or on {ENV_MAX_BYTES} / {ENV_SHM_MAX_BYTES}; make them agree (or set {ENV}=gloo)."
             )
+
+    def fill(self, body: memoryview) -> None:
+        self.check(len(body))
         self.dst[:] = body
         self.done = True
 
@@ -389,6 +472,7 @@ class _Collective:
 class _Conn:
     __slots__ = (
         "peer", "sock", "fd", "rbuf", "rmv", "rstart", "rend", "out", "error", "shm_ok", "peer_arena",
+        "direct", "peer_pid", "lent",
     )  # fmt: skip
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
@@ -407,6 +491,11 @@ class _Conn:
         # Sending through our arena to this peer: None (not announced), "asked", True, False.
         self.shm_ok: bool | str | None = None
         self.peer_arena: _PeerArena | None = None  # the peer's arena, once it announced it
+        # Whether the peer reads our large payloads straight from our tensors (its answer to our
+        # announcement), and the pid to read the peer's from (once it announced: we could).
+        self.direct = False
+        self.peer_pid: int | None = None
+        self.lent: dict[int, tuple[torch.Tensor, _Work]] = {}  # sequence -> payload the peer reads
 
 
 class _Transport:
@@ -442,6 +531,10 @@ class _Transport:
         self.posted: dict[tuple, deque[_Recv]] = {}
         self.stash: dict[tuple, deque[bytes | tuple[_Conn, int, int]]] = {}
         self.arena: _Arena | None | bool = None  # False: this process cannot make one
+        # What a peer reads to learn whether it can read this process's memory (direct reads).
+        self.probe_token = uuid.uuid4().bytes
+        self.probe = ctypes.create_string_buffer(self.probe_token, len(self.probe_token))
+        self.lent_seq = 0
         self.poller = select.poll()
         self.poller.register(self.listener.fileno(), select.POLLIN)
         self.lock = threading.RLock()
@@ -546,6 +639,17 @@ class _Transport:
         n = _nbytes(t)
         if n > max_bytes():
             off = self._arena_space(c, n)
+            if c.direct and n <= shm_max_bytes() and direct_enabled():
+                # The peer copies the payload out of ``t`` itself (one copy, no arena pages):
+                # ``t`` stays referenced, and the send is done when the peer says it has read.
+                if off is not None:
+                    self.arena.release(off)  # type: ignore[union-attr]
+                self.lent_seq += 1
+                c.lent[self.lent_seq] = (t, work)
+                desc = _DIRECT.pack(t.data_ptr(), n, self.lent_seq)
+                self._send_views(c, [memoryview(_HDR.pack(gid, tag, _DIRECT_FLAG | _DIRECT.size) + desc)])
+                STATS["direct"] += 1
+                return
             if off is not None:
                 ctypes.memmove(self.arena.base + off, t.data_ptr(), n)  # type: ignore[union-attr]
                 self._send_views(c, [memoryview(_HDR.pack(gid, tag, _SHM_FLAG | _DESC.size) + _DESC.pack(off, n))])
@@ -605,37 +709,51 @@ class _Transport:
             # The peer's answer may be in already: read what has arrived, without waiting.
             self.progress(lambda: c.shm_ok != "asked", 0.0, _Work(0.0, "reading", c.peer), raise_on_timeout=False)
         if c.shm_ok is True:
-            return self.arena.alloc(n)  # type: ignore[union-attr]
+            return None if c.direct and direct_enabled() else self.arena.alloc(n)  # type: ignore[union-attr]
         if c.shm_ok is None and n <= shm_max_bytes():
             if self.arena is None:
                 try:
                     self.arena = _Arena(_ARENA_FACTOR * shm_max_bytes())
                 except (OSError, AttributeError, ValueError):
-                    self.arena = False  # no memfd here: every large message goes inline
-            if self.arena is False:
-                c.shm_ok = False
-            else:
-                c.shm_ok = "asked"
-                arena = self.arena
-                body = _ANNOUNCE.pack(os.getpid(), arena.fd, arena.size, arena.token)  # type: ignore[union-attr]
-                self._send_views(c, [memoryview(_HDR.pack(0, _CTL_ANNOUNCE, len(body)) + body)])
+                    self.arena = False  # no memfd here: large messages go direct or inline
+            # One announcement for both large-message paths: the arena (if this process has
+            # one) and the probe a peer reads to learn whether it can read our memory.
+            c.shm_ok = "asked"
+            arena = self.arena if isinstance(self.arena, _Arena) else None
+            body = _ANNOUNCE.pack(
+                os.getpid(), arena.fd if arena else -1, arena.size if arena else 0, arena.token if arena else bytes(16),
+                ctypes.addressof(self.probe), self.probe_token,
+            )
+            self._send_views(c, [memoryview(_HDR.pack(0, _CTL_ANNOUNCE, len(body)) + body)])
         return None
 
     def _control(self, c: _Conn, kind: int, body: memoryview) -> None:
         """A control message from ``c.peer``."""
         if kind == _CTL_ANNOUNCE:
-            pid, fd, size, token = _ANNOUNCE.unpack(body)
-            try:
-                c.peer_arena = _map_peer_arena(pid, fd, size, token)
-                ok = 1
-            except (OSError, ValueError):
-                c.peer_arena, ok = None, 0
+            pid, fd, size, token, probe, probe_token = _ANNOUNCE.unpack(body)
+            ok = 0
+            c.peer_arena = None
+            if fd >= 0:
+                try:
+                    c.peer_arena = _map_peer_arena(pid, fd, size, token)
+                    ok |= _REPLY_ARENA
+                except (OSError, ValueError):
+                    pass
+            if _probe_peer(pid, probe, probe_token):
+                c.peer_pid = pid
+                ok |= _REPLY_DIRECT
             self._send_views(c, [memoryview(_HDR.pack(0, _CTL_REPLY, _U64.size) + _U64.pack(ok))])
         elif kind == _CTL_REPLY:
-            c.shm_ok = bool(_U64.unpack(body)[0])
+            bits = _U64.unpack(body)[0]
+            c.shm_ok = bool(bits & _REPLY_ARENA) and isinstance(self.arena, _Arena)
+            c.direct = bool(bits & _REPLY_DIRECT)
         elif kind == _CTL_FREE:
             if isinstance(self.arena, _Arena):
                 self.arena.release(_U64.unpack(body)[0])
+        elif kind == _CTL_DONE:
+            entry = c.lent.pop(_U64.unpack(body)[0], None)
+            if entry is not None:  # (None: a stale answer after a connection reset)
+                entry[1].done = True
 
     def _fill_shm(self, r: _Recv, c: _Conn, off: int, n: int) -> None:
         """Copy a payload out of ``c.peer``'s arena into ``r`` and give the space back."""
@@ -645,6 +763,20 @@ class _Transport:
             r.fill(c.peer_arena.body(off, n))
         finally:
             self._send_views(c, [memoryview(_HDR.pack(0, _CTL_FREE, _U64.size) + _U64.pack(off))])
+
+    def _read_direct(self, c: _Conn, addr: int, n: int, seq: int, local: int) -> None:
+        """Copy a payload out of ``c.peer``'s memory to ``local`` and tell the peer it is read."""
+        if c.peer_pid is None:
+            raise TransportError(f"sharded_nn transport: rank {c.peer} sent a direct read it never announced.")
+        try:
+            _read_peer(c.peer_pid, addr, local, n)
+        except OSError as e:
+            raise TransportError(
+                f"sharded_nn transport: reading a {n}-byte message from rank {c.peer}'s memory failed ({e}); "
+                f"rank {c.peer} may have exited. Set {ENV_DIRECT}=0 to send large messages through shared memory."
+            ) from None
+        finally:
+            self._send_views(c, [memoryview(_HDR.pack(0, _CTL_DONE, _U64.size) + _U64.pack(seq))])
 
     # ----- receiving
 
@@ -694,7 +826,8 @@ class _Transport:
         while c.rend - c.rstart >= _HDR.size:
             gid, tag, nb = _HDR.unpack_from(c.rbuf, c.rstart)
             shm = nb & _SHM_FLAG
-            nb &= ~_SHM_FLAG
+            direct = nb & _DIRECT_FLAG
+            nb &= ~(_SHM_FLAG | _DIRECT_FLAG)
             need = _HDR.size + nb
             if c.rend - c.rstart < need:
                 if len(c.rbuf) - c.rstart < need:
@@ -711,13 +844,26 @@ class _Transport:
                 r = q.popleft()
                 if not q:
                     del self.posted[key]
-                if shm:
+                if direct:
+                    addr, n, seq = _DIRECT.unpack(body)
+                    r.check(n)
+                    self._read_direct(c, addr, n, seq, r.tensor.data_ptr())
+                    r.done = True
+                elif shm:
                     self._fill_shm(r, c, *_DESC.unpack(body))
                 else:
                     r.fill(body)
             else:
-                # A payload in the arena stays there (no copy) until its receive is posted.
-                item = (c, *_DESC.unpack(body)) if shm else bytes(body)
+                # A payload in the arena stays there (no copy) until its receive is posted. One
+                # to read from the sender's memory is copied now, so that the sender's send
+                # completes whether or not this process ever posts the receive before waiting
+                # on its own sends (as on the other paths).
+                if direct:
+                    addr, n, seq = _DIRECT.unpack(body)
+                    item = bytearray(n)  # n > max_bytes() > 0
+                    self._read_direct(c, addr, n, seq, ctypes.addressof((ctypes.c_char * n).from_buffer(item)))
+                else:
+                    item = (c, *_DESC.unpack(body)) if shm else bytes(body)
                 self.stash.setdefault(key, deque()).append(item)
         if c.rstart == c.rend:
             c.rstart = c.rend = 0
