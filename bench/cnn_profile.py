@@ -4,7 +4,7 @@ Reports, per rank, process user/sys CPU seconds, minor page faults and the torch
 with the most self CPU time, for the forward (eval, no_grad) or the train step (fwd+bwd).
 
     python bench/cnn_profile.py regnetx_002 512x256 step
-    python bench/cnn_profile.py --taps     # halo tap rows: folded conv1d vs thin conv2d
+    python bench/cnn_profile.py --taps     # halo tap rows: folded conv1d, thin conv2d, unfolded matmul
 """
 
 from __future__ import annotations
@@ -84,35 +84,55 @@ def rank_main(name: str, h: int, w: int, what: str, sharded: bool, iters: int, t
 
 
 def taps_bench() -> None:
-    """Halo tap rows of 2-D convolutions: the folded grouped conv1d against the thin conv2d.
+    """Halo tap rows of 2-D convolutions: the folded grouped conv1d, the thin conv2d and the
+    unfolded matrix product (``conv._grouped_rows``, grouped weights only).
 
     One output row from T received planes under T kernel rows (``conv._tap_conv``), one thread,
-    ``time.thread_time`` per call; geometries of efficientnet_b0 (depthwise), regnetx_002
-    (grouped) and dense convolutions at 512x256, P=2.
+    ``time.thread_time`` per call (median); forward, and forward+backward (input and weight
+    gradients) for the thin conv2d and the matrix product; geometries of efficientnet_b0
+    (depthwise), regnetx_002 (grouped) and dense convolutions at 512x256, P=2.
     """
     import torch.nn.functional as F
 
+    from sharded_nn.layers.conv import _grouped_rows
+
     torch.set_num_threads(1)
 
-    def per_call(f, n=30):
+    def per_call(f, n=40):
         f()
         f()
-        t0 = time.thread_time()
+        ts = []
         for _ in range(n):
+            t0 = time.thread_time()
             f()
-        return (time.thread_time() - t0) / n * 1e6
+            ts.append(time.thread_time() - t0)
+        return sorted(ts)[n // 2] * 1e6
 
     cases = [(3, 32, 1, 128, 1, 3, 2), (32, 32, 32, 128, 1, 3, 1), (144, 144, 144, 64, 2, 5, 2),
-             (672, 672, 672, 16, 2, 5, 1), (1152, 1152, 1152, 8, 2, 5, 1), (56, 56, 7, 64, 1, 3, 1),
-             (368, 368, 46, 8, 1, 3, 1), (64, 64, 1, 64, 1, 3, 1), (256, 256, 1, 16, 1, 3, 1)]
+             (672, 672, 672, 16, 2, 5, 1), (1152, 1152, 1152, 8, 2, 5, 1), (24, 24, 3, 128, 1, 3, 1),
+             (56, 56, 7, 64, 1, 3, 1), (152, 152, 19, 16, 1, 3, 1), (368, 368, 46, 8, 1, 3, 1),
+             (64, 64, 1, 64, 1, 3, 1), (256, 256, 1, 16, 1, 3, 1)]
     for cin, cout, g, w, t, k, s in cases:
-        planes = torch.randn(1, cin, t, w)
-        wt = torch.randn(cout, cin // g, k, k)[:, :, k - t :]
-        folded_in, folded_w = planes.reshape(1, cin * t, w), wt.reshape(cout, cin // g * t, k)
+        planes = torch.randn(1, cin, t, w, requires_grad=True)
+        weight = torch.randn(cout, cin // g, k, k, requires_grad=True)
+        folded_in = planes.detach().reshape(1, cin * t, w)
+        folded_w = weight.detach()[:, :, k - t :].reshape(cout, cin // g * t, k)
         fold = per_call(lambda: F.conv1d(folded_in, folded_w, None, s, k // 2, 1, g))
-        thin = per_call(lambda: F.conv2d(planes, wt, None, (1, s), (0, k // 2), 1, g))
-        print(f"C_in={cin} C_out={cout} groups={g} W={w} taps={t} k={k} stride={s}: "
-              f"folded conv1d {fold:.0f} us, thin conv2d {thin:.0f} us")
+
+        def thin():
+            return F.conv2d(planes, weight[:, :, k - t :], None, (1, s), (0, k // 2), 1, g)
+
+        def mm():
+            return _grouped_rows(planes, weight[:, :, k - t :], 2, (1, s), (0, k // 2), (1, 1), g)
+
+        go = torch.randn_like(thin())
+        line = (f"C_in={cin} C_out={cout} groups={g} W={w} taps={t} k={k} stride={s}: folded conv1d {fold:.0f} us, "
+                f"thin conv2d {per_call(lambda: thin().detach()):.0f} us "
+                f"(fwd+bwd {per_call(lambda: torch.autograd.grad(thin(), (planes, weight), go)):.0f})")
+        if g > 1 and cin // g > 1:
+            line += (f", unfolded matmul {per_call(lambda: mm().detach()):.0f} us "
+                     f"(fwd+bwd {per_call(lambda: torch.autograd.grad(mm(), (planes, weight), go)):.0f})")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -274,12 +274,15 @@ def _tap_conv(n: int, planes, weight, dim: int, taps, stride, padding, dilation,
         # whose grouped 1-d kernels are slow there (measured, one thread, efficientnet_b0's
         # depthwise halo rows: 1152 channels x 8 columns, 2 taps of a 5x5 kernel: 729 us folded,
         # 165-200 us thin; one-tap rows of dense or grouped weights within the noise of each
-        # other, 0.02-0.4 ms either way: bench/cnn_profile.py --taps).
+        # other, 0.02-0.4 ms either way: bench/cnn_profile.py --taps). Grouped weights with
+        # several channels per group: an unfolded matrix product (``_grouped_rows``), faster again.
         wt = select_along(weight, dim, taps)
         if dim == 2 and t == 1 and _depthwise_row_ok(planes, weight, groups):
             return _depthwise_row(planes, wt, stride[1], padding[1], dilation[1])
         st, pd, dl = list(stride), list(padding), list(dilation)
         st[i], pd[i], dl[i] = 1, 0, 1
+        if _grouped_rows_ok(planes, weight, groups):
+            return _grouped_rows(planes, wt, dim, st, pd, dl, groups)
         return F.conv2d(planes, wt, None, st, pd, dl, groups)
     # (N, C, T, ...) -> (N, C*T, ...): channel index c*T + tap, a view for one contiguous plane.
     u = planes.movedim(dim, 2)
@@ -340,6 +343,37 @@ def _depthwise_row(planes: torch.Tensor, wt: torch.Tensor, stride: int, padding:
         wj = w.narrow(3, j, 1)
         acc = col * wj if acc is None else torch.addcmul(acc, col, wj)
     return acc
+
+
+def _grouped_rows_ok(planes: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Whether a halo correction of this 2-d convolution runs as ``_grouped_rows``.
+
+    Grouped weights with several input channels per group (RegNet's, ResNeXt's), on the CPU:
+    there oneDNN spends about 200 us on a thin grouped convolution whatever its size, and the
+    unfolded matrix product takes 110-150 us forward and 390-520 against 700-880 us with the
+    backward (one thread; 24-368 channels in groups of 3-8, 8-128 columns, one tap row of a 3x3
+    kernel: ``bench/cnn_profile.py --taps``). Dense weights (one group) are faster as one
+    convolution, and depthwise ones have their own paths.
+    """
+    return groups > 1 and weight.shape[1] > 1 and planes.device.type == "cpu"
+
+
+def _grouped_rows(planes: torch.Tensor, wt: torch.Tensor, dim: int, stride, padding, dilation, groups: int) -> torch.Tensor:
+    """``F.conv2d(planes, wt, None, stride, padding, dilation, groups)`` as one unfold and one
+    batched matrix product per group, for the thin planes of a halo correction (size 1 along
+    ``dim`` in the result).
+
+    ``F.unfold`` lays out each output position's window as ``(channel, kernel row, kernel
+    column)``, the order of a group's weights, so group ``g``'s windows are rows
+    ``[g * C_in/g * kh * kw, (g + 1) * ...)``: the product of the ``(groups, C_out/g, K)``
+    weights with the ``(N, groups, K, L)`` windows is the grouped convolution.
+    """
+    n, o = planes.shape[0], wt.shape[0]
+    kernel = tuple(wt.shape[2:])
+    cols = F.unfold(planes, kernel, dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
+    k, length = wt.shape[1] * kernel[0] * kernel[1], cols.shape[-1]
+    y = torch.matmul(wt.reshape(groups, o // groups, k), cols.view(n, groups, k, length))
+    return y.reshape(n, o, 1, length) if dim == 2 else y.reshape(n, o, length, 1)
 
 
 class _ShardedConvNd(ShardedMixin):
