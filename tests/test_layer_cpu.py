@@ -206,3 +206,46 @@ def test_guard_walk_skips_plain_scalars_but_finds_tagged_sizes():
     found: list = []
     _walk(((1, 2), [3.0, None, True, "same"], (tagged, (t,)), {"k": t}), found)
     assert len(found) == 3 and found[0] is tagged and found[1] is t and found[2] is t
+
+
+def _heavy_weights(c, cin, size, sizes, dim, ratio):
+    """A 3x3 convolution of ``cin -> c`` channels on a slab of ``size``: exact against torch,
+    and whether its rows went through the overlapped copy-free path (``apply_linear``)."""
+    from sharded_nn.layers import conv as conv_mod
+
+    real_linear, real_ratio = conv_mod.apply_linear, conv_mod._SYNC_WEIGHT_RATIO
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real_linear(*args, **kwargs)
+
+    conv_mod.apply_linear = counting
+    conv_mod._SYNC_WEIGHT_RATIO = ratio
+    try:
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Conv2d(cin, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=(2, 1), dilation=(2, 1))).double()
+        torch.manual_seed(1)
+        x = torch.randn(2, cin, *size, dtype=torch.float64)
+        m = mesh(dist.get_world_size())
+        sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
+        errs = check_against_reference(ref, x, m, dims=(dim,), sizes=sizes, sharded=sharded)
+        return errs["out"], len(calls)
+    finally:
+        conv_mod.apply_linear, conv_mod._SYNC_WEIGHT_RATIO = real_linear, real_ratio
+
+
+@pytest.mark.parametrize("world, sizes, between", [(2, (6, 5), 2.8), (3, (4, 3, 4), 4.5)])
+@pytest.mark.parametrize("dim", [2, 3])
+def test_heavy_weights_run_synchronously_and_exactly(run, world, sizes, between, dim):
+    # Weights many times the slab's bytes (deep dense stages): one convolution of the extended
+    # slab on every rank, exact forward and backward; light weights keep the overlapped
+    # copy-free path. ``between``: a ratio that the smaller slabs' weights exceed but the
+    # largest slab's do not: every rank decides on the largest slab and takes the same path.
+    size = (sum(sizes), 7) if dim == 2 else (7, sum(sizes))
+    heavy = run(world, _heavy_weights, 24, 16, size, sizes, dim, 2)
+    assert all(err <= 1e-10 and calls == 0 for err, calls in heavy), heavy
+    light = run(world, _heavy_weights, 24, 16, size, sizes, dim, 1e9)
+    assert all(err <= 1e-10 and calls == 2 for err, calls in light), light
+    mixed = run(world, _heavy_weights, 24, 16, size, sizes, dim, between)
+    assert all(err <= 1e-10 and calls == 2 for err, calls in mixed), mixed
