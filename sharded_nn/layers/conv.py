@@ -364,8 +364,9 @@ def _weights_dominate(weight: torch.Tensor, global_shape, dims, layouts, x: torc
     per rank, thread CPU per step, overlapped against synchronous: 512 channels on 8x8 slabs
     27.9 against 20.4 ms forward and 89 against 58 ms with the backward, 256 on 16x16 17.5
     against 15.1 and 49 against 42, 128 on 16x32 8.9 against 8.5 and 27 against 25, 64 on
-    64x128 (weights 0.07x the slab) 23.9 against 25.4 and 73.5 against 73.4. Decided on the
-    largest slab of the agreed layout (the same on every rank, so the ranks take the same path).
+    64x128 (weights 0.07x the slab) 23.9 against 25.4 and 73.5 against 73.4; in ResNet-50 at
+    2048x1024 (512 channels on 32x32 slabs, weights 4.5x the slab) within the noise either way.
+    Decided on the largest slab of the agreed layout (the same on every rank, so the ranks take the same path).
     """
     shape = list(global_shape)
     for lay, d in zip(layouts, dims):
@@ -379,9 +380,9 @@ def _grouped_rows_ok(planes: torch.Tensor, weight: torch.Tensor, groups: int) ->
 
     Grouped weights with several input channels per group (RegNet's, ResNeXt's), on the CPU:
     there oneDNN spends about 200 us on a thin grouped convolution whatever its size, and the
-    unfolded matrix product takes 110-150 us forward and 390-520 against 700-880 us with the
-    backward (one thread; 24-368 channels in groups of 3-8, 8-128 columns, one tap row of a 3x3
-    kernel: ``bench/cnn_profile.py --taps``). Dense weights (one group) are faster as one
+    unfolded matrix product takes 110-160 against 160-255 us forward and 390-660 against 700-1000
+    us with the backward (one thread; 24-368 channels in groups of 3-8, 8-128 columns, one tap
+    row of a 3x3 kernel; two runs of ``bench/cnn_profile.py --taps``). Dense weights (one group) are faster as one
     convolution, and depthwise ones have their own paths.
     """
     return groups > 1 and weight.shape[1] > 1 and planes.device.type == "cpu"
@@ -389,8 +390,8 @@ def _grouped_rows_ok(planes: torch.Tensor, weight: torch.Tensor, groups: int) ->
 
 def _grouped_rows(planes: torch.Tensor, wt: torch.Tensor, dim: int, stride, padding, dilation, groups: int) -> torch.Tensor:
     """``F.conv2d(planes, wt, None, stride, padding, dilation, groups)`` as one unfold and one
-    batched matrix product per group, for the thin planes of a halo correction (size 1 along
-    ``dim`` in the result).
+    matrix product batched over the groups, for the thin planes of a halo correction (size 1
+    along ``dim`` in the result).
 
     ``F.unfold`` lays out each output position's window as ``(channel, kernel row, kernel
     column)``, the order of a group's weights, so group ``g``'s windows are rows
