@@ -638,12 +638,10 @@ class _Transport:
             return  # ``work.wait()`` raises; meanwhile the caller still serves its other peers
         n = _nbytes(t)
         if n > max_bytes():
-            off = self._arena_space(c, n)
-            if c.direct and n <= shm_max_bytes() and direct_enabled():
+            off = self._arena_space(c, n)  # (also announces both large-message paths; None when direct)
+            if c.direct and direct_enabled():
                 # The peer copies the payload out of ``t`` itself (one copy, no arena pages):
                 # ``t`` stays referenced, and the send is done when the peer says it has read.
-                if off is not None:
-                    self.arena.release(off)  # type: ignore[union-attr]
                 self.lent_seq += 1
                 c.lent[self.lent_seq] = (t, work)
                 desc = _DIRECT.pack(t.data_ptr(), n, self.lent_seq)
