@@ -43,6 +43,15 @@ def _timm_class(model: nn.Module) -> type:
     )
 
 
+def _entry_module(variant: str) -> str:
+    """The timm module whose entry point builds ``variant`` ("" when it is not a timm model name)."""
+    import timm.models
+
+    if not variant or not timm.models.is_model(variant):
+        return ""
+    return timm.models.model_entrypoint(variant).__module__
+
+
 def timm_filter_fn(model: nn.Module) -> Callable[[dict, nn.Module], dict]:
     """timm's ``checkpoint_filter_fn`` for ``model``'s family, with the options timm uses for it.
 
@@ -55,6 +64,10 @@ def timm_filter_fn(model: nn.Module) -> Callable[[dict, nn.Module], dict]:
     if fn is None:
         raise TypeError(f"converters: timm module {module.__name__} has no checkpoint_filter_fn.")
     variant = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", "") or ""
+    if _entry_module(variant) == "timm.models.deit":
+        # DeiT and DeiT-3 are built by timm.models.deit (DeiT-3 as a plain VisionTransformer), whose
+        # loader remaps the original checkpoints' layer scales (``gamma_1`` -> ``ls1.gamma``).
+        return partial(fn, adapt_layer_scale=True)
     if module.__name__ == "timm.models.vision_transformer":
         if "flexi" in variant:
             return partial(fn, interpolation="bilinear", antialias=False)

@@ -15,7 +15,13 @@ from sharded_nn import converters, zoo
 from .harness import mesh as make_mesh
 
 TINY = dict(embed_dim=32, depth=2, num_heads=2)
-FAMILIES = ["vit_tiny_patch16_224", "deit3_small_patch16_224", "vit_small_patch14_reg4_dinov2", "eva02_tiny_patch14_224"]
+FAMILIES = [
+    "vit_tiny_patch16_224",
+    "deit3_small_patch16_224",
+    "deit_tiny_distilled_patch16_224",
+    "vit_small_patch14_reg4_dinov2",
+    "eva02_tiny_patch14_224",
+]
 
 
 def _save(state_dict, path):
@@ -59,6 +65,18 @@ def test_create_model_matches_timm_pretrained(tmp_path, name, suffix):
     size = 448 if "patch16" in name else 434  # a larger grid (28 and 31 patches)
     ours = zoo.create_model(name, mesh=None, img_size=size, pretrained_file=str(path), **TINY)
     _assert_same_state(ours, _timm_pretrained(name, path, img_size=size))
+
+
+def test_deit3_original_layer_scale_keys_match_timm(tmp_path):
+    """DeiT-3's original checkpoints name layer scales ``gamma_1``: timm's deit entry points remap them."""
+    import re
+
+    sd = {re.sub(r"ls([12])\.gamma", r"gamma_\1", k): v for k, v in _source("deit3_small_patch16_224").state_dict().items()}
+    assert any("gamma_1" in k for k in sd)
+    path = tmp_path / "deit3.pth"
+    _save(sd, path)
+    ours = zoo.create_model("deit3_small_patch16_224", mesh=None, img_size=320, pretrained_file=str(path), **TINY)
+    _assert_same_state(ours, _timm_pretrained("deit3_small_patch16_224", path, img_size=320))
 
 
 @pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "eva02_tiny_patch14_224"])

@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from timm.layers import AttentionPoolLatent, DropPath, PatchEmbed, resample_abs_pos_embed
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 from timm.models.vision_transformer import Attention, Block, ResPostBlock, VisionTransformer
 from torch import nn
@@ -94,7 +95,7 @@ from sharded_nn.registry import register
 
 from .factory import register_model
 
-__all__ = ["ShardedEva", "ShardedVisionTransformer", "TokenGrid", "create_vit"]
+__all__ = ["ShardedEva", "ShardedVisionTransformer", "ShardedVisionTransformerDistilled", "TokenGrid", "create_vit"]
 
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 
@@ -577,9 +578,9 @@ class _ShardedViTMixin:
             problems.append(f"a mesh with {len(axes)} domain axes {axes} (images shard H, or H and W)")
         if problems:
             raise ShardingNotImplementedError(
-                f"{name} cannot be sharded: {'; '.join(problems)}. Supported: timm VisionTransformer with "
-                "Block/ResPostBlock and Eva with EvaBlock/EvaBlockPostNorm, PatchEmbed, token/avg/avgmax/max/map "
-                "pooling, on meshes with 1 or 2 domain axes."
+                f"{name} cannot be sharded: {'; '.join(problems)}. Supported: timm VisionTransformer (and DeiT's "
+                "VisionTransformerDistilled) with Block/ResPostBlock and Eva with EvaBlock/EvaBlockPostNorm, "
+                "PatchEmbed, token/avg/avgmax/max/map pooling, on meshes with 1 or 2 domain axes."
             )
         self.mesh, self.attention, self.mesh_axes = mesh, attention, axes
         self.streams = _Streams(*_agree_seed(mesh, seed))
@@ -927,6 +928,20 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
         return self.sharding_repr()
 
 
+@register(VisionTransformerDistilled)
+class ShardedVisionTransformerDistilled(ShardedVisionTransformer, VisionTransformerDistilled):
+    """timm's ``VisionTransformerDistilled`` (DeiT with a distillation token), sharded.
+
+    As ``ShardedVisionTransformer``, with two prefix tokens (class, then distillation), held by
+    every rank like any prefix token. timm's own ``forward_head`` reads them (the mean of the two
+    heads, or both in distilled training), so the logits are replicated.
+    """
+
+    def _prefix(self, batch: int) -> list[torch.Tensor]:
+        # timm's order (``VisionTransformerDistilled._pos_embed``): class token, distillation token.
+        return [self.cls_token.expand(batch, -1, -1), self.dist_token.expand(batch, -1, -1)]
+
+
 # --------------------------------------------------------------------------- Eva
 
 
@@ -1047,6 +1062,7 @@ class ShardedEva(_ShardedViTMixin, Eva):
 # Converting a converted model again keeps it (``from_module`` returns it): registering the
 # sharded classes for themselves stops ``convert`` from descending into their children.
 register(ShardedVisionTransformer)(ShardedVisionTransformer)
+register(ShardedVisionTransformerDistilled)(ShardedVisionTransformerDistilled)
 register(ShardedEva)(ShardedEva)
 
 
@@ -1091,15 +1107,16 @@ def create_vit(
     if img_size is not None:
         timm_kwargs["img_size"] = img_size
     model = timm.create_model(name, pretrained=False, **timm_kwargs)
-    if mesh is not None and type(model) not in (VisionTransformer, Eva):
+    sharded = {VisionTransformer: ShardedVisionTransformer, VisionTransformerDistilled: ShardedVisionTransformerDistilled,
+               Eva: ShardedEva}
+    if mesh is not None and type(model) not in sharded:
         raise ShardingNotImplementedError(
-            f"create_model: {name!r} builds a timm {type(model).__name__}; only VisionTransformer and Eva "
-            "models (ViT, DeiT-3, register ViTs, DINOv2, EVA-02, rotary ViTs) have a sharded version."
+            f"create_model: {name!r} builds a timm {type(model).__name__}; only VisionTransformer, "
+            "VisionTransformerDistilled and Eva models (ViT, DeiT, DeiT-3, register ViTs, DINOv2, EVA-02, rotary "
+            "ViTs) have a sharded version."
         )
     if pretrained_file is not None:
         load_pretrained(model, pretrained_file)
     if mesh is None:
         return model
-    return (ShardedEva if isinstance(model, Eva) else ShardedVisionTransformer).from_module(
-        model, mesh, attention=attention, seed=seed
-    )
+    return sharded[type(model)].from_module(model, mesh, attention=attention, seed=seed)
