@@ -875,7 +875,11 @@ class _GuardMode(TorchFunctionMode):
             # global one there (``y * x.shape[2]``, ``s / (h * w)``), as on a single device.
             args, kwargs = self._globalise(f"`{base}`", args, kwargs)
         if kind == "pointwise":
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError as e:
+                self._explain_mismatch(base, stateful, found, e)
+                raise
             if len(found) == 1 and stateful and isinstance(out, torch.Tensor) and out.dim() == found[0].dim():
                 # The commonest call between sharded layers (an activation, a scale, a dtype
                 # cast): the slab is the call's only tensor, so an output of its rank keeps its
@@ -896,6 +900,37 @@ class _GuardMode(TorchFunctionMode):
             else:
                 states[args[0]] = st
         return out
+
+    def _explain_mismatch(self, base: str, stateful, found, err: RuntimeError) -> None:
+        """Raise a ``ShardingError`` where a pointwise call failed because a slab met a whole-domain tensor.
+
+        A parameter or buffer sized for the whole image along a sharded dim (a fixed-size position
+        embedding, a per-pixel bias) cannot broadcast against a slab: torch's own message names
+        two sizes but not why they differ, so this one does.
+        """
+        if "must match the size" not in str(err):
+            return
+        for t in stateful:
+            st = self.states.get(t)
+            for k, d in enumerate(st if st not in (None, UNKNOWN) else ()):
+                if d is None:
+                    continue
+                back = t.dim() - d  # broadcasting aligns dims from the right
+                for u in found:
+                    if not isinstance(u, torch.Tensor) or any(u is s for s in stateful) or u.dim() < back:
+                        continue
+                    n = u.shape[u.dim() - back]
+                    if n not in (1, t.shape[d]):
+                        mod, src = self.where()
+                        raise ShardingError(
+                            f"forward guard: `{base}` in module {mod} at {src}: it combines a slab, sharded along "
+                            f"dim {d} (mesh axis {self.guard.axes[k]!r}), with a tensor not made from the input "
+                            f"slab (a parameter, a buffer, a constant) that has {n} positions there: it is sized "
+                            "for the whole domain (a fixed-size position embedding or bias?), so each rank would "
+                            "need its own slice of it. Register a sharded class for the "
+                            "module that takes this rank's rows (sharded_nn.register; the ViT zoo does this for "
+                            "timm's VisionTransformer / Eva), or build the model for dynamic sizes."
+                        ) from err
 
     def _what(self, stateful, tagged) -> str:
         if stateful:

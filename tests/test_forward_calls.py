@@ -184,6 +184,8 @@ class Hazards(nn.Module):
                 h = h + 1
         elif k == "item_of_sum":  # a routed sum is replicated: reading it is fine
             h = h * float(h.sum())
+        elif k == "whole_domain_operand":  # a fixed-size embedding of all rows added to a slab
+            h = h + torch.linspace(0, 1, self.rows, dtype=h.dtype)[:, None]
         elif k == "tolist":
             h = h * h.mean(1).sum(0).tolist()[0][0]
         else:
@@ -212,6 +214,7 @@ REFUSED = {
     "tolist": "reads the values",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",
+    "whole_domain_operand": "`add`.*sharded along dim 2.*has (10|14) positions there: it is sized for the whole domain",
 }
 
 
@@ -229,6 +232,7 @@ def _refused(kind: str, domain: int, sizes, shape):
     m = mesh(domain)
     torch.manual_seed(0)
     ref = Hazards(kind).double()
+    ref.rows = sum(sizes)  # the global rows, for "whole_domain_operand"
     x = torch.randn(*shape, dtype=torch.float64)
     model = snn.convert(copy.deepcopy(ref), m, strict=True)
     r = m.get_local_rank("domain")
