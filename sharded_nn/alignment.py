@@ -5,7 +5,10 @@ of ``s``. Its input has been downsampled by some factor ``f`` relative to the mo
 the model input the slabs must start at multiples of ``f * s``. The model's alignment is the
 least common multiple of ``f * s`` over its strided layers: ``2 ** depth`` for a UNet, 32 for a
 ResNet, the patch size for a ViT. Layers with other needs state them in an
-``alignment_multiple`` attribute (one value per spatial dim, read like a stride).
+``alignment_multiple`` attribute (one value per spatial dim, read like a stride); a layer whose
+input keeps its spatial dims elsewhere than at the end (channels-last tokens ``(N, H, W, C)``,
+as in a Swin block, whose windows must not span two slabs) also names them in
+``alignment_dims`` (the input's dims holding the model input's spatial dims, in order).
 
 ``f`` depends on the model's graph, not only on its modules: a ResNet's strided shortcut runs
 beside its strided conv, not after it, so multiplying every stride of the module tree would
@@ -36,9 +39,24 @@ __all__ = ["alignment"]
 DEFAULT_PROBE_SIZE = 1024
 
 
+def _declared(module: nn.Module, name: str):
+    """``module``'s own ``name`` attribute, or the one its registered sharded class declares.
+
+    A plain model (not converted yet) holds torch or timm modules; their sharded classes state
+    the needs (a Swin block's windows), read here for the plain module.
+    """
+    value = getattr(module, name, None)
+    if value is None:
+        sharded = registered(type(module))
+        value = getattr(sharded, name, None) if sharded is not None else None
+        if isinstance(value, property):
+            value = value.fget(module)
+    return value
+
+
 def _strides(module: nn.Module) -> tuple[int, ...] | None:
     """Per-spatial-dim strides (or alignment needs) of ``module``; ``None`` when it has none."""
-    need = getattr(module, "alignment_multiple", None)
+    need = _declared(module, "alignment_multiple")
     if need is not None:
         return tuple(int(s) for s in need)
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
@@ -175,6 +193,9 @@ def alignment(
         ValueError: when no input shape can be guessed, or when the probe forward fails (for
             example a forward that needs real data); the message says what to pass.
     """
+    from .convert import _load_model_families
+
+    _load_model_families()  # the sharded classes that declare needs for the model's layers
     single = isinstance(dims, int)
     dims = (dims,) if single else tuple(int(d) for d in dims)
     if not dims or min(dims) < 2:
@@ -190,10 +211,15 @@ def alignment(
         if strides is None or x is None or x.dim() != len(shape):
             return
         n = len(strides)
+        where = _declared(module, "alignment_dims")
         for d in dims:
-            i = d - (x.dim() - n)  # strides cover the trailing (spatial) dims
-            if 0 <= i < n and strides[i] > 1 and x.shape[d] > 0:
-                factor = Fraction(shape[d], x.shape[d]) * strides[i]
+            if where is None:
+                i, td = d - (x.dim() - n), d  # strides cover the trailing (spatial) dims
+            else:
+                i = d - (len(shape) - n)  # the k-th need is the model input's k-th spatial dim
+                td = where[i] if 0 <= i < len(where) else -1
+            if 0 <= i < n and strides[i] > 1 and x.shape[td] > 0:
+                factor = Fraction(shape[d], x.shape[td]) * strides[i]
                 needs[d] = math.lcm(needs[d], math.ceil(factor))
 
     floats = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]

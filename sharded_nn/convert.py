@@ -142,6 +142,13 @@ def _timm_tables() -> dict[type, object]:
         # One keep/drop decision per sample: the guard draws it alike on every rank (its draws
         # on replicated tensors share one stream), so every slab of a sample is dropped or kept.
         "timm.layers.drop": {"guarded": ("DropPath",)},
+        # Global pools of NHWC or NCHW maps written as ``x.mean(dim)`` / ``x.amax(dim)`` (timm's
+        # ``SelectAdaptivePool2d`` picks them for flattened or NHWC heads, e.g. Swin's): the guard
+        # routes the reductions over sharded dims.
+        "timm.layers.adaptive_avgmax_pool": {
+            "guarded": ("FastAdaptiveAvgPool", "FastAdaptiveMaxPool", "FastAdaptiveAvgMaxPool",
+                        "FastAdaptiveCatAvgMaxPool"),
+        },
         "torchvision.ops.stochastic_depth": {"guarded": ("StochasticDepth",)},
         "monai.networks.layers.drop_path": {"guarded": ("DropPath",)},
     }  # fmt: skip
@@ -283,9 +290,10 @@ def _load_model_families() -> None:
     import importlib
 
     importlib.import_module("sharded_nn.zoo")
-    from .layers.squeeze_excite import register_loaded
+    from .layers import squeeze_excite, swin
 
-    register_loaded()
+    squeeze_excite.register_loaded()
+    swin.register_loaded()
 
 
 def convert(

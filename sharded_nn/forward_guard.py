@@ -81,6 +81,24 @@ def guard_active() -> bool:
     return getattr(_ACTIVE, "guard", None) is not None
 
 
+def keep_layout(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Record that ``out`` is laid out as ``src`` (for library code run inside a guarded block).
+
+    The guard passes sharded_nn's own torch calls through without following their layouts; a
+    block that runs under the guard (``_guard_inside``) and computes part of its forward with
+    library code (the Swin blocks' shifted-window attention) hands its result back with this,
+    so that the model's code after it sees a slab, not an untracked tensor. Returns ``out``.
+    """
+    mode = getattr(_ACTIVE, "guard", None)
+    if mode is not None and mode is not _SINGLE:
+        st = mode.states.get(src)
+        if st is None:
+            mode.states.pop(out, None)
+        else:
+            mode.states[out] = st
+    return out
+
+
 # ------------------------------------------------------------------------------- tagged sizes
 
 

@@ -1,0 +1,122 @@
+"""timm Swin Transformers (V1 and V2) converted with ``convert`` against timm's unsharded models.
+
+Shifted-window attention on slabs (``sharded_nn.layers.swin``): logits, input gradients and
+parameter gradients (summed over the domain) in float64, on uneven window-aligned slabs of H,
+meshes of 2, 3 and 4 ranks; the shift crosses slab boundaries in every shifted block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import sharded_nn as snn
+from sharded_nn.errors import ShardingError
+
+from .harness import mesh as make_mesh
+from .reference import reduce_param_grads
+
+SMALL = dict(embed_dim=16, depths=(2, 2), num_heads=(1, 2), window_size=4, drop_path_rate=0.0)
+
+# name -> (timm model, kwargs, global image (H, W)). Patch 4, window 4: stage 0 is H/4 x W/4
+# tokens in windows of 4 (align 16), stage 1 H/8 x W/8 (align 32 at the image).
+CASES = {
+    "v1": ("swin_tiny_patch4_window7_224", dict(SMALL, img_size=(224, 64)), (224, 64)),
+    # dynamic_mask: the shift mask is made at run time from the (global) padded grid.
+    "v1_dynamic": ("swin_tiny_patch4_window7_224", dict(SMALL, img_size=(224, 64), strict_img_size=False), (224, 64)),
+    # One stage of 42 x 12 tokens: the last rank pads its slab to whole windows (as timm pads the image).
+    "v1_padded": ("swin_tiny_patch4_window7_224", dict(SMALL, depths=(2,), num_heads=(2,), img_size=(168, 48)), (168, 48)),
+    "v2": ("swinv2_tiny_window8_256", dict(SMALL, img_size=(224, 64)), (224, 64)),
+}
+MESHES = [2, 3, 4]
+
+
+def _build(name, kwargs):
+    import timm
+
+    torch.manual_seed(0)
+    ref = timm.create_model(name, **kwargs).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # every parameter matters (relative position tables start at zero)
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
+    return ref
+
+
+def _check(domain, case):
+    name, kwargs, (h, w) = CASES[case]
+    mesh = make_mesh(domain)
+    dims = (2,)
+    ref = _build(name, kwargs)
+    model = snn.convert(copy.deepcopy(ref), mesh)
+    align = snn.alignment(ref, dims=dims, input_shape=(1, 3, h, w))
+    assert all(a % 16 == 0 for a in align), align  # windows of 4 tokens of 4 pixels at least
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    logits = ref(xr)
+    g = torch.randn(logits.shape, generator=gen, dtype=logits.dtype)
+    (logits * g).sum().backward()
+
+    xl = snn.shard(x, mesh, dims=dims, align=align).requires_grad_()
+    out = model(xl)
+    torch.testing.assert_close(out, logits.detach(), atol=1e-10, rtol=1e-10)
+    snn.losses.share((out * g).sum(), mesh).backward()
+    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=dims), xr.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, mesh)
+    for pname, p in ref.named_parameters():
+        torch.testing.assert_close(grads[pname], p.grad, atol=1e-10, rtol=1e-8, msg=lambda m, n=pname: f"{n}: {m}")
+    return tuple(xl.shape), (out - logits).abs().max().item()
+
+
+@pytest.mark.parametrize("domain", MESHES, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_swin_matches_timm(run, case, domain):
+    results = run(domain, _check, domain, case)
+    shapes = [r[0] for r in results]
+    assert len(set(shapes)) > 1, shapes  # uneven slabs
+    assert all(r[1] < 1e-10 for r in results)
+
+
+def _misaligned(domain):
+    mesh = make_mesh(domain)
+    name, kwargs, (h, w) = CASES["v1"]
+    model = snn.convert(_build(name, kwargs), mesh)
+    x = torch.randn(1, 3, h, w, dtype=torch.float64)
+    try:
+        model(snn.shard(x, mesh, dims=(2,), align=16))  # stage 1 needs 32: its windows would span slabs
+    except ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_window_spanning_two_slabs_is_refused_on_every_rank(run):
+    out = run(3, _misaligned, 3)
+    assert len(set(out)) == 1, out
+    assert "must start on window boundaries of 4 tokens" in out[0] and "snn.alignment" in out[0], out[0]
+
+
+def test_alignment_counts_the_windows():
+    import timm
+
+    m = timm.create_model("swin_tiny_patch4_window7_224", img_size=(448, 224))
+    # Stage 3 (1/32) has 14 x 7 tokens in windows of 7: slabs of H start on multiples of 32 * 7.
+    assert snn.alignment(m, dims=(2,), input_shape=(1, 3, 448, 224)) == (224,)
+
+
+def _two_axis_mesh():
+    import timm
+
+    mesh = make_mesh((2, 2))
+    try:
+        snn.convert(timm.create_model("swin_tiny_patch4_window7_224", **dict(SMALL, img_size=(224, 64))), mesh)
+    except snn.ShardingNotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_two_domain_axes_are_refused_at_convert(run):
+    out = run(4, _two_axis_mesh)
+    assert all("sharded along H only" in o for o in out), out
