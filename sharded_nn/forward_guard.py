@@ -1241,6 +1241,7 @@ class _GuardMode(TorchFunctionMode):
         src = 0
         out_dim = 0
         mapping: dict[int, int | None] = {}
+        phases: list[tuple[int, int]] = []  # (sharded dim, step) of ``start::step`` slices
         for i in expanded:
             if i is None:
                 out_dim += 1
@@ -1252,20 +1253,48 @@ class _GuardMode(TorchFunctionMode):
             else:
                 mapping[src] = out_dim
                 if src in st and not _full_slice(i, x.shape[src]):
-                    self.fail(
-                        "slicing",
-                        f"slice {i.start}:{i.stop}:{i.step} along sharded dim {src} selects local positions, "
-                        "which are different global positions on each rank",
-                        "slice along the other dims, or crop before sharding / after gathering",
-                    )
+                    if _phase_slice(i):
+                        phases.append((src, i.step))
+                    else:
+                        self.fail(
+                            "slicing",
+                            f"slice {i.start}:{i.stop}:{i.step} along sharded dim {src} selects local positions, "
+                            "which are different global positions on each rank",
+                            "slice along the other dims (a `start::step` slice with 0 <= start < step is exact "
+                            "on slabs that start on multiples of step), or crop before sharding / after gathering",
+                        )
                 out_dim += 1
             src += 1
+        if phases:
+            self._check_phases(x, st, phases)
         for s in range(src, x.dim()):
             mapping[s] = out_dim
             out_dim += 1
         out = func(*args, **kwargs)
         self._set(out, tuple(None if d is None else mapping[d] for d in st))
         return out
+
+    def _check_phases(self, x, st, phases) -> None:
+        """``x[..., a::s, ...]`` along sharded dims: exact when every slab starts on a multiple of ``s``.
+
+        Global position ``g = start + l`` of a slab that starts on a multiple of ``s`` has
+        ``g % s == l % s``, so the local slice picks exactly the slab's share of the global one
+        (space-to-depth, patch merging, ``x[:, 0::2]`` / ``x[:, 1::2]`` pairs). Decided from
+        every rank's local lengths (one small all-gather), so all ranks raise alike.
+        """
+        leaves = [x.shape[d] for d, _ in phases]
+        rows = self._gather_with_coords([int(v) for v in leaves], "forward guard: strided slicing")
+        for j, (d, step) in enumerate(phases):
+            k = st.index(d)
+            lengths = [r[j] for r in self._along_axis(rows, k)]
+            starts = [sum(lengths[:r]) for r in range(len(lengths))]
+            if any(a % step for a in starts):
+                self.fail(
+                    "slicing",
+                    f"a slice with step {step} along sharded dim {d} needs every slab to start on a multiple of "
+                    f"{step}, and the slabs start at {starts}",
+                    f"shard the input with an alignment that makes this dim's slabs multiples of {step}",
+                )
 
     def _h_setitem(self, func, base, args, kwargs, stateful):
         x, idx = args[0], args[1]
@@ -2325,6 +2354,14 @@ def _created_sizes(base: str, args, kwargs) -> list:
         sizes = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args
         sizes = kwargs.get("size", sizes)
     return list(sizes) if isinstance(sizes, (list, tuple, torch.Size)) else [sizes]
+
+
+def _phase_slice(i) -> bool:
+    """``start::step`` with ``0 <= start < step`` (``step > 1``): one phase of a strided split."""
+    if not isinstance(i, slice) or i.stop is not None or not isinstance(i.step, int) or i.step < 2:
+        return False
+    start = 0 if i.start is None else i.start
+    return isinstance(start, int) and 0 <= start < i.step
 
 
 def _full_slice(i, length: int) -> bool:

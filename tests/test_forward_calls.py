@@ -112,8 +112,12 @@ class Hazards(nn.Module):
             h = h + torch.arange(0, h.shape[2], 2, dtype=h.dtype).sum()
         elif k == "slice_rows":
             h = h[:, :, 1:]
-        elif k == "stride_rows":
+        elif k == "stride_rows":  # slabs start on even rows: one phase of a 2-way split
             h = h[:, :, ::2]
+        elif k == "phase_pairs":  # space-to-depth / patch merging: both phases, side by side
+            h = torch.cat([h[:, :, 0::2], h[:, :, 1::2, :]], 1)[:, :4] * 0.5
+        elif k == "stride_rows_misaligned":  # a slab starts on row 6: not a multiple of 4
+            h = h[:, :, 1::4]
         elif k == "crop_noop":
             h = h[:, :, : h.shape[2], 1:]
         elif k == "attention_tokens":  # routed to ring attention
@@ -200,7 +204,7 @@ EXACT = [
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
-    "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows",
+    "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -209,7 +213,7 @@ REFUSED = {
     "matrix_norm": "`linalg_norm`.*matrix norm",
     "position_step": "`arange`",
     "slice_rows": "slice 1:None:None along sharded dim 2",
-    "stride_rows": "slice",
+    "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
