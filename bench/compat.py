@@ -89,6 +89,21 @@ MODELS = {
     "timm/convnextv2_atto": (_timm("convnextv2_atto"), (1, 3, 64, 32), "timm CNN"),
     "timm/pvt_v2_b0": (_timm("pvt_v2_b0"), (1, 3, 64, 32), "timm hybrid"),
     "timm/efficientvit_b0": (_timm("efficientvit_b0"), (1, 3, 64, 32), "timm hybrid"),
+    "timm/vit_small_patch16_224": (_timm("vit_small_patch16_224", img_size=(64, 32), depth=2), (1, 3, 64, 32),
+                                   "timm ViT"),
+    "timm/deit_tiny_distilled_patch16_224": (_timm("deit_tiny_distilled_patch16_224", img_size=(64, 32), depth=2),
+                                             (1, 3, 64, 32), "timm ViT"),
+    "timm/eva02_tiny_patch14_224": (_timm("eva02_tiny_patch14_224", img_size=(56, 28), depth=2), (1, 3, 56, 28),
+                                    "timm ViT"),
+    "timm/swin_tiny_patch4_window7_224": (_timm("swin_tiny_patch4_window7_224", img_size=(256, 64), window_size=4,
+                                                depths=(2, 2, 2, 2)), (1, 3, 256, 64), "timm Swin"),
+    "timm/swinv2_tiny_window8_256": (_timm("swinv2_tiny_window8_256", img_size=(256, 64), window_size=4,
+                                           depths=(2, 2, 2, 2)), (1, 3, 256, 64), "timm Swin"),
+    "timm/swinv2_cr_tiny_ns_224": (_timm("swinv2_cr_tiny_ns_224", img_size=(256, 64), window_size=4,
+                                         depths=(2, 2, 2, 2)), (1, 3, 256, 64), "timm Swin"),
+    "timm/cait_xxs24_224": (_timm("cait_xxs24_224", img_size=(64, 32), depth=2), (1, 3, 64, 32), "timm ViT"),
+    "timm/beit_base_patch16_224": (_timm("beit_base_patch16_224", img_size=(64, 32), depth=2), (1, 3, 64, 32),
+                                   "timm ViT"),
     "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
                                   features=(4, 4, 8, 8, 8, 4)), (1, 1, 64, 32), "MONAI 2-D"),
     "monai/AttentionUnet-2d": (_monai("AttentionUnet", spatial_dims=2, in_channels=1, out_channels=2,
@@ -146,6 +161,13 @@ def _outputs(y):
     return []
 
 
+#: Models built for one input size (position embeddings, window masks): checked at their table
+#: shape exactly, with ``snn.alignment`` probed at that shape (not at the default 1024 probe).
+FIXED_SIZE = {"timm/vit_small_patch16_224", "timm/deit_tiny_distilled_patch16_224", "timm/swin_tiny_patch4_window7_224",
+              "timm/swinv2_tiny_window8_256", "timm/swinv2_cr_tiny_ns_224", "timm/cait_xxs24_224", "timm/beit_base_patch16_224",
+              "timm/eva02_tiny_patch14_224"}
+
+
 def _entry(name: str):
     """The table's entry for ``name``, or any other timm model name (3 input channels, 64x32)."""
     return MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
@@ -160,8 +182,9 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
     ref = make().double().eval()
     randomise_norms(ref)
     dims = (2,)
+    fixed = name in FIXED_SIZE or f"timm/{name}" in FIXED_SIZE
     try:
-        align = snn.alignment(ref, dims=dims)[0]
+        align = snn.alignment(ref, dims=dims, input_shape=shape if fixed else None)[0]
     except ValueError as e:  # alignment's shape-only forward failed: fall back to the model's stride
         align = 32
         note = f"snn.alignment failed ({str(e)[:80]}...); align 32 used"
@@ -170,9 +193,10 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
     if align > 256:
         return {"model": name, "family": family, "shape": list(shape), "align": align, "status": "skipped",
                 "reason": f"snn.alignment(model) = {align} rows: too large an input for this table"}
-    h = max(shape[2], 4 * align)  # deep 5x5 stages need slabs of >= 2 rows at 1/32
-    h = -(-h // align) * align
-    shape = (*shape[:2], h * size_scale, *shape[3:])
+    if not fixed:
+        h = max(shape[2], 4 * align)  # deep 5x5 stages need slabs of >= 2 rows at 1/32
+        h = -(-h // align) * align
+        shape = (*shape[:2], h * size_scale, *shape[3:])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     out = {"model": name, "family": family, "shape": list(shape), "align": align, "note": note}

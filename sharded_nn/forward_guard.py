@@ -99,6 +99,18 @@ def keep_layout(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def mark_layout(t: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """Record that ``t`` is a slab sharded along ``dims`` (``dims[k]`` by the k-th domain axis).
+
+    For library code inside a guarded block that hands a tensor of another layout than its input
+    to the model's own code (MONAI's Swin stage moves channels last before its blocks). Returns ``t``.
+    """
+    mode = getattr(_ACTIVE, "guard", None)
+    if mode is not None and mode is not _SINGLE:
+        mode.states[t] = tuple(dims)
+    return t
+
+
 # ------------------------------------------------------------------------------- tagged sizes
 
 

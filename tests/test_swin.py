@@ -1,4 +1,4 @@
-"""timm Swin Transformers (V1 and V2) converted with ``convert`` against timm's unsharded models.
+"""timm Swin Transformers (V1, V2, V2-CR) and MONAI's SwinUNETR converted with ``convert`` against timm's unsharded models.
 
 Shifted-window attention on slabs (``sharded_nn.layers.swin``): logits, input gradients and
 parameter gradients (summed over the domain) in float64, on uneven window-aligned slabs of H,
@@ -29,6 +29,7 @@ CASES = {
     # One stage of 42 x 12 tokens: the last rank pads its slab to whole windows (as timm pads the image).
     "v1_padded": ("swin_tiny_patch4_window7_224", dict(SMALL, depths=(2,), num_heads=(2,), img_size=(168, 48)), (168, 48)),
     "v2": ("swinv2_tiny_window8_256", dict(SMALL, img_size=(224, 64)), (224, 64)),
+    "v2_cr": ("swinv2_cr_tiny_ns_224", dict(SMALL, img_size=(224, 64)), (224, 64)),
 }
 MESHES = [2, 3, 4]
 
@@ -45,6 +46,15 @@ def _build(name, kwargs):
     return ref
 
 
+def _reference(ref, x, gen):
+    """The single-device output, a random output gradient ``g``, and the input gradient of ``(y * g).sum()``."""
+    xr = x.clone().requires_grad_()
+    y = ref(xr)
+    g = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    (y * g).sum().backward()
+    return y.detach(), g, xr.grad
+
+
 def _check(domain, case):
     name, kwargs, (h, w) = CASES[case]
     mesh = make_mesh(domain)
@@ -55,16 +65,13 @@ def _check(domain, case):
     assert all(a % 16 == 0 for a in align), align  # windows of 4 tokens of 4 pixels at least
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
-    xr = x.clone().requires_grad_()
-    logits = ref(xr)
-    g = torch.randn(logits.shape, generator=gen, dtype=logits.dtype)
-    (logits * g).sum().backward()
+    logits, g, gx_ref = _reference(ref, x, gen)
 
     xl = snn.shard(x, mesh, dims=dims, align=align).requires_grad_()
     out = model(xl)
-    torch.testing.assert_close(out, logits.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, logits, atol=1e-10, rtol=1e-10)
     snn.losses.share((out * g).sum(), mesh).backward()
-    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=dims), xr.grad, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=dims), gx_ref, atol=1e-10, rtol=1e-10)
     grads = reduce_param_grads(model, mesh)
     for pname, p in ref.named_parameters():
         torch.testing.assert_close(grads[pname], p.grad, atol=1e-10, rtol=1e-8, msg=lambda m, n=pname: f"{n}: {m}")
@@ -120,3 +127,61 @@ def _two_axis_mesh():
 def test_two_domain_axes_are_refused_at_convert(run):
     out = run(4, _two_axis_mesh)
     assert all("sharded along H only" in o for o in out), out
+
+
+# --------------------------------------------------------------------------- MONAI SwinUNETR
+
+# name -> (SwinUNETR kwargs, image shape without H or D, rows per alignment unit). Window 4 (2-D)
+# or 2 (3-D) at patch 2 and four stages: the alignment is 64 (2-D) or 32 (3-D) rows.
+MONAI = {
+    "2d": (dict(spatial_dims=2, window_size=4), (1, 1, None, 64), 64),
+    "2d_v2": (dict(spatial_dims=2, window_size=4, use_v2=True, downsample="mergingv2"), (1, 1, None, 64), 64),
+    "3d": (dict(spatial_dims=3, window_size=2), (1, 1, None, 32, 32), 32),
+}
+
+
+def _check_monai(domain, case):
+    from monai.networks.nets import SwinUNETR
+
+    kw, shape, unit = MONAI[case]
+    mesh = make_mesh(domain)
+    world = domain if isinstance(domain, int) else domain[0] * domain[1]
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    shape = list(shape)
+    shape[2] = unit * (world + 1)  # uneven slabs on 1-D meshes: one rank holds two units
+    if not isinstance(domain, int):
+        shape[2], shape[3] = 2 * unit, 2 * unit
+    torch.manual_seed(0)
+    ref = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, depths=(2, 2, 2, 2), num_heads=(1, 1, 1, 1),
+                    **kw).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+    model = snn.convert(copy.deepcopy(ref), mesh)
+    align = snn.alignment(ref, dims=dims, input_shape=tuple(shape))
+    assert align == (unit,) * len(dims), align
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    y, g, gx_ref = _reference(ref, x, gen)
+    xl = snn.shard(x, mesh, dims=dims, align=align).requires_grad_()
+    yl = model(xl)
+    torch.testing.assert_close(snn.gather(yl, mesh, dims=dims), y, atol=1e-12, rtol=1e-10)
+    (yl * snn.shard(g, mesh, dims=dims, align=align)).sum().backward()
+    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=dims), gx_ref, atol=1e-12, rtol=1e-10)
+    grads = reduce_param_grads(model, mesh)
+    for pname, p in ref.named_parameters():
+        torch.testing.assert_close(grads[pname], p.grad, atol=1e-10, rtol=1e-8, msg=lambda m, n=pname: f"{n}: {m}")
+    return tuple(xl.shape)
+
+
+# 2-D at P = 3 and on a 2 x 2 mesh (H and W sharded), V2 (residual conv stages, mergingv2) at
+# P = 2, 3-D at P = 2 (D sharded): every stage has a shifted block whose roll crosses the slabs.
+MONAI_RUNS = [("2d", 3), ("2d", (2, 2)), ("2d_v2", 2), ("3d", 2)]
+
+
+@pytest.mark.parametrize("case, domain", MONAI_RUNS, ids=str)
+def test_monai_swin_unetr_matches_monai(run, case, domain):
+    world = domain if isinstance(domain, int) else domain[0] * domain[1]
+    shapes = run(world, _check_monai, domain, case)
+    if isinstance(domain, int):
+        assert len(set(shapes)) > 1, shapes  # uneven slabs
