@@ -1294,8 +1294,14 @@ class _GuardMode(TorchFunctionMode):
         (space-to-depth, patch merging, ``x[:, 0::2]`` / ``x[:, 1::2]`` pairs). Decided from
         every rank's local lengths (one small all-gather), so all ranks raise alike.
         """
+        from .comm.sizes import scope_forget
+
         leaves = [x.shape[d] for d, _ in phases]
         rows = self._gather_with_coords([int(v) for v in leaves], "forward guard: strided slicing")
+        # The result has a layout the layout scope has not seen and this call does not declare:
+        # forget the scope (alike on every rank), or a later layer could find a remembered layout
+        # on some ranks only (a last slab of one row keeps its length) and skip its agreement there.
+        scope_forget()
         for j, (d, step) in enumerate(phases):
             k = st.index(d)
             lengths = [r[j] for r in self._along_axis(rows, k)]

@@ -703,3 +703,27 @@ def _entry_methods(domain, sizes):
 def test_timm_entry_methods_run_under_the_guard(run, domain):
     sizes = {2: (64, 32), 3: (64, 32, 32)}[domain]
     assert max(run(domain, _entry_methods, domain, sizes)) < 1e-10
+
+
+class PhaseAfterConv(nn.Module):
+    """A strided phase between two sharded convolutions (the second agrees on the sliced slab)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.c2(self.c1(x)[:, :, 0::2])
+
+
+def _phase_one_row_slab(domain):
+    # Slabs (4, 1): after `0::2` they are (2, 1). The last slab keeps its length, so a layout
+    # remembered from before the slice would answer on that rank only, and the ranks hung.
+    return max(check_against_reference(PhaseAfterConv().double(), torch.randn(1, 2, 5, 6, dtype=torch.float64),
+                                       mesh(domain), sizes=(4, 1)).values())
+
+
+def test_strided_phase_then_sharded_layer_agrees_again(run):
+    assert max(run(2, _phase_one_row_slab, 2)) < 1e-12
