@@ -111,6 +111,33 @@ def mark_layout(t: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     return t
 
 
+def run_local(fn: Callable, *args, draws_on: torch.device | None = None, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on this rank's own part of a slab, the guard standing aside.
+
+    For library code inside a guarded block that hands model code a tensor the guard does not
+    follow but which is this rank's share of the data (a Swin block's windows, each on one
+    rank): the calls inside run untouched (nothing of theirs mixes ranks), and, with
+    ``draws_on`` (the device of the random draws, where ``fn`` draws: dropout in training),
+    from this rank's own stream of the guard's random streams, independent of the other ranks'
+    (the law of element-wise dropout on one device). Outside a guarded forward: ``fn`` as is.
+    """
+    mode = getattr(_ACTIVE, "guard", None)
+    if mode is None or mode is _SINGLE or mode.suspended:
+        return fn(*args, **kwargs)
+
+    def aside(*a, **k):
+        mode.suspend()
+        try:
+            return fn(*a, **k)
+        finally:
+            mode.resume()
+
+    if draws_on is None:
+        return aside(*args, **kwargs)
+    every_axis = tuple(range(len(mode.guard.axes)))  # a stream of its own on every domain rank
+    return mode._draw(aside, args, kwargs, every_axis, draws_on)
+
+
 # ------------------------------------------------------------------------------- tagged sizes
 
 

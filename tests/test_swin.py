@@ -87,6 +87,28 @@ def test_swin_matches_timm(run, case, domain):
     assert all(r[1] < 1e-10 for r in results)
 
 
+def _dropout_masks(domain):
+    """Projection-dropout masks of one window attention in training, as each rank drew them."""
+    import timm
+
+    mesh = make_mesh(domain)
+    torch.manual_seed(0)  # every rank seeded alike, as data-parallel scripts do
+    ref = timm.create_model("swin_tiny_patch4_window7_224", **dict(SMALL, img_size=(256, 64), proj_drop_rate=0.5))
+    model = snn.convert(ref, mesh).train()
+    seen = []
+    model.layers[0].blocks[0].attn.proj_drop.register_forward_hook(lambda m, a, out: seen.append(out == 0))
+    x = torch.randn(1, 3, 256, 64, generator=torch.Generator().manual_seed(3))
+    model(snn.shard(x, mesh, dims=(2,), align=64))
+    return seen[0]
+
+
+def test_window_dropout_draws_independently_on_each_rank(run):
+    a, b = run(2, _dropout_masks, 2)
+    assert a.shape == b.shape  # even slabs: the same number of windows on both ranks
+    assert 0.4 < a.float().mean().item() < 0.6 and 0.4 < b.float().mean().item() < 0.6
+    assert not torch.equal(a, b)  # a shared stream drew the same mask for every rank's windows
+
+
 def _misaligned(domain):
     mesh = make_mesh(domain)
     name, kwargs, (h, w) = CASES["v1"]

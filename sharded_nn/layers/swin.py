@@ -15,7 +15,10 @@ replaces ``_attn`` (V2-CR: ``_shifted_window_attn``), the shifted-window attenti
    unsharded dims roll locally;
 2. the padding to whole windows at the image's end only (the last rank along a sharded dim);
 3. window partition, timm's ``WindowAttention`` (relative position bias, V2's cosine attention
-   and continuous position bias alike) and window reverse on the slab;
+   and continuous position bias alike) and window reverse on the slab, the attention run beside
+   the forward guard (``attend_windows``: each window is on one rank; its dropout in training
+   draws from this rank's own stream, independent of the other ranks', as one device's
+   element-wise dropout is);
 4. the shift mask of this rank's windows (``local_shift_mask``): rows of timm's ``attn_mask``
    buffer, or, for ``dynamic_mask`` blocks, timm's ``get_attn_mask`` on this rank's windows
    plus one window past its end (so the mask costs a slab's worth, not the image's);
@@ -43,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import gather_layouts
@@ -51,7 +55,10 @@ from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import axis_index, domain_axes
 from .squeeze_excite import GuardedAsIs
 
-__all__ = ["ShardedSwinBlockMixin", "SlabWindows", "local_shift_mask", "register_loaded", "roll_slab", "window_starts"]
+__all__ = [
+    "ShardedSwinBlockMixin", "SlabWindows", "attend_windows", "local_shift_mask", "register_loaded", "roll_slab",
+    "window_starts",
+]
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,19 @@ def local_shift_mask(
     return mask.reshape(-1, *mask.shape[len(grid) :])
 
 
+def attend_windows(attn: nn.Module, windows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``attn(windows, mask=mask)`` on this rank's windows, beside the forward guard.
+
+    Each window lies on one rank, so nothing in the library's window attention mixes ranks; its
+    dropout in training (attention and projection dropout) draws from this rank's own stream, as
+    element-wise dropout of a slab does (independent of the other ranks' windows).
+    """
+    from ..forward_guard import run_local
+
+    draws = attn.training and any(getattr(m, "p", 0) > 0 for m in attn.modules() if isinstance(m, nn.Dropout))
+    return run_local(attn, windows, mask=mask, draws_on=windows.device if draws else None)
+
+
 class ShardedSwinBlockMixin(GuardedAsIs):
     """Mixin for timm Swin blocks: ``_attn`` over a sharded token grid (see the module doc)."""
 
@@ -193,7 +213,7 @@ class ShardedSwinBlockMixin(GuardedAsIs):
         nh, nw = hp // ws[0], wp // ws[1]
         win = y.view(b, nh, ws[0], nw, ws[1], c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws[0] * ws[1], c)
         mask = self._local_mask(y, slab, (hp, wp), ws) if has_shift else None
-        out = self.attn(win, mask=mask)
+        out = attend_windows(self.attn, win, mask)
         out = out.view(b, nh, nw, ws[0], ws[1], c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
         out = out[:, :h, :w, :].contiguous()
         return roll_slab(out, shift, self.mesh, slab.sharded, name) if has_shift else out
@@ -225,8 +245,6 @@ _TARGETS = (
 def register_loaded() -> None:
     """Register sharded versions of the Swin blocks whose modules are loaded (see ``convert``)."""
     import sys
-
-    import torch.nn as nn
 
     from ..registry import register, registered
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from .squeeze_excite import GuardedAsIs
-from .swin import local_shift_mask, roll_slab, window_starts
+from .swin import attend_windows, local_shift_mask, roll_slab, window_starts
 
 __all__ = ["ShardedMonaiSwinBlockMixin", "ShardedMonaiSwinStageMixin", "register_loaded"]
 
@@ -143,7 +143,7 @@ class ShardedMonaiSwinBlockMixin(GuardedAsIs):
         shifted = any(ss)
         if shifted:
             y = roll_slab(y, [-s for s in ss], self.mesh, slab.sharded, name)
-        windows = self.attn(m.window_partition(y, ws), mask=mask_matrix if shifted else None)
+        windows = attend_windows(self.attn, m.window_partition(y, ws), mask_matrix if shifted else None)
         y = m.window_reverse(windows.view(-1, *(tuple(ws) + (c,))), ws, grid)
         if shifted:
             y = roll_slab(y, ss, self.mesh, slab.sharded, name)
