@@ -55,6 +55,21 @@ def _reference(ref, x, gen):
     return y.detach(), g, xr.grad
 
 
+def _compare_classifier(ref, model, x, mesh, dims, align, gen):
+    """Replicated logits, the input gradient and the summed parameter gradients against ``ref``."""
+    logits, g, gx_ref = _reference(ref, x, gen)
+    assert gx_ref.abs().max() > 0
+    xl = snn.shard(x, mesh, dims=dims, align=align).requires_grad_()
+    out = model(xl)
+    torch.testing.assert_close(out, logits, atol=1e-10, rtol=1e-10)
+    snn.losses.share((out * g).sum(), mesh).backward()
+    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=dims), gx_ref, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, mesh)
+    for pname, p in ref.named_parameters():
+        torch.testing.assert_close(grads[pname], p.grad, atol=1e-10, rtol=1e-8, msg=lambda m, n=pname: f"{n}: {m}")
+    return xl, out, logits
+
+
 def _check(domain, case):
     name, kwargs, (h, w) = CASES[case]
     mesh = make_mesh(domain)
@@ -65,16 +80,7 @@ def _check(domain, case):
     assert all(a % 16 == 0 for a in align), align  # windows of 4 tokens of 4 pixels at least
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
-    logits, g, gx_ref = _reference(ref, x, gen)
-
-    xl = snn.shard(x, mesh, dims=dims, align=align).requires_grad_()
-    out = model(xl)
-    torch.testing.assert_close(out, logits, atol=1e-10, rtol=1e-10)
-    snn.losses.share((out * g).sum(), mesh).backward()
-    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=dims), gx_ref, atol=1e-10, rtol=1e-10)
-    grads = reduce_param_grads(model, mesh)
-    for pname, p in ref.named_parameters():
-        torch.testing.assert_close(grads[pname], p.grad, atol=1e-10, rtol=1e-8, msg=lambda m, n=pname: f"{n}: {m}")
+    xl, out, logits = _compare_classifier(ref, model, x, mesh, dims, align, gen)
     return tuple(xl.shape), (out - logits).abs().max().item()
 
 
@@ -205,5 +211,41 @@ MONAI_RUNS = [("2d", 3), ("2d", (2, 2)), ("2d_v2", 2), ("3d", 2)]
 def test_monai_swin_unetr_matches_monai(run, case, domain):
     world = domain if isinstance(domain, int) else domain[0] * domain[1]
     shapes = run(world, _check_monai, domain, case)
+    if isinstance(domain, int):
+        assert len(set(shapes)) > 1, shapes  # uneven slabs
+
+
+# --------------------------------------------------------------------------- torchvision Swin
+
+
+def _check_torchvision(domain, version, shape):
+    import torchvision.models.swin_transformer as tvs
+
+    mesh = make_mesh(domain)
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    extra = dict(block=tvs.SwinTransformerBlockV2, downsample_layer=tvs.PatchMergingV2) if version == 2 else {}
+    torch.manual_seed(0)
+    ref = tvs.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2, 2], num_heads=[1, 2, 2],
+                              window_size=[4, 4], stochastic_depth_prob=0.0, **extra).double().eval()  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+    model = snn.convert(copy.deepcopy(ref), mesh)
+    align = snn.alignment(ref, dims=dims, input_shape=shape)
+    assert align == (64,) * len(dims), align  # 16 pixels per token at stage 2, windows of 4
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    xl, _, _ = _compare_classifier(ref, model, x, mesh, dims, align, gen)
+    return tuple(xl.shape)
+
+
+# V1 at P = 3 (slabs 128, 128, 64 rows) and on a 2 x 2 mesh, V2 at P = 2 (128, 64).
+TORCHVISION_RUNS = [(1, 3, (2, 3, 320, 64)), (1, (2, 2), (1, 3, 256, 128)), (2, 2, (1, 3, 192, 64))]
+
+
+@pytest.mark.parametrize("version, domain, shape", TORCHVISION_RUNS, ids=str)
+def test_torchvision_swin_matches_torchvision(run, version, domain, shape):
+    world = domain if isinstance(domain, int) else domain[0] * domain[1]
+    shapes = run(world, _check_torchvision, domain, version, shape)
     if isinstance(domain, int):
         assert len(set(shapes)) > 1, shapes  # uneven slabs

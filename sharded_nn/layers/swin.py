@@ -145,16 +145,21 @@ def local_shift_mask(
     return mask.reshape(-1, *mask.shape[len(grid) :])
 
 
-def attend_windows(attn: nn.Module, windows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attend_windows(
+    attn: Callable, windows: torch.Tensor, mask: torch.Tensor | None, draws: bool | None = None
+) -> torch.Tensor:
     """``attn(windows, mask=mask)`` on this rank's windows, beside the forward guard.
 
     Each window lies on one rank, so nothing in the library's window attention mixes ranks; its
     dropout in training (attention and projection dropout) draws from this rank's own stream, as
-    element-wise dropout of a slab does (independent of the other ranks' windows).
+    element-wise dropout of a slab does (independent of the other ranks' windows). ``draws``:
+    whether ``attn`` draws random numbers; ``None``: an ``nn.Module`` in training with a
+    ``nn.Dropout`` of ``p > 0``.
     """
     from ..forward_guard import run_local
 
-    draws = attn.training and any(getattr(m, "p", 0) > 0 for m in attn.modules() if isinstance(m, nn.Dropout))
+    if draws is None:
+        draws = attn.training and any(getattr(m, "p", 0) > 0 for m in attn.modules() if isinstance(m, nn.Dropout))
     return run_local(attn, windows, mask=mask, draws_on=windows.device if draws else None)
 
 
@@ -254,6 +259,7 @@ def register_loaded() -> None:
         if isinstance(cls, type) and issubclass(cls, nn.Module) and registered(cls) is None:
             sharded = type(f"Sharded{name}", (ShardedSwinBlockMixin, cls), {"__module__": __name__})
             register(cls)(sharded)
-    from . import swin_monai
+    from . import swin_monai, swin_torchvision
 
     swin_monai.register_loaded()
+    swin_torchvision.register_loaded()
