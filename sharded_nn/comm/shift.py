@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..layout import Layout
 from .halo import HaloSpec, halo_cat
 from .peers import axis_peers
 from .sizes import gather_layouts
@@ -26,6 +27,7 @@ def periodic_shift(
     dims: tuple[int, ...],
     *,
     what: str = "periodic_shift",
+    layout: Layout | None = None,
 ) -> torch.Tensor:
     """This rank's slab of ``torch.roll(x_full, shift, dim)``, where ``dim`` is sharded.
 
@@ -36,6 +38,8 @@ def periodic_shift(
         mesh: mesh with domain axes.
         dims: the sharded dims of ``x``, ``dims[k]`` sharded by the k-th domain axis.
         what: the caller's name, for messages.
+        layout: the layout of ``dim``, when the caller has agreed on it already (the same on every
+            rank); saves the all-gather of the slab shapes.
 
     Raises:
         ShardingError: (on every rank alike) when the shift needs more positions than a
@@ -45,7 +49,8 @@ def periodic_shift(
 
     dim = dim % x.dim()
     k = list(dims).index(dim)
-    layout = gather_layouts(x.shape, mesh, dims, what=what)[k]
+    if layout is None:
+        layout = gather_layouts(x.shape, mesh, dims, what=what)[k]
     ring = axis_peers(mesh, domain_axes(mesh)[k])
     s = shift % layout.size
     if s == 0:

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from ..comm import gather_layouts
 from ..comm.shift import periodic_shift
 from ..errors import ShardingError, ShardingNotImplementedError
+from ..layout import Layout
 from ..mesh import axis_index, domain_axes
 from .squeeze_excite import GuardedAsIs
 
@@ -70,12 +71,22 @@ class SlabWindows:
         first: this rank's first position along each token dim (0 where not sharded).
         last: whether this rank holds the grid's end along each token dim (True where not sharded).
         sharded: the tensor dims that are sharded (token dims count from 1).
+        layouts: the agreed layout of each sharded dim.
     """
 
     sizes: tuple[int, ...]
     first: tuple[int, ...]
     last: tuple[bool, ...]
     sharded: tuple[int, ...]
+    layouts: tuple[Layout, ...]
+
+    def end_pads(self, windows: Sequence[int]) -> list[int]:
+        """Positions that pad the grid to whole windows along each token dim (the same on every rank)."""
+        return [(w - g % w) % w for w, g in zip(windows, self.sizes)]
+
+    def my_pads(self, windows: Sequence[int]) -> list[int]:
+        """What this rank pads: the end padding where it holds the grid's end, else nothing."""
+        return [p if end else 0 for p, end in zip(self.end_pads(windows), self.last)]
 
 
 def window_starts(x: torch.Tensor, mesh, token_dims: Sequence[int], windows: Sequence[int] | None, what: str) -> SlabWindows:
@@ -93,15 +104,15 @@ def window_starts(x: torch.Tensor, mesh, token_dims: Sequence[int], windows: Seq
         lay.require_nonempty(f"{what} along dim {d}")
         i = axis_index(mesh, a)
         sizes[d - 1], first[d - 1], last[d - 1] = lay.size, lay.starts[i], i == len(lay.sizes) - 1
-    out = SlabWindows(tuple(sizes), tuple(first), tuple(last), tuple(token_dims))
+    out = SlabWindows(tuple(sizes), tuple(first), tuple(last), tuple(token_dims), tuple(layouts))
     if windows is not None:
-        check_windows(out, layouts, windows, what)
+        check_windows(out, windows, what)
     return out
 
 
-def check_windows(slab: SlabWindows, layouts, windows: Sequence[int], what: str) -> None:
+def check_windows(slab: SlabWindows, windows: Sequence[int], what: str) -> None:
     """Every slab along a sharded token dim starts on a multiple of that dim's window."""
-    for lay, d in zip(layouts, slab.sharded):
+    for lay, d in zip(slab.layouts, slab.sharded):
         w = windows[d - 1]
         if any(s % w for s in lay.starts):
             raise ShardingError(
@@ -112,14 +123,23 @@ def check_windows(slab: SlabWindows, layouts, windows: Sequence[int], what: str)
             )
 
 
-def roll_slab(y: torch.Tensor, shifts: Sequence[int], mesh, sharded: Sequence[int], what: str) -> torch.Tensor:
-    """``torch.roll(y_full, shifts, dims=(1, ..., n))`` on this rank's slab (periodic shifts on sharded dims)."""
+def roll_slab(
+    y: torch.Tensor, shifts: Sequence[int], mesh, slab: SlabWindows, what: str, pads: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``torch.roll(y_full, shifts, dims=(1, ..., n))`` on this rank's slab (periodic shifts on sharded dims).
+
+    ``pads``: the grid's end padding along each token dim when ``y`` is padded (``end_pads``);
+    the layouts come from ``slab`` (agreed once), so the shifts gather nothing.
+    """
     local_s, local_d = [], []
     for k, s in enumerate(shifts):
         if not s:
             continue
-        if k + 1 in sharded:
-            y = periodic_shift(y, s, k + 1, mesh, tuple(sharded), what=what)
+        if k + 1 in slab.sharded:
+            lay = slab.layouts[slab.sharded.index(k + 1)]
+            if pads and pads[k]:
+                lay = Layout((*lay.sizes[:-1], lay.sizes[-1] + pads[k]))
+            y = periodic_shift(y, s, k + 1, mesh, slab.sharded, what=what, layout=lay)
         else:
             local_s.append(s)
             local_d.append(k + 1)
@@ -210,9 +230,9 @@ class ShardedSwinBlockMixin(GuardedAsIs):
         slab = window_starts(x, self.mesh, (1,), ws, name)
         b, h, w, c = x.shape
         has_shift = any(shift)
-        y = roll_slab(x, [-s for s in shift], self.mesh, slab.sharded, name) if has_shift else x
+        y = roll_slab(x, [-s for s in shift], self.mesh, slab, name) if has_shift else x
         # timm rolls, then pads to whole windows at the image's end: only the rank holding it pads.
-        pads = [(ws[k] - slab.sizes[k] % ws[k]) % ws[k] if slab.last[k] else 0 for k in range(2)]
+        pads = slab.my_pads(ws)
         y = F.pad(y, (0, 0, 0, pads[1], 0, pads[0]))
         hp, wp = y.shape[1], y.shape[2]
         nh, nw = hp // ws[0], wp // ws[1]
@@ -221,7 +241,7 @@ class ShardedSwinBlockMixin(GuardedAsIs):
         out = attend_windows(self.attn, win, mask)
         out = out.view(b, nh, nw, ws[0], ws[1], c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
         out = out[:, :h, :w, :].contiguous()
-        return roll_slab(out, shift, self.mesh, slab.sharded, name) if has_shift else out
+        return roll_slab(out, shift, self.mesh, slab, name) if has_shift else out
 
     def _local_mask(self, y, slab: SlabWindows, local, ws) -> torch.Tensor:
         """This rank's windows of timm's shift mask of the whole padded image."""

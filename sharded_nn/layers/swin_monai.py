@@ -99,9 +99,7 @@ class ShardedMonaiSwinStageMixin(GuardedAsIs):
         window_starts(t, self.mesh, dims, ws, name)
         mask = None
         if any(ss):
-            padded = [
-                n + ((w - g % w) % w if end else 0) for n, w, g, end in zip(t.shape[1:-1], ws, slab.sizes, slab.last)
-            ]
+            padded = [n + p for n, p in zip(t.shape[1:-1], slab.my_pads(ws))]
             mask = local_shift_mask(lambda s: m.compute_mask(s, ws, ss, t.device), padded, ws, slab.last)
         for blk in self.blocks:
             t = blk(t, mask)
@@ -133,20 +131,21 @@ class ShardedMonaiSwinBlockMixin(GuardedAsIs):
         local = x.shape[1:-1]
         c = x.shape[-1]
         y = self.norm1(x)
-        # MONAI pads to whole windows first (at the volume's end: only the rank holding it), then rolls.
-        pads = [(w - g % w) % w if end else 0 for w, g, end in zip(ws, slab.sizes, slab.last)]
+        # MONAI pads to whole windows first (at the volume's end: only the rank holding it), then
+        # rolls the padded volume.
         flat = [0, 0]
-        for p in reversed(pads):
+        for p in reversed(slab.my_pads(ws)):
             flat += [0, p]
         y = F.pad(y, flat)
         grid = [y.shape[0], *y.shape[1:-1]]
         shifted = any(ss)
+        end = slab.end_pads(ws)
         if shifted:
-            y = roll_slab(y, [-s for s in ss], self.mesh, slab.sharded, name)
+            y = roll_slab(y, [-s for s in ss], self.mesh, slab, name, pads=end)
         windows = attend_windows(self.attn, m.window_partition(y, ws), mask_matrix if shifted else None)
         y = m.window_reverse(windows.view(-1, *(tuple(ws) + (c,))), ws, grid)
         if shifted:
-            y = roll_slab(y, ss, self.mesh, slab.sharded, name)
+            y = roll_slab(y, ss, self.mesh, slab, name, pads=end)
         crop = (slice(None), *(slice(0, n) for n in local))
         return y[crop].contiguous()
 

@@ -85,13 +85,13 @@ class ShardedTvWindowAttentionMixin(GuardedAsIs):
         b, h, w, _ = x.shape
         # torchvision pads to whole windows, then drops the shift where a window covers the
         # padded image: both decided on the global sizes.
-        glob_p = [g + (k - g % k) % k for g, k in zip(slab.sizes, ws)]
-        ss = [0 if k >= p else s for k, p, s in zip(ws, glob_p, self.shift_size)]
-        pads = [(k - g % k) % k if end else 0 for k, g, end in zip(ws, slab.sizes, slab.last)]
+        end = slab.end_pads(ws)
+        ss = [0 if k >= g + p else s for k, g, p, s in zip(ws, slab.sizes, end, self.shift_size)]
+        pads = slab.my_pads(ws)
         y = F.pad(x, (0, 0, 0, pads[1], 0, pads[0]))
         bias = self.get_relative_position_bias()
         if any(ss):
-            y = roll_slab(y, [-s for s in ss], self.mesh, slab.sharded, name)
+            y = roll_slab(y, [-s for s in ss], self.mesh, slab, name, pads=end)
             mask = local_shift_mask(lambda s: _shift_mask(s, ws, ss, y), y.shape[1:3], ws, slab.last)
             # torchvision adds one bias to every window, then the mask per window: one bias per
             # (batch entry, window) here, in its window order (batch-major).
@@ -108,7 +108,7 @@ class ShardedTvWindowAttentionMixin(GuardedAsIs):
         draws = self.training and (self.attention_dropout > 0 or self.dropout > 0)
         out = attend_windows(attention, y, None, draws=draws)
         if any(ss):
-            out = roll_slab(out, ss, self.mesh, slab.sharded, name)
+            out = roll_slab(out, ss, self.mesh, slab, name, pads=end)
         return out[:, :h, :w].contiguous()
 
 
