@@ -10,8 +10,9 @@ megapixels. For each model and input size this measures, one thread per rank, in
   sum of the logits weighted by fixed random numbers.
 
 P=1 is plain timm (``timm.create_model(name, num_classes=10, drop_rate=0, drop_path_rate=0)``,
-randomly initialised with a fixed seed); P=2 is ``snn.convert`` of the same model, the
-``(1, 3, H, W)`` input sharded on H with the model's alignment (``snn.alignment``). Times are
+randomly initialised with a fixed seed; models timm builds for one input size, such as Swin,
+with ``img_size=(H, W)``); P=2 is ``snn.convert`` of the same model, the ``(1, 3, H, W)`` input
+sharded on H with the model's alignment (``snn.alignment`` at that input shape). Times are
 the median of ``--iters`` steps after one warm-up (more for short steps: about
 ``--min-seconds`` of steps, at most 30), slowest rank; steps shorter than a quarter second run
 back to back in at least five groups, one barrier before each group (as a training loop runs
@@ -60,11 +61,15 @@ TARGETS = {"512x256": 1.0, "1024x512": 1.6, "2048x1024": 1.85}
 SEED = 0
 
 
-def _build(name: str):
+def _build(name: str, h: int, w: int):
     import timm
 
     torch.manual_seed(SEED)
-    return timm.create_model(name, num_classes=10, drop_rate=0.0, drop_path_rate=0.0)
+    # Models built for one input size (Swin: its window masks; ViTs: position embeddings) are
+    # built for this one, as a user fine-tuning at the resolution would.
+    fixed = timm.models.get_pretrained_cfg(name) is not None and timm.models.get_pretrained_cfg(name).fixed_input_size
+    kw = {"img_size": (h, w)} if fixed else {}
+    return timm.create_model(name, num_classes=10, drop_rate=0.0, drop_path_rate=0.0, **kw)
 
 
 def _median_time(fn, iters: int, sync, min_seconds: float = 0.0) -> tuple[float, object]:
@@ -120,13 +125,13 @@ def rank_main(
     # Read by the communication layer at every call: "gloo" sends every message through gloo
     # (the A/B of the same-host transport, ``--transport``).
     os.environ["SHARDED_NN_TRANSPORT"] = transport
-    model = _build(name).to(dtype)
+    model = _build(name, h, w).to(dtype)
     x_full = torch.randn(1, 3, h, w, generator=torch.Generator().manual_seed(SEED + 1)).to(dtype)
     weights = torch.randn(1, 10, generator=torch.Generator().manual_seed(SEED + 2)).to(dtype)
     mesh = None
     if sharded:
         mesh = snn.init_mesh(domain=dist.get_world_size())
-        align = snn.alignment(model, 2)
+        align = snn.alignment(model, 2, input_shape=(1, 3, h, w))
         # convert installs the layout scope: layouts agreed once per forward, on the input.
         model = snn.convert(model, mesh)
         x = x_full[snn.local_slices(x_full.shape, mesh, dims=(2,), align=align)].clone()
