@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from .squeeze_excite import GuardedAsIs
-from .swin import attend_windows, local_shift_mask, roll_slab, window_starts
+from .swin import attend_windows, check_windows, local_shift_mask, roll_slab, window_starts
 
 __all__ = ["ShardedMonaiSwinBlockMixin", "ShardedMonaiSwinStageMixin", "register_loaded"]
 
@@ -96,7 +96,7 @@ class ShardedMonaiSwinStageMixin(GuardedAsIs):
         t = mark_layout(x.movedim(1, -1), dims)  # b c d h w -> b d h w c, as MONAI's rearrange
         slab = window_starts(t, self.mesh, dims, None, name)
         ws, ss = m.get_window_size(slab.sizes, self.window_size, self.shift_size)
-        window_starts(t, self.mesh, dims, ws, name)
+        check_windows(slab, ws, name)  # the window is known only now: clipped on the global sizes
         mask = None
         if any(ss):
             padded = [n + p for n, p in zip(t.shape[1:-1], slab.my_pads(ws))]
@@ -127,7 +127,7 @@ class ShardedMonaiSwinBlockMixin(GuardedAsIs):
         dims = _token_dims(self.mesh)
         slab = window_starts(x, self.mesh, dims, None, name)
         ws, ss = m.get_window_size(slab.sizes, self.window_size, self.shift_size)
-        window_starts(x, self.mesh, dims, ws, name)
+        check_windows(slab, ws, name)
         local = x.shape[1:-1]
         c = x.shape[-1]
         y = self.norm1(x)
