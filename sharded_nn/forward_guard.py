@@ -141,6 +141,10 @@ def run_local(fn: Callable, *args, draws_on: torch.device | None = None, **kwarg
 # ------------------------------------------------------------------------------- tagged sizes
 
 
+class _WholeDomainOperand(Exception):
+    """Internal: a pointwise call's plain operand varies along a sharded dim (``_broadcast``)."""
+
+
 class LocalDerived(int):
     """An int computed from local slab sizes: arithmetic on it stays tagged.
 
@@ -934,16 +938,32 @@ class _GuardMode(TorchFunctionMode):
         if kind == "pointwise":
             try:
                 out = func(*args, **kwargs)
-            except RuntimeError as e:
-                self._explain_mismatch(base, stateful, found, e)
-                raise
+            except RuntimeError:
+                # A slab met a tensor sized for the whole domain (a fixed-size position embedding,
+                # a per-pixel bias): this rank takes its rows of it, or the error stands.
+                rows = self._whole_domain_rows(base, found)
+                if rows is None:
+                    raise
+                args, kwargs, found = self._with_rows(rows, args, kwargs, found)
+                out = func(*args, **kwargs)
             if len(found) == 1 and stateful and isinstance(out, torch.Tensor) and out.dim() == found[0].dim():
                 # The commonest call between sharded layers (an activation, a scale, a dtype
                 # cast): the slab is the call's only tensor, so an output of its rank keeps its
                 # layout (what ``_broadcast`` concludes).
                 states[out] = states.get(found[0])
             else:
-                self._set(out, self._broadcast(base, args, kwargs, out, found))
+                try:
+                    st = self._broadcast(base, args, kwargs, out, found, rows_of_whole=True)
+                except _WholeDomainOperand:
+                    # The call broadcast on this rank (its slab holds every row, or one row): the
+                    # other ranks came the exception's way; all take the same gather here.
+                    rows = self._whole_domain_rows(base, found)
+                    changed = any(rows[id(t)].shape != t.shape for t in found if id(t) in rows)
+                    args, kwargs, found = self._with_rows(rows, args, kwargs, found)
+                    if changed:
+                        out = func(*args, **kwargs)
+                    st = self._broadcast(base, args, kwargs, out, found)
+                self._set(out, st)
         else:
             handler = _HANDLERS.get(kind)
             if handler is None:
@@ -958,36 +978,95 @@ class _GuardMode(TorchFunctionMode):
                 states[args[0]] = st
         return out
 
-    def _explain_mismatch(self, base: str, stateful, found, err: RuntimeError) -> None:
-        """Raise a ``ShardingError`` where a pointwise call failed because a slab met a whole-domain tensor.
+    def _whole_domain_rows(self, base: str, found: list) -> dict[int, torch.Tensor] | None:
+        """This rank's rows of each tensor among ``found`` that is sized for the whole domain.
 
-        A parameter or buffer sized for the whole image along a sharded dim (a fixed-size position
-        embedding, a per-pixel bias) cannot broadcast against a slab: torch's own message names
-        two sizes but not why they differ, so this one does.
+        A tensor not made from the input slab (a parameter, a buffer, a constant: the same on
+        every rank) that varies along a dim the call's slabs are sharded along holds every global
+        position there: a fixed-size position embedding, a per-pixel bias or land-sea mask, static
+        fields concatenated as channels. Where its size along that dim is the global size, each
+        rank takes its own rows (``narrow`` at its slab's global start): exactly what the single
+        device pairs with those positions. The gradient of a parameter used so is this rank's
+        part of it, summed over the domain like every other parameter gradient. Any other size
+        is refused. Whether a call comes here depends only on what every rank has alike (the
+        plain tensor's shape, the layouts), so every rank makes the one small all-gather of the
+        local lengths. Returns ``{id(tensor): its rows}`` (unchanged tensors map to themselves),
+        or None where no plain tensor varies along a sharded dim.
         """
-        if "must match the size" not in str(err):
-            return
-        for t in stateful:
+        tensors = [t for t in found if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return None
+        nd = max(t.dim() for t in tensors)
+        layout: list = [None] * len(self.guard.axes)
+        length: dict[int, int] = {}
+        for t in tensors:
             st = self.states.get(t)
-            for k, d in enumerate(st if st not in (None, UNKNOWN) else ()):
+            if st is None:
+                continue
+            if st is UNKNOWN:
+                return None
+            for k, d in enumerate(st):
                 if d is None:
                     continue
-                back = t.dim() - d  # broadcasting aligns dims from the right
-                for u in found:
-                    if not isinstance(u, torch.Tensor) or any(u is s for s in stateful) or u.dim() < back:
-                        continue
-                    n = u.shape[u.dim() - back]
-                    if n not in (1, t.shape[d]):
-                        mod, src = self.where()
-                        raise ShardingError(
-                            f"forward guard: `{base}` in module {mod} at {src}: it combines a slab, sharded along "
-                            f"dim {d} (mesh axis {self.guard.axes[k]!r}), with a tensor not made from the input "
-                            f"slab (a parameter, a buffer, a constant) that has {n} positions there: it is sized "
-                            "for the whole domain (a fixed-size position embedding or bias?), so each rank would "
-                            "need its own slice of it. Register a sharded class for the "
-                            "module that takes this rank's rows (sharded_nn.register; the ViT zoo does this for "
-                            "timm's VisionTransformer / Eva), or build the model for dynamic sizes."
-                        ) from err
+                dd = d + nd - t.dim()
+                if layout[k] not in (None, dd):
+                    return None
+                layout[k] = dd
+                length[dd] = t.shape[d]
+        sharded = [(k, dd) for k, dd in enumerate(layout) if dd is not None]
+        plain = [t for t in tensors if t not in self.states]
+        wide = [
+            u for u in plain
+            if any(0 <= dd - (nd - u.dim()) and u.shape[dd - (nd - u.dim())] > 1 for _, dd in sharded)
+        ]
+        if not wide:
+            return None
+        self._routing(f"`{base}`")
+        rows = self._gather_with_coords([length[dd] for _, dd in sharded], f"forward guard: rows of a whole-domain operand of `{base}`")
+        span: dict[int, tuple[int, int]] = {}
+        for j, (k, dd) in enumerate(sharded):
+            lengths = [r[j] for r in self._along_axis(rows, k)]
+            mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+            span[dd] = (sum(lengths[:mine]), sum(lengths))
+        out: dict[int, torch.Tensor] = {id(t): t for t in tensors}
+        for u in wide:
+            v = u
+            state: list = [None] * len(self.guard.axes)
+            for k, dd in sharded:
+                i = dd - (nd - u.dim())
+                if i < 0 or u.shape[i] == 1:
+                    continue
+                start, total = span[dd]
+                if u.shape[i] != total:
+                    self.fail(
+                        f"`{base}`",
+                        f"it combines a slab, sharded along dim {dd} (mesh axis {self.guard.axes[k]!r}, {total} positions "
+                        f"in all), with a tensor not made from the input slab (a parameter, a buffer, a constant) that "
+                        f"has {u.shape[i]} positions there: neither one position (broadcast) nor the whole domain "
+                        "(each rank would take its rows)",
+                        "size it for the whole domain or build it from the slab; for a model built for a fixed size, "
+                        "give it the size of the whole sample",
+                    )
+                # A view even where the slab holds every row: the rows are a slab of ``u`` now.
+                v = v.narrow(i, start, length[dd])
+                state[k] = i
+            self.states[v] = tuple(state)
+            out[id(u)] = v
+        return out
+
+    def _with_rows(self, rows: dict, args, kwargs, found: list):
+        """``args``, ``kwargs`` and ``found`` with each tensor replaced by its rows (``_whole_domain_rows``)."""
+
+        def sub(obj, depth=0):
+            if isinstance(obj, torch.Tensor):
+                return rows.get(id(obj), obj)
+            if depth < 2 and isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+                return type(obj)(sub(o, depth + 1) for o in obj)
+            if depth < 1 and isinstance(obj, dict):
+                return {k: sub(o, depth + 1) for k, o in obj.items()}
+            return obj
+
+        return sub(args), sub(kwargs), [sub(t) for t in found]
 
     def _what(self, stateful, tagged) -> str:
         if stateful:
@@ -1065,8 +1144,13 @@ class _GuardMode(TorchFunctionMode):
         self._set(out, self._broadcast(base, args, kwargs, out))
         return out
 
-    def _broadcast(self, base, args, kwargs, out, found: list | None = None):
-        """The layout of a pointwise call's output; ``found``: the call's arguments as walked already."""
+    def _broadcast(self, base, args, kwargs, out, found: list | None = None, rows_of_whole: bool = False):
+        """The layout of a pointwise call's output; ``found``: the call's arguments as walked already.
+
+        ``rows_of_whole``: the caller can give each rank its rows of a tensor sized for the whole
+        domain (``_whole_domain_rows``), so a plain tensor that varies along a sharded dim raises
+        ``_WholeDomainOperand`` for it instead of being refused here.
+        """
         outs = [out] if isinstance(out, torch.Tensor) else _flat_tensors(out)
         if not outs:
             return None
@@ -1108,6 +1192,8 @@ class _GuardMode(TorchFunctionMode):
                     continue
                 i = d - (nd - t.dim())
                 if 0 <= i < t.dim() and t.shape[i] > 1:
+                    if st is None and rows_of_whole:
+                        raise _WholeDomainOperand
                     self.fail(
                         f"`{base}`",
                         f"a tensor that is not sharded along dim {d} (shape {tuple(t.shape)}) is combined with a "
@@ -1390,10 +1476,27 @@ class _GuardMode(TorchFunctionMode):
         if st is not None and dim in st:
             self.fail(f"`{base}`", f"it concatenates slabs along sharded dim {dim}",
                       "concatenate along channels or another unsharded dim")
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:
+            # Static fields sized for the whole domain, concatenated to a slab as channels: this
+            # rank takes its rows of them (``_whole_domain_rows``), or the error stands.
+            rows = self._whole_domain_rows(base, tensors) if st is not None else None
+            if rows is None:
+                raise
+            args, kwargs, tensors = self._with_rows(rows, args, kwargs, tensors)
+            out = func(*args, **kwargs)
         if st is not None:
             # Plain parts must not vary along the sharded dims (checked as for broadcasting).
-            self._broadcast(base, (tensors,), {}, out)
+            try:
+                self._broadcast(base, (tensors,), {}, out, rows_of_whole=True)
+            except _WholeDomainOperand:
+                # This rank's slab holds every row (no error above); the others gather here too.
+                rows = self._whole_domain_rows(base, tensors)
+                if any(rows[id(t)].shape != t.shape for t in tensors if id(t) in rows):
+                    args, kwargs, tensors = self._with_rows(rows, args, kwargs, tensors)
+                    out = func(*args, **kwargs)
+                self._broadcast(base, (tensors,), {}, out)
         self._set(out, st)
         return out
 
@@ -1402,6 +1505,13 @@ class _GuardMode(TorchFunctionMode):
         dim = _arg(args, kwargs, 1, "dim", 0)
         self._require_known(base, stateful)
         sts = {self._st(t) for t in tensors}
+        if len(sts) == 2 and None in sts and UNKNOWN not in sts:
+            # Slabs stacked with plain tensors: those sized for the whole domain give this rank's
+            # rows (``_whole_domain_rows``); any other plain tensor is refused there.
+            rows = self._whole_domain_rows("stack", tensors)
+            if rows is not None:
+                args, kwargs, tensors = self._with_rows(rows, args, kwargs, tensors)
+                sts = {self._st(t) for t in tensors}
         if len(sts) > 1:
             self.fail("`stack`", "its inputs are not all slabs of the same layout", "")
         st = sts.pop()
