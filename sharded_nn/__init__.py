@@ -15,7 +15,6 @@ from .alignment import alignment
 from .convert import convert
 from .errors import ShardingError, ShardingNotImplementedError, ShardingWarning
 from .launch import launch
-from .layers import *  # noqa: F403 - every sharded layer, re-exported (the list lives in layers/__init__.py)
 from .layers.upsample import interpolate
 from .layout import Layout
 from .mesh import data_axis, domain_axes, domain_group, domain_size, init_mesh, set_layout, stated_layout
@@ -28,6 +27,10 @@ from .reshard import reshard
 from .sharding import batch_slice, default_dims, gather, local_slices, shard
 
 __version__ = "0.1.0"
+
+# Every sharded layer, re-exported (the list lives in layers/__init__.py); timm's layers through
+# ``__getattr__`` below, so that ``import sharded_nn`` does not import timm.
+globals().update({_n: getattr(_layers, _n) for _n in _layers.__all__ if _n not in _layers._TIMM_LAYERS})
 
 __all__ = [
     "Layout",
@@ -75,4 +78,6 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(_LAZY[name])
+    if name in _layers._TIMM_LAYERS:
+        return getattr(_layers, name)
     raise AttributeError(f"module 'sharded_nn' has no attribute {name!r}")

@@ -289,6 +289,9 @@ def _load_model_families() -> None:
     """
     import importlib
 
+    from . import layers
+
+    layers.load_timm_layers()
     importlib.import_module("sharded_nn.zoo")
     from .layers import squeeze_excite, swin
 

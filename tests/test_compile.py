@@ -192,7 +192,7 @@ def _check_compiled_unet(domain: int):
     torch._dynamo.reset()
     counters.clear()
     m = mesh(domain)
-    kw = dict(channels=(4, 8, 8))
+    kw = dict(channels=(4, 8))
     torch.manual_seed(0)
     ref = UNet(2, 2, 3, **kw).double()
     sharded = create_model("unet2d", mesh=m, in_channels=2, out_channels=3, **kw).double()

@@ -327,3 +327,32 @@ def test_convert_swaps_zoo_families_without_importing_the_zoo(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "ShardedVisionTransformer"
+
+
+def test_import_is_light_and_timm_layers_load_on_first_use(tmp_path):
+    """``import sharded_nn`` imports no model library (timm pulls in torchvision and torch's
+    compiler: seconds on every rank of every launch); timm's sharded layers still register when
+    ``convert`` meets a timm module, and their public names still resolve."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys, torch, torch.distributed as dist
+        import sharded_nn as snn
+        heavy = [m for m in ("timm", "torchvision", "torch_geometric", "sharded_nn.zoo", "torch._dynamo") if m in sys.modules]
+        assert not heavy, heavy
+        assert "ShardedBatchNormAct2d" in snn.layers.__all__ and "ShardedTimmAttention" in snn.__all__
+        import timm.layers
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+        mesh = snn.init_mesh(domain=1, device_type="cpu")
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), timm.layers.BatchNormAct2d(4))
+        out = snn.convert(model, mesh)
+        print(type(out[1]).__name__, snn.ShardedBatchNormAct2d is type(out[1]), snn.ShardedTimmAttention.__name__)
+        dist.destroy_process_group()
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "ShardedBatchNormAct2d True ShardedTimmAttention"

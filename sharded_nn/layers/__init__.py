@@ -114,16 +114,47 @@ __all__ = [
     "UlyssesAttention",
 ]
 
-try:  # timm is optional
-    from .attention import ShardedTimmAttention
-except ImportError:
-    pass
-else:
-    __all__ += ["ShardedTimmAttention"]
+import importlib.util  # noqa: E402
 
-from .timm_norm_act import *  # noqa: E402,F403 - timm's norm(+act) layers, when timm is installed
-from .timm_conv import *  # noqa: E402,F403 - timm's TF-style 'SAME' convolution, when timm is installed
-from .timm_norm_act import __all__ as _timm_norm_act_all  # noqa: E402
-from .timm_conv import __all__ as _timm_conv_all  # noqa: E402
+# timm's layers load on first use (``convert`` loads them, as does reading one of these names):
+# importing timm takes seconds (torchvision, then torch's compiler), which every rank of every
+# launch would pay in ``import sharded_nn`` otherwise. The names stay public and listed here.
+_TIMM_LAYERS = {
+    "ShardedTimmAttention": "timm_attention",
+    "ShardedBatchNormAct2d": "timm_norm_act",
+    "ShardedGroupNormAct": "timm_norm_act",
+    "ShardedGroupNorm1Act": "timm_norm_act",
+    "ShardedTimmGroupNorm": "timm_norm_act",
+    "ShardedTimmGroupNorm1": "timm_norm_act",
+    "ShardedConv2dSame": "timm_conv",
+    "ShardedStdConv2dSame": "timm_conv",
+    "ShardedScaledStdConv2dSame": "timm_conv",
+    "ShardedBlurPool2d": "timm_conv",
+}
+if importlib.util.find_spec("timm") is not None:  # found without importing it
+    __all__ += list(_TIMM_LAYERS)
 
-__all__ += _timm_norm_act_all + _timm_conv_all
+
+def load_timm_layers() -> bool:
+    """Import (and so register with ``convert``) the sharded classes of timm's layers.
+
+    Returns False where timm is not installed (then no timm module can be in a model either).
+    """
+    import importlib
+
+    try:
+        for mod in sorted(set(_TIMM_LAYERS.values())):
+            importlib.import_module(f"{__name__}.{mod}")
+    except ImportError:
+        return False
+    return True
+
+
+def __getattr__(name: str):
+    if name in _TIMM_LAYERS:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_TIMM_LAYERS[name]}"), name, None)
+        if value is not None:
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
