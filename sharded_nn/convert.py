@@ -136,6 +136,8 @@ def _timm_tables() -> dict[type, object]:
             "batchnorm": ("BatchNormAct2d", "SyncBatchNormAct"),
             "mixes": ("GroupNormAct", "GroupNorm1Act"),
         },
+        # A per-channel scale of tokens (last dim) or of NCHW maps (dim 1).
+        "timm.layers.layer_scale": {"pointwise": ("LayerScale", "LayerScale2d")},
         # Its statistics over positions are torch calls (a vector norm over H and W) that the
         # forward guard routes to ``reductions.norm``: exact under the guard, mixing without it.
         "timm.layers.grn": {"guarded": ("GlobalResponseNorm",)},
@@ -150,6 +152,9 @@ def _timm_tables() -> dict[type, object]:
                         "FastAdaptiveCatAvgMaxPool"),
         },
         "torchvision.ops.stochastic_depth": {"guarded": ("StochasticDepth",)},
+        # einops' layers are torch calls (reshape, permute, reductions, einsum) that the guard
+        # follows or routes (MONAI's attention blocks hold ``Rearrange`` layers).
+        "einops.layers.torch": {"guarded": ("Rearrange", "Reduce", "EinMix")},
         "monai.networks.layers.drop_path": {"guarded": ("DropPath",)},
     }  # fmt: skip
     for mod_name, kinds in groups.items():
@@ -401,6 +406,8 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
             continue
         if acts is UNKNOWN and module._modules:
             continue  # a composite: its children are checked one by one
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
+            continue  # (empty) containers have no forward of their own
         if acts is UNKNOWN and guard and isinstance(module, _GUARD_ROUTED):
             # A convolution subclass with its own forward (timm's StdConv2d, ScaledStdConv2d):
             # not swapped, but its F.conv*d runs under the forward guard, which computes it with

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dis
 import linecache
+import math
 import operator
 import os
 import sys
@@ -53,6 +54,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
@@ -1263,8 +1265,57 @@ class _GuardMode(TorchFunctionMode):
             return UNKNOWN
         return tuple(None if d is None else d - sum(r < d for r in removed) for d in st)
 
+    def _h_reshape(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        st = self._st(x)
+        if base in ("view", "reshape") and st not in (None, UNKNOWN):
+            request = _reshape_request(args, kwargs)
+            if (request is not None and not any(_is_tagged(v) or v == -1 for v in request)
+                    and any(d is not None for d in st)):
+                return self._reshape_global(func, x, st, request, args, kwargs)
+        return self._h_reshape_moved(func, base, args, kwargs, stateful)
+
+    def _reshape_global(self, func, x, st, request, args, kwargs):
+        """``x.view(sizes)`` with every size a constant, on a slab: the sizes are the single
+        device's, i.e. the whole domain's (UNETR's ``proj_feat`` folds its tokens back into the
+        fixed feature grid). The global input shape (one small all-gather of the local lengths)
+        is regrouped to the request; the sharded dim's group must keep it outermost, and this
+        rank's slab becomes a whole number of the group's inner blocks: the request with the
+        outer factor scaled to the slab."""
+        call = f"`{getattr(func, '__name__', 'view')}`"
+        self._routing(call)
+        sharded = [(k, d) for k, d in enumerate(st) if d is not None]
+        rows = self._gather_with_coords([int(x.shape[d]) for _, d in sharded], f"forward guard: {call} to constant sizes")
+        glob = list(x.shape)
+        local = list(request)
+        out_state: list = [None] * len(st)
+        for j, (k, d) in enumerate(sharded):
+            lengths = [r[j] for r in self._along_axis(rows, k)]
+            glob[d] = sum(lengths)
+        if math.prod(glob) != math.prod(request):
+            return self._h_reshape_moved(func, "view", args, kwargs, [x])  # torch's own error, on every rank
+        groups = _groups(tuple(glob), tuple(request))
+        for k, d in sharded:
+            gi, go = next((gi, go) for gi, go in groups if d in gi)
+            if any(glob[i] != 1 for i in gi if i < d):
+                self.fail(call, f"it folds sharded dim {d} into a constant shape {tuple(request)} where it is not the "
+                          "outermost of its merged dims", "")
+            outs = [o for o in go if request[o] != 1] or go[:1]
+            o = outs[0]
+            inner = math.prod(request[i] for i in go if i > o)
+            merged = math.prod(glob[i] for i in gi if i > d)
+            if (x.shape[d] * merged) % inner:
+                self.fail(call, f"it folds sharded dim {d} into the constant shape {tuple(request)}: a slab of "
+                          f"{x.shape[d]} of {glob[d]} positions is not a whole number of the {inner}-position blocks "
+                          f"of output dim {o}", "shard the input with an alignment that makes slabs whole blocks")
+            local[o] = x.shape[d] * merged // inner
+            out_state[k] = o
+        out = x.reshape(local) if getattr(func, "__name__", "") == "reshape" else x.view(local)
+        self._set(out, tuple(out_state))
+        return out
+
     @_dim_map
-    def _h_reshape(self, x, out, st, base, args, kwargs):
+    def _h_reshape_moved(self, x, out, st, base, args, kwargs):
         request = None
         if base in ("view", "reshape"):
             request = args[1:] if len(args) > 2 or (len(args) == 2 and not isinstance(args[1], (list, tuple, torch.Size))) else _arg(args, kwargs, 1, "shape")
@@ -1892,11 +1943,28 @@ class _GuardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if sa is not None and sb is not None and (a.dim() - 1) in sa and (b.dim() - 2) in sb:
             return self._contract_tokens(func, args, kwargs, a, b, sa, sb)
+        # Attention written out (``q @ k.transpose(-2, -1)``, then ``probs @ v``): where one
+        # operand shards a dim the product needs whole (the contracted dim, or a free dim of the
+        # second operand whose mesh axis already shards the first operand's rows), that operand
+        # is gathered along it (``_gather_dim``): each rank then computes its own rows of the
+        # single device's product, with the keys and values of every rank.
+        nd = max(a.dim(), b.dim())
         if sa is not None and (a.dim() - 1) in sa:
-            self.fail("`matmul`", "it contracts a sharded dim (the last dim of the first operand)", "")
+            a = self._gather_dim(a, a.dim() - 1, sa.index(a.dim() - 1), "matmul")
+            sa = self._st(a)
         if sb is not None and (b.dim() - 2) in sb:
-            self.fail("`matmul`", "it contracts a sharded dim (the second-to-last dim of the second operand)",
-                      "this is attention over sharded tokens: use sharded_nn's RingAttention / ring_attention")
+            b = self._gather_dim(b, b.dim() - 2, sb.index(b.dim() - 2), "matmul")
+            sb = self._st(b)
+        if sa is not None and sb is not None:
+            for k, (da, db) in enumerate(zip(sa, sb)):
+                if da is None or db is None:
+                    continue
+                oa = nd - 2 if da == a.dim() - 2 else da + nd - a.dim()
+                ob = nd - 1 if db == b.dim() - 1 else db + nd - b.dim()
+                if oa != ob and ob == nd - 1:
+                    b = self._gather_dim(b, db, k, "matmul")
+                    sb = self._st(b)
+        args = (b, a, *args[2:]) if base == "rmatmul" else (a, b, *args[2:])
         out = func(*args, **kwargs)
         nd = out.dim()
         res = None
@@ -1929,6 +1997,56 @@ class _GuardMode(TorchFunctionMode):
         self._set(out, res)
         return out
 
+    def _sdpa_whole_keys(self, q, k, v, attn_mask, dropout_p, is_causal, scale, gqa):
+        """Attention with an ``attn_mask`` (a relative-position bias, a padding or window mask) over
+        keys sharded along their tokens: every rank gathers the whole keys and values and attends
+        with its own query rows of the mask (a mask sized for the whole sequence along the query
+        dim gives each rank its rows, ``_whole_domain_rows``; one query position broadcasts).
+        Exact, at the single device's memory for K and V; the probabilities are this rank's rows
+        only."""
+        name = "`scaled_dot_product_attention`"
+        if dropout_p > 0:
+            self.fail(name, "attention dropout with an attn_mask over keys sharded along their tokens is not routed",
+                      "set the attention's dropout to 0 (or eval mode) for this call")
+        if is_causal:
+            self.fail(name, "is_causal together with an attn_mask", "")
+        tok = q.dim() - 2
+        axis = self._st(k).index(tok)
+        kf = self._gather_dim(k, tok, axis, "scaled_dot_product_attention")
+        vf = self._gather_dim(v, tok, axis, "scaled_dot_product_attention")
+        sm, sq = self._st(attn_mask), self._st(q)
+        if sm is not None:
+            rows_only = sm is not UNKNOWN and all(d is None for d in sm[:axis] + sm[axis + 1:])
+            if not rows_only or sm[axis] != attn_mask.dim() - 2 or sq is None:
+                self.fail(name, f"its attn_mask is a slab sharded along {self.describe(sm)}: only the query rows "
+                          "of this rank's queries are mapped", "")
+        else:
+            rows = self._whole_domain_rows("scaled_dot_product_attention", [q, attn_mask])
+            if rows is not None:
+                attn_mask = rows[id(attn_mask)]
+        out = F.scaled_dot_product_attention(q, kf, vf, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+        self._set(out, sq)
+        return out
+
+    def _gather_dim(self, t: torch.Tensor, d: int, k: int, call: str) -> torch.Tensor:
+        """The whole of slab ``t`` along its dim ``d`` (sharded by mesh axis ``k``), from every
+        rank along that axis; differentiable (its backward sums the ranks' gradients and keeps
+        this rank's rows). The result is not sharded by axis ``k``. One small all-gather of the
+        local lengths (checked alike on every rank) and one of the data."""
+        from .comm import all_gather_grid
+        from .mesh import group_over
+
+        self._routing(call)
+        rows = self._gather_with_coords([int(t.shape[d])], f"forward guard: {call} (whole operand)")
+        lengths = [r[0] for r in self._along_axis(rows, k)]
+        axis = self.guard.axes[k]
+        out = all_gather_grid(t, group_over(self.guard.mesh, [axis]), (d,), [(r,) for r in range(len(lengths))],
+                              [lengths], self.guard.mesh.get_local_rank(axis))
+        st = list(self.states.get(t))
+        st[k] = None
+        self._set(out, None if all(v is None for v in st) else tuple(st))
+        return out
+
     def _contract_tokens(self, func, args, kwargs, a, b, sa, sb):
         """``a @ b`` contracting a dim both operands shard along one mesh axis (linear attention's
         ``k^T v``): the local product summed over that axis, a value replicated over it."""
@@ -1956,8 +2074,71 @@ class _GuardMode(TorchFunctionMode):
         return out
 
     def _h_einsum(self, func, base, args, kwargs, stateful):
-        self.fail("`einsum`", f"the guard does not map einsum subscripts, and it receives {self._what(stateful, False)}",
-                  "write it with matmul / permute, or register a sharded class for the module")
+        """``torch.einsum`` over slabs, mapped by subscript letter, one mesh axis at a time.
+
+        A letter sharded by an axis in one operand is either kept (the first operand's) or, where
+        another operand shards a different letter by the same axis (``bhxd,bhyd->bhxy``: query
+        rows and key columns), that operand is gathered whole along it (``_gather_dim``: the
+        keys, the values of ``bhxy,bhyd->bhxd``). An operand that holds the kept letter whole (a
+        parameter, a bias) gives this rank's rows of it. The kept letter is then sharded in the
+        output, or, contracted, the local einsum is summed over the axis (local lengths checked
+        alike on every rank). Explicit subscripts only.
+        """
+        eq = args[0] if args else kwargs.get("equation")
+        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        if not isinstance(eq, str) or "..." in eq or not ops or any(not isinstance(t, torch.Tensor) for t in ops):
+            self.fail("`einsum`", "only explicit subscripts (no '...', no sublist form) are mapped, and it receives "
+                      f"{self._what(stateful, False)}", "write it with explicit subscripts, or with matmul / permute")
+        self._require_known(base, stateful)
+        lhs, arrow, rhs = eq.replace(" ", "").partition("->")
+        subs = lhs.split(",")
+        if not arrow:  # implicit output: the letters used once, in alphabetical order
+            rhs = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+        if len(subs) != len(ops) or any(len(sub) != t.dim() for sub, t in zip(subs, ops)):
+            return func(*args, **kwargs)  # torch's own error
+        self._routing("einsum")
+        out_state: list = [None] * len(self.guard.axes)
+        summed: list[int] = []
+        for k in range(len(self.guard.axes)):
+            held = [(i, subs[i][st[k]]) for i, st in ((i, self._st(t)) for i, t in enumerate(ops))
+                    if st is not None and st[k] is not None]
+            if not held:
+                continue
+            letter = held[0][1]
+            for i, other in held[1:]:
+                if other != letter:
+                    ops[i] = self._gather_dim(ops[i], subs[i].index(other), k, "einsum")
+            holders = [i for i, sub in enumerate(subs) if letter in sub]
+            sharded = [i for i in holders if (self._st(ops[i]) or (None,) * (k + 1))[k] is not None]
+            lengths = [int(ops[i].shape[subs[i].index(letter)]) for i in sharded]
+            rows = self._gather_with_coords(lengths, "forward guard: einsum")
+            along = self._along_axis(rows, k)
+            if any(len(set(r)) != 1 for r in along):
+                self.fail("`einsum`", f"its operands' local lengths along letter {letter!r}, sharded by mesh axis "
+                          f"{self.guard.axes[k]!r}, differ ({along}): they are not slabs of one layout", "")
+            lens = [r[0] for r in along]
+            mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+            start, total = sum(lens[:mine]), sum(lens)
+            for i in holders:
+                if i in sharded:
+                    continue
+                d = subs[i].index(letter)
+                if ops[i].shape[d] != total:
+                    self.fail("`einsum`", f"operand {i} holds letter {letter!r} with {ops[i].shape[d]} positions, where "
+                              f"another operand is a slab along it ({total} positions in all)", "")
+                ops[i] = ops[i].narrow(d, start, lens[mine])
+            if letter in rhs:
+                out_state[k] = rhs.index(letter)
+            else:
+                summed.append(k)
+        out = torch.einsum(eq, *ops)
+        if summed:
+            from .comm import all_reduce_sum
+            from .mesh import group_over
+
+            out = all_reduce_sum(out, group_over(self.guard.mesh, [self.guard.axes[k] for k in summed]))
+        self._set(out, None if all(d is None for d in out_state) else tuple(out_state))
+        return out
 
     def _h_sdpa(self, func, base, args, kwargs, stateful):
         q, k, v = args[0], args[1], args[2]
@@ -1999,8 +2180,7 @@ class _GuardMode(TorchFunctionMode):
         if sq is not None and (sq != sk):
             self.fail(name, "its queries are sharded other than along their token dim by the keys' mesh axis", "")
         if attn_mask is not None:
-            self.fail(name, "an attn_mask over keys sharded along their tokens is not routed",
-                      "use sharded_nn.functional.ring_attention (key_padding_mask=...)")
+            return self._sdpa_whole_keys(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa)
         if sq is None and is_causal:
             self.fail(name, "causal attention of replicated queries over sharded keys has no global positions", "")
         if len(self.guard.axes) != 1:
@@ -2545,6 +2725,15 @@ def _classify_cached(func):
 _HANDLERS = {name[3:]: fn for name, fn in vars(_GuardMode).items() if name.startswith("_h_") and callable(fn)}
 
 
+def _reshape_request(args, kwargs):
+    """The sizes a ``view`` / ``reshape`` call asks for, or None (a dtype view)."""
+    if len(args) > 2 or (len(args) == 2 and not isinstance(args[1], (list, tuple, torch.Size))):
+        request = args[1:]
+    else:
+        request = _arg(args, kwargs, 1, "shape")
+    return None if request is None or isinstance(request, torch.dtype) else list(request)
+
+
 def _groups(in_shape, out_shape):
     """Minimal groups (in dims, out dims) whose sizes multiply to the same product."""
     groups = []
@@ -2597,6 +2786,13 @@ def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
             return UNKNOWN  # many-to-many regroup
         nontriv = [o for o in go if out_shape[o] != 1] or go[:1]
         outer = nontriv[0]
+        if request is not None and len(request) == len(out_shape):
+            # A slab of one row makes its output factor 1 here and not on the other ranks: the
+            # requested size read from the slab (tagged) names the sharded factor on every rank
+            # alike (``t.reshape(b, c, hh, ww)`` with ``hh = x.shape[2]`` on a one-row slab).
+            tagged = [o for o in go if _is_tagged(request[o])]
+            if len(tagged) == 1:
+                outer = tagged[0]
         inner = [o for o in go if o > outer]
         if inner and request is not None and len(request) == len(out_shape):
             if any(_is_tagged(request[o]) or request[o] == -1 for o in inner):

@@ -69,6 +69,9 @@ def check_against_reference(
     errors = {"out": (y_full - y).abs().max().item(), "grad_in": (gx - x.grad).abs().max().item()}
     grads = reduce_param_grads(model, mesh)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
-        errors[name] = (grads[name] - p.grad).abs().max().item()
+        # A parameter the forward never uses (MONAI's cross-attention norms) has no gradient on
+        # one device: the sharded model's must then be zero on every rank.
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[name], expected, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        errors[name] = (grads[name] - expected).abs().max().item()
     return errors

@@ -210,3 +210,24 @@ def _interp(domain):
 def test_functional_interpolate_in_forward_needs_a_registered_block(run, domain):
     errs = run(domain, _interp, domain)
     assert all(e > 1e-3 for e in errs), errs  # the hazard is real: a module marked reviewed (plan None) runs unchecked by the forward guard
+
+
+def _unetr(domain, sizes):
+    # A fixed-size model: the tokens' position embedding (1, N, C) is sized for the whole
+    # volume, attention is written with einsum (SABlock without flash attention), and proj_feat
+    # views the tokens back into the fixed feature grid with constant sizes.
+    m = mesh(domain)
+    torch.manual_seed(0)
+    d = sum(sizes)
+    ref = monai_nets.UNETR(in_channels=1, out_channels=2, img_size=(d, 16, 16), feature_size=4, hidden_size=32,
+                           mlp_dim=48, num_heads=2).double()  # fmt: skip
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(1, 1, d, 16, 16, dtype=torch.float64)
+    errs = check_against_reference(ref, x, m, sharded=model, sizes=sizes, atol=1e-9, rtol=1e-9)
+    return max(errs.values())
+
+
+@pytest.mark.parametrize("domain,sizes", [(2, (32, 16)), (3, (16, 32, 16))])
+def test_monai_unetr_3d(run, domain, sizes):
+    # Slabs of whole 16-voxel patches, uneven (UNETR's patch size is 16).
+    assert max(run(domain, _unetr, domain, sizes)) < 1e-9
