@@ -74,6 +74,7 @@ Failures: every wait is bounded by the group's timeout (the ``timeout`` given to
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import hashlib
@@ -972,6 +973,18 @@ def _transport() -> _Transport:
             t.close()  # type: ignore[union-attr]
         t = _STATE["transport"] = _Transport(default)
         return t
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the sockets at interpreter exit: their finalisers would otherwise warn
+    (``ResourceWarning: unclosed socket``) under ``-W default`` in every rank of every launch."""
+    t = _STATE["transport"]
+    if t is not None:
+        try:
+            t.close()  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def reset_connections() -> None:
