@@ -1273,7 +1273,19 @@ class _GuardMode(TorchFunctionMode):
             if (request is not None and not any(_is_tagged(v) or v == -1 for v in request)
                     and any(d is not None for d in st)):
                 return self._reshape_global(func, x, st, request, args, kwargs)
-        return self._h_reshape_moved(func, base, args, kwargs, stateful)
+        try:
+            return self._h_reshape_moved(func, base, args, kwargs, stateful)
+        except RuntimeError as e:
+            if st in (None, UNKNOWN) or "invalid for input of size" not in str(e):
+                raise
+            # torch's message names sizes but not why they do not fit: constants of the whole
+            # sample's shape next to a -1 (``x.view(-1, 256, c)``), which a slab cannot meet.
+            # (The message names no local size, so that every rank raises the same one; torch's
+            # own, with this rank's sizes, stays attached as the context.)
+            self.fail(f"`{base}`", f"the requested shape does not fit the slabs of a tensor sharded along "
+                      f"{self.describe(st)}; a constant in it is probably a size of the whole sample",
+                      "take the sizes along the sharded dims from the tensor's shape (x.shape[d]), which the guard "
+                      "maps, or give every size as a constant (read as the whole sample's shape)")
 
     def _reshape_global(self, func, x, st, request, args, kwargs):
         """``x.view(sizes)`` with every size a constant, on a slab: the sizes are the single
