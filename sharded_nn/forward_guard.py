@@ -1403,7 +1403,7 @@ class _GuardMode(TorchFunctionMode):
         dim = _arg(args, kwargs, 1, "dim") % x.dim()
         self._require_known(base, stateful)
         if st is not None and dim in st:
-            self.fail("`select`", f"it picks one local position along sharded dim {dim}", "")
+            return self._select_global(x, st, dim, int(_arg(args, kwargs, 2, "index")))
         out = func(*args, **kwargs)
         self._set(out, None if st is None else tuple(None if d is None else d - (d > dim) for d in st))
         return out
@@ -1430,37 +1430,104 @@ class _GuardMode(TorchFunctionMode):
         out_dim = 0
         mapping: dict[int, int | None] = {}
         phases: list[tuple[int, int]] = []  # (sharded dim, step) of ``start::step`` slices
-        for i in expanded:
+        crops: list[tuple[int, int, slice]] = []  # (position in ``expanded``, sharded dim, slice)
+        for p, i in enumerate(expanded):
             if i is None:
                 out_dim += 1
                 continue
             if isinstance(i, int):
                 mapping[src] = None
                 if src in st:
-                    self.fail("indexing", f"an integer index picks one local position along sharded dim {src}", "")
+                    # One position of the whole domain (a class token ``x[:, 0]``): its owner's
+                    # row, replicated; then the rest of the index on the result.
+                    y = self._select_global(x, st, src, i)
+                    rest = tuple(expanded[:p] + expanded[p + 1 :])
+                    return self._h_getitem(func, base, (y, rest), kwargs, [y])
             else:
                 mapping[src] = out_dim
                 if src in st and not _full_slice(i, x.shape[src]):
                     if _phase_slice(i):
                         phases.append((src, i.step))
+                    elif i.step in (None, 1):
+                        crops.append((p, src, i))
                     else:
                         self.fail(
                             "slicing",
-                            f"slice {i.start}:{i.stop}:{i.step} along sharded dim {src} selects local positions, "
-                            "which are different global positions on each rank",
-                            "slice along the other dims (a `start::step` slice with 0 <= start < step is exact "
-                            "on slabs that start on multiples of step), or crop before sharding / after gathering",
+                            f"slice {i.start}:{i.stop}:{i.step} along sharded dim {src}: a step other than 1 is "
+                            "mapped only as a `start::step` phase (0 <= start < step) of slabs that start on "
+                            "multiples of step",
+                            "slice along the other dims, or crop before sharding / after gathering",
                         )
                 out_dim += 1
             src += 1
         if phases:
             self._check_phases(x, st, phases)
+        if crops:
+            expanded = self._crop_global(x, st, crops, expanded)
+            args = (x, tuple(expanded), *args[2:])
         for s in range(src, x.dim()):
             mapping[s] = out_dim
             out_dim += 1
         out = func(*args, **kwargs)
         self._set(out, tuple(None if d is None else mapping[d] for d in st))
         return out
+
+    def _axis_span(self, x, st, dims: list[int], what: str) -> list[tuple[int, int, int]]:
+        """Per sharded dim of ``dims``: (this slab's global start, its length, the global length),
+        from one small all-gather of the local lengths (alike on every rank)."""
+        rows = self._gather_with_coords([int(x.shape[d]) for d in dims], f"forward guard: {what}")
+        out = []
+        for j, d in enumerate(dims):
+            k = st.index(d)
+            lengths = [r[j] for r in self._along_axis(rows, k)]
+            mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+            out.append((sum(lengths[:mine]), lengths[mine], sum(lengths)))
+        return out
+
+    def _crop_global(self, x, st, crops, expanded: list) -> list:
+        """``x[..., a:b, ...]`` along sharded dims by **global** positions, as on one device:
+        each slab keeps its part of ``[a, b)`` (``x[:, 1:]`` drops a class token, held by the
+        first rank; ``x[:, :-1]`` the last row, held by the last). Bounds computed from slab
+        sizes are evaluated on the global sizes. The slabs' lengths change: the layout scope
+        forgets what it remembered (alike on every rank)."""
+        from .comm.sizes import scope_forget
+
+        self._routing("slicing")
+        spans = self._axis_span(x, st, [d for _, d, _ in crops], "slicing by global positions")
+        scope_forget()
+        out = list(expanded)
+        for (p, d, sl), (s0, n, total) in zip(crops, spans):
+            tagged = [v for v in (sl.start, sl.stop) if _is_tagged(v)]
+            glob = self._global_values(tagged, "slicing") if tagged else {}
+            start, stop = (glob.get(id(v), v) if _is_tagged(v) else v for v in (sl.start, sl.stop))
+            a, b, _ = slice(start, stop).indices(total)
+            lo = min(max(a - s0, 0), n)
+            out[p] = slice(lo, max(min(b - s0, n), lo))
+        return out
+
+    def _select_global(self, x, st, d: int, i: int):
+        """``x.select(d, i)`` by global position ``i`` along sharded dim ``d``: the owner's row,
+        summed over the axis with zeros from the other ranks (exact), so replicated along it; the
+        gradient reaches the owner's row (the library's convention for replicated results)."""
+        from .comm import all_reduce_sum
+        from .mesh import group_over
+
+        self._routing("indexing")
+        k = st.index(d)
+        ((s0, n, total),) = self._axis_span(x, st, [d], "an index by global position")
+        g = i + total if i < 0 else i
+        if not 0 <= g < total:
+            self.fail("indexing", f"index {i} is out of range for sharded dim {d} of {total} positions", "")
+        # Every rank runs the same calls (the owner sums its one row, the others none: zeros), so
+        # that the backward graphs match and every rank runs the sum's all-reduce at the same point
+        # of its backward (autograd orders ready nodes by the graph; a rank with other nodes could
+        # reach its collectives in another order).
+        own = s0 <= g < s0 + n
+        y = x.narrow(d, g - s0 if own else 0, 1 if own else 0).sum(d)
+        y = all_reduce_sum(y, group_over(self.guard.mesh, [self.guard.axes[k]]))
+        state = tuple(None if (e is None or j == k) else e - (e > d) for j, e in enumerate(st))
+        self._set(y, None if all(e is None for e in state) else state)
+        return y
 
     def _check_phases(self, x, st, phases) -> None:
         """``x[..., a::s, ...]`` along sharded dims: exact when every slab starts on a multiple of ``s``.
@@ -1537,8 +1604,11 @@ class _GuardMode(TorchFunctionMode):
             self.fail(f"`{base}`", "its inputs are sharded along different dims", "")
         st = next(iter(sts), None)
         if st is not None and dim in st:
-            self.fail(f"`{base}`", f"it concatenates slabs along sharded dim {dim}",
-                      "concatenate along channels or another unsharded dim")
+            slabs = [j for j, t in enumerate(tensors) if self._st(t) is not None]
+            if len(slabs) != 1:
+                self.fail(f"`{base}`", f"it concatenates slabs along sharded dim {dim}",
+                          "concatenate along channels or another unsharded dim")
+            return self._cat_ends(func, args, kwargs, tensors, slabs[0], dim, st)
         try:
             out = func(*args, **kwargs)
         except RuntimeError:
@@ -1560,6 +1630,26 @@ class _GuardMode(TorchFunctionMode):
                     args, kwargs, tensors = self._with_rows(rows, args, kwargs, tensors)
                     out = func(*args, **kwargs)
                 self._broadcast(base, (tensors,), {}, out)
+        self._set(out, st)
+        return out
+
+    def _cat_ends(self, func, args, kwargs, tensors, j, dim, st):
+        """``cat([*before, slab, *after], dim)`` along the slab's sharded dim, with plain tensors
+        (the same on every rank: a class token, register tokens, a row of padding) around it:
+        the whole domain is ``before + all slabs + after``, so the first rank along the axis holds
+        ``before`` and the last ``after``. The slabs' lengths change: the layout scope forgets."""
+        from .comm.sizes import scope_forget
+        from .mesh import axis_size
+
+        self._routing("`cat`")
+        axis = self.guard.axes[st.index(dim)]
+        coord, n = self.guard.mesh.get_local_rank(axis), axis_size(self.guard.mesh, axis)
+        # The other ranks concatenate empty slices of the ends: the same calls, and so the same
+        # backward graph on every rank (the order of the backward's collectives follows it).
+        parts = [t if (i < j and coord == 0) or (i > j and coord == n - 1) or i == j else t.narrow(dim, 0, 0)
+                 for i, t in enumerate(tensors)]
+        scope_forget()
+        out = func(parts, *args[1:], **kwargs) if args else func(**{**kwargs, "tensors": parts})
         self._set(out, st)
         return out
 
@@ -2712,10 +2802,12 @@ def _phase_slice(i) -> bool:
 
 
 def _full_slice(i, length: int) -> bool:
+    """A slice that keeps the whole slab whatever its global position: ``x[:, :]``, ``x[:, 0:]``,
+    or a stop read from a slab's size (``x[:, :h]``). A constant stop is a global position."""
     if not isinstance(i, slice):
         return False
     start, stop, step = i.start, i.stop, i.step
-    return (start in (None, 0)) and (step in (None, 1)) and (stop is None or (isinstance(stop, int) and stop >= length))
+    return (start in (None, 0)) and (step in (None, 1)) and (stop is None or (_is_tagged(stop) and stop >= length))
 
 
 _CLASSIFIED: dict = {}

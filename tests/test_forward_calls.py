@@ -110,7 +110,7 @@ class Hazards(nn.Module):
             h = h + torch.arange(0, h.shape[2])[None, None, :, None] % 3
         elif k == "position_step":  # every other row: not a slab of rows
             h = h + torch.arange(0, h.shape[2], 2, dtype=h.dtype).sum()
-        elif k == "slice_rows":
+        elif k == "slice_rows":  # a crop by global position: the first rank loses its first row
             h = h[:, :, 1:]
         elif k == "stride_rows":  # slabs start on even rows: one phase of a 2-way split
             h = h[:, :, ::2]
@@ -207,7 +207,7 @@ EXACT = [
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
-    "whole_domain_operand",
+    "whole_domain_operand", "slice_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -215,7 +215,6 @@ REFUSED = {
     "flip": "`flip`",
     "matrix_norm": "`linalg_norm`.*matrix norm",
     "position_step": "`arange`",
-    "slice_rows": "slice 1:None:None along sharded dim 2",
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",

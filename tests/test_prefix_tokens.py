@@ -1,0 +1,181 @@
+"""Class and register tokens concatenated to a token slab, and slices by global position.
+
+Under the forward guard, ``torch.cat((cls_token, x), dim=1)`` along the sharded token dim gives
+the first rank the prefix (the last rank a suffix): the whole sequence is an ordinary uneven slab
+layout. ``x[:, 0]`` picks the owner's token, replicated; ``x[:, 1:]`` and other constant bounds
+crop by global position, as on one device. So timm's BEiT, CaiT and class-token ViTs that have no
+sharded class convert with plain ``snn.convert``: logits, input gradient and parameter gradients
+equal the single device, P = 2 and 3, uneven slabs (one of a single patch row).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sharded_nn as snn
+
+from .harness import mesh
+from .reference import check_against_reference, reduce_param_grads
+
+
+class Prefixed(nn.Module):
+    """Conv stem, tokens with a class token, two register tokens and a trailing token, a fixed-size
+    position embedding, one attention, and a head reading the class token, the mean of the patch
+    tokens and the trailing token."""
+
+    def __init__(self, h: int, w: int, c: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, c, 3, padding=1)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, c) * 0.5)
+        self.reg_tokens = nn.Parameter(torch.randn(1, 2, c) * 0.5)
+        self.end_token = nn.Parameter(torch.randn(1, 1, c) * 0.5)
+        self.pos = nn.Parameter(torch.randn(1, 3 + h * w + 1, c) * 0.5)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.norm = nn.LayerNorm(c)
+        self.head = nn.Linear(3 * c, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.tanh(self.stem(x)).flatten(2).transpose(1, 2)  # (B, N, C): N sharded
+        b = t.shape[0]
+        t = torch.cat([self.cls_token.expand(b, -1, -1), self.reg_tokens.expand(b, -1, -1), t,
+                       self.end_token.expand(b, -1, -1)], dim=1) + self.pos  # fmt: skip
+        q, k, v = self.qkv(t).reshape(b, t.shape[1], 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        t = t + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t.shape)
+        t = self.norm(t)
+        return self.head(torch.cat([t[:, 0], t[:, 3:-1].mean(dim=1), t[:, -1]], dim=-1))
+
+
+def _compare(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes) -> float:
+    """Replicated outputs (logits): forward, input gradient, summed parameter gradients."""
+    x = x.detach().requires_grad_()
+    y_ref = ref(x)
+    g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(5))
+    (y_ref * g).sum().backward()
+    r = m.get_local_rank("domain")
+    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    y = model(x_local)
+    snn.losses.share((y * g).sum(), m).backward()
+    torch.testing.assert_close(y, y_ref.detach(), atol=1e-10, rtol=1e-10)
+    errs = [(y - y_ref).abs().max().item()]
+    # (A slab that no output depends on has no gradient: zeros, as in the reference's rows.)
+    gx = snn.gather(x_local.grad if x_local.grad is not None else torch.zeros_like(x_local), m, dims=(2,))
+    torch.testing.assert_close(gx, x.grad, atol=1e-10, rtol=1e-10)
+    errs.append((gx - x.grad).abs().max().item())
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[name], expected, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+        errs.append((grads[name] - expected).abs().max().item())
+    return max(errs)
+
+
+def _prefixed(domain: int, sizes):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Prefixed(sum(sizes), 3).double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    return _compare(ref, model, m, torch.randn(2, 2, sum(sizes), 3, dtype=torch.float64), sizes)
+
+
+@pytest.mark.parametrize("domain,sizes", [(2, (4, 3)), (3, (3, 1, 3))])
+def test_class_register_and_trailing_tokens_are_exact(run, domain, sizes):
+    assert max(run(domain, _prefixed, domain, sizes)) < 1e-10
+
+
+def _timm(name: str, domain: int, sizes, kw: dict):
+    import timm
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, img_size=(sum(sizes), 32), num_classes=3, **kw).double()
+    for mod in ref.modules():  # dropout (the relative-position MLP's): the same law, not the same bits
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+    for p in ref.parameters():  # layer scales start at 1e-5 / 1e-6: they would hide the blocks
+        if p.dim() == 1 and bool((p.abs() < 1e-4).all()):
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    return _compare(ref, model, m, torch.randn(2, 3, sum(sizes), 32, dtype=torch.float64), sizes)
+
+
+_BEIT = dict(depth=2, embed_dim=32, num_heads=2)
+
+
+@pytest.mark.parametrize("domain,sizes", [(2, (32, 16)), (3, (16, 32, 16))])
+def test_timm_beit_is_exact(run, domain, sizes):
+    # Class token, relative-position bias over (1 + N) tokens sized for the whole image.
+    assert max(run(domain, _timm, "beitv2_base_patch16_224", domain, sizes, _BEIT)) < 1e-10
+
+
+def test_timm_cait_is_exact(run):
+    # Talking-heads attention over the patch tokens, then class attention of the replicated
+    # class token over the whole sequence (class token prefixed on the first rank).
+    assert max(run(2, _timm, "cait_xxs24_224", 2, (32, 16), dict(depth=2, embed_dim=32, num_heads=2))) < 1e-10
+
+
+def test_timm_class_token_relative_position_vit_is_exact(run):
+    assert max(run(3, _timm, "vit_relpos_base_patch16_clsgap_224", 3, (16, 32, 16), _BEIT)) < 1e-10
+
+
+class Cropped(nn.Module):
+    """A grid model that crops rows by constant bounds in its own forward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.head = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if self.kind == "head_rows":  # 8 of 10 rows: the last rank loses rows, or all of its slab
+            h = h[:, :, :8]
+        elif self.kind == "both_ends":
+            h = h[:, :, 1:-2]
+        elif self.kind == "select_row":  # one row of the whole grid, replicated, added back
+            h = h + h[:, :, -3].unsqueeze(2) * 0.5
+        return self.head(h)
+
+
+def _cropped(kind: str, domain: int, sizes):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Cropped(kind).double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(2, 2, sum(sizes), 5, dtype=torch.float64)
+    if kind == "select_row":
+        return max(check_against_reference(ref, x, m, sharded=model, sizes=sizes).values())
+    # The output's rows are the cropped ones: gather by the output's own slabs.
+    return _compare_grid(ref, model, m, x, sizes)
+
+
+def _compare_grid(ref, model, m, x, sizes) -> float:
+    x = x.detach().requires_grad_()
+    y_ref = ref(x)
+    g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(5))
+    (y_ref * g).sum().backward()
+    r = m.get_local_rank("domain")
+    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    y = model(x_local)
+    y_full = snn.gather(y, m, dims=(2,))  # by the output's own slabs (the crop changed them)
+    torch.testing.assert_close(y_full, y_ref.detach(), atol=1e-10, rtol=1e-10)
+    snn.losses.share((y_full * g).sum(), m).backward()
+    gx = snn.gather(x_local.grad, m, dims=(2,))
+    torch.testing.assert_close(gx, x.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10)
+    return (y_full - y_ref).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["head_rows", "both_ends", "select_row"])
+@pytest.mark.parametrize("domain,sizes", [(2, (6, 4)), (3, (5, 4, 1))])
+def test_constant_bounds_crop_by_global_position(run, kind, domain, sizes):
+    # Before session 39, ``h[:, :, :8]`` kept every row of slabs shorter than 8 (a constant stop
+    # beyond the local length was taken for "the whole slab"): the output had 10 rows, not 8.
+    assert max(run(domain, _cropped, kind, domain, sizes)) < 1e-10
