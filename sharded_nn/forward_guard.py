@@ -1390,9 +1390,15 @@ class _GuardMode(TorchFunctionMode):
         st = self._st(x)
         dim = _arg(args, kwargs, 1, "dim") % x.dim()
         start, length = _arg(args, kwargs, 2, "start"), _arg(args, kwargs, 3, "length")
-        if st not in (None, UNKNOWN) and dim in st and not (start == 0 and length == x.shape[dim]):
-            self.fail("`narrow`", f"it crops the slab along sharded dim {dim} by local positions", "")
         self._require_known(base, stateful)
+        if st is not None and dim in st and not (start == 0 and _is_tagged(length) and length == x.shape[dim]):
+            # Constant positions are the whole domain's, as for slices (``_crop_global``).
+            if isinstance(start, torch.Tensor) or isinstance(length, torch.Tensor):
+                self.fail("`narrow`", f"its start or length along sharded dim {dim} is a tensor", "")
+            (sl,) = self._crop_global(x, st, [(0, dim, slice(start, start + length))], [None])
+            out = x.narrow(dim, sl.start, sl.stop - sl.start)
+            self._set(out, st)
+            return out
         out = func(*args, **kwargs)
         self._set(out, st)
         return out
