@@ -50,8 +50,9 @@ class Prefixed(nn.Module):
         return self.head(torch.cat([t[:, 0], t[:, 3:-1].mean(dim=1), t[:, -1]], dim=-1))
 
 
-def _compare(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes) -> float:
-    """Replicated outputs (logits): forward, input gradient, summed parameter gradients."""
+def _compare(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes, replicated: bool = True) -> float:
+    """Forward, input gradient and summed parameter gradients against ``ref``; the output is
+    replicated (logits) or a slab along dim 2 gathered by its own slabs (a crop changes them)."""
     x = x.detach().requires_grad_()
     y_ref = ref(x)
     g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(5))
@@ -59,6 +60,7 @@ def _compare(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes) -> flo
     r = m.get_local_rank("domain")
     x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
     y = model(x_local)
+    y = y if replicated else snn.gather(y, m, dims=(2,))
     snn.losses.share((y * g).sum(), m).backward()
     torch.testing.assert_close(y, y_ref.detach(), atol=1e-10, rtol=1e-10)
     errs = [(y - y_ref).abs().max().item()]
@@ -152,27 +154,7 @@ def _cropped(kind: str, domain: int, sizes):
     x = torch.randn(2, 2, sum(sizes), 5, dtype=torch.float64)
     if kind == "select_row":
         return max(check_against_reference(ref, x, m, sharded=model, sizes=sizes).values())
-    # The output's rows are the cropped ones: gather by the output's own slabs.
-    return _compare_grid(ref, model, m, x, sizes)
-
-
-def _compare_grid(ref, model, m, x, sizes) -> float:
-    x = x.detach().requires_grad_()
-    y_ref = ref(x)
-    g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(5))
-    (y_ref * g).sum().backward()
-    r = m.get_local_rank("domain")
-    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
-    y = model(x_local)
-    y_full = snn.gather(y, m, dims=(2,))  # by the output's own slabs (the crop changed them)
-    torch.testing.assert_close(y_full, y_ref.detach(), atol=1e-10, rtol=1e-10)
-    snn.losses.share((y_full * g).sum(), m).backward()
-    gx = snn.gather(x_local.grad, m, dims=(2,))
-    torch.testing.assert_close(gx, x.grad, atol=1e-10, rtol=1e-10)
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-10)
-    return (y_full - y_ref).abs().max().item()
+    return _compare(ref, model, m, x, sizes, replicated=False)
 
 
 @pytest.mark.parametrize("kind", ["head_rows", "both_ends", "narrow", "select_row"])
