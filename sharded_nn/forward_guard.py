@@ -1024,12 +1024,8 @@ class _GuardMode(TorchFunctionMode):
         if not wide:
             return None
         self._routing(f"`{base}`")
-        rows = self._gather_with_coords([length[dd] for _, dd in sharded], f"forward guard: rows of a whole-domain operand of `{base}`")
-        span: dict[int, tuple[int, int]] = {}
-        for j, (k, dd) in enumerate(sharded):
-            lengths = [r[j] for r in self._along_axis(rows, k)]
-            mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
-            span[dd] = (sum(lengths[:mine]), sum(lengths))
+        spans = self._spans([(k, length[dd]) for k, dd in sharded], f"rows of a whole-domain operand of `{base}`")
+        span = {dd: (s0, total) for (_, dd), (s0, _, total) in zip(sharded, spans)}
         out: dict[int, torch.Tensor] = {id(t): t for t in tensors}
         for u in wide:
             v = u
@@ -1479,15 +1475,18 @@ class _GuardMode(TorchFunctionMode):
         return out
 
     def _axis_span(self, x, st, dims: list[int], what: str) -> list[tuple[int, int, int]]:
-        """Per sharded dim of ``dims``: (this slab's global start, its length, the global length),
-        from one small all-gather of the local lengths (alike on every rank)."""
-        rows = self._gather_with_coords([int(x.shape[d]) for d in dims], f"forward guard: {what}")
+        """Per sharded dim of ``dims``: (this slab's global start, its length, the global length)."""
+        return self._spans([(st.index(d), int(x.shape[d])) for d in dims], what)
+
+    def _spans(self, local: list[tuple[int, int]], what: str) -> list[tuple[int, int, int]]:
+        """Per (mesh axis, this rank's local length) of ``local``: (global start, length, global
+        length) along that axis, from one small all-gather of the lengths (alike on every rank)."""
+        rows = self._gather_with_coords([n for _, n in local], f"forward guard: {what}")
         out = []
-        for j, d in enumerate(dims):
-            k = st.index(d)
+        for j, (k, n) in enumerate(local):
             lengths = [r[j] for r in self._along_axis(rows, k)]
             mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
-            out.append((sum(lengths[:mine]), lengths[mine], sum(lengths)))
+            out.append((sum(lengths[:mine]), n, sum(lengths)))
         return out
 
     def _crop_global(self, x, st, crops, expanded: list) -> list:
