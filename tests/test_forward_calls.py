@@ -192,6 +192,9 @@ class Hazards(nn.Module):
             h = h + torch.linspace(0, 1, self.rows, dtype=h.dtype)[:, None]
         elif k == "view_whole_minus_one":  # a constant of the whole sample's shape beside a -1 (Hiera's unroll)
             h = h.reshape(-1, self.rows * h.shape[3]).reshape(h.shape)
+        elif k == "setitem_const":  # the first 8 rows of the whole sample (was: every row of short slabs)
+            h = h.clone()
+            h[:, :, :8] = 0.0
         elif k == "tolist":
             h = h * h.mean(1).sum(0).tolist()[0][0]
         else:
@@ -218,6 +221,7 @@ REFUSED = {
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
+    "setitem_const": "index assignment.*writes local positions",
     "view_whole_minus_one": "`reshape`.*does not fit the slabs of a tensor sharded along dim 2.*a size of the whole sample",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",
