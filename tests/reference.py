@@ -75,3 +75,30 @@ def check_against_reference(
         torch.testing.assert_close(grads[name], expected, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
         errors[name] = (grads[name] - expected).abs().max().item()
     return errors
+
+
+def compare_on_slabs(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes, replicated: bool = True) -> float:
+    """``ref`` on ``x`` against ``model`` on slabs of ``x`` along dim 2 of explicit ``sizes``:
+    forward, input gradient and summed parameter gradients (1e-10). The output is replicated
+    (logits) or a slab along dim 2, gathered by its own slabs (a crop changes them)."""
+    x = x.detach().requires_grad_()
+    y_ref = ref(x)
+    g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(5))
+    (y_ref * g).sum().backward()
+    r = m.get_local_rank("domain")
+    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    y = model(x_local)
+    y = y if replicated else snn.gather(y, m, dims=(2,))
+    snn.losses.share((y * g).sum(), m).backward()
+    torch.testing.assert_close(y, y_ref.detach(), atol=1e-10, rtol=1e-10)
+    errs = [(y - y_ref).abs().max().item()]
+    # (A slab that no output depends on has no gradient: zeros, as in the reference's rows.)
+    gx = snn.gather(x_local.grad if x_local.grad is not None else torch.zeros_like(x_local), m, dims=(2,))
+    torch.testing.assert_close(gx, x.grad, atol=1e-10, rtol=1e-10)
+    errs.append((gx - x.grad).abs().max().item())
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[name], expected, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+        errs.append((grads[name] - expected).abs().max().item())
+    return max(errs)

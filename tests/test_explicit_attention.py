@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import sharded_nn as snn
 
 from .harness import mesh
-from .reference import check_against_reference, reduce_param_grads
+from .reference import check_against_reference, compare_on_slabs
 
 
 class Written(nn.Module):
@@ -135,20 +135,7 @@ def _timm_relpos(domain: int, sizes):
         blk.attn.rel_pos.mlp.drop1.p = 0.0
         torch.nn.init.uniform_(blk.ls1.gamma, 0.5, 1.5)  # (1e-6 by default: it would hide the attention)
     model = snn.convert(copy.deepcopy(ref), m, strict=True)
-    x = torch.randn(2, 3, sum(sizes), 32, dtype=torch.float64).requires_grad_()
-    g = torch.randn(2, 3, dtype=torch.float64)
-    y_ref = ref(x)
-    (y_ref * g).sum().backward()
-    r = m.get_local_rank("domain")
-    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
-    y = model(x_local)  # the logits: replicated
-    snn.losses.share((y * g).sum(), m).backward()
-    errs = [(y - y_ref).abs().max().item()]
-    gx = snn.gather(x_local.grad, m, dims=(2,))
-    errs.append((gx - x.grad).abs().max().item())
-    grads = reduce_param_grads(model, m)
-    errs += [(grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()]
-    return max(errs)
+    return compare_on_slabs(ref, model, m, torch.randn(2, 3, sum(sizes), 32, dtype=torch.float64), sizes)
 
 
 @pytest.mark.parametrize("domain,sizes", [(2, (32, 16)), (3, (16, 32, 16))])

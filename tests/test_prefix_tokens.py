@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import sharded_nn as snn
 
 from .harness import mesh
-from .reference import check_against_reference, reduce_param_grads
+from .reference import check_against_reference, compare_on_slabs
 
 
 class Prefixed(nn.Module):
@@ -50,38 +50,12 @@ class Prefixed(nn.Module):
         return self.head(torch.cat([t[:, 0], t[:, 3:-1].mean(dim=1), t[:, -1]], dim=-1))
 
 
-def _compare(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes, replicated: bool = True) -> float:
-    """Forward, input gradient and summed parameter gradients against ``ref``; the output is
-    replicated (logits) or a slab along dim 2 gathered by its own slabs (a crop changes them)."""
-    x = x.detach().requires_grad_()
-    y_ref = ref(x)
-    g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(5))
-    (y_ref * g).sum().backward()
-    r = m.get_local_rank("domain")
-    x_local = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
-    y = model(x_local)
-    y = y if replicated else snn.gather(y, m, dims=(2,))
-    snn.losses.share((y * g).sum(), m).backward()
-    torch.testing.assert_close(y, y_ref.detach(), atol=1e-10, rtol=1e-10)
-    errs = [(y - y_ref).abs().max().item()]
-    # (A slab that no output depends on has no gradient: zeros, as in the reference's rows.)
-    gx = snn.gather(x_local.grad if x_local.grad is not None else torch.zeros_like(x_local), m, dims=(2,))
-    torch.testing.assert_close(gx, x.grad, atol=1e-10, rtol=1e-10)
-    errs.append((gx - x.grad).abs().max().item())
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        expected = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(grads[name], expected, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
-        errs.append((grads[name] - expected).abs().max().item())
-    return max(errs)
-
-
 def _prefixed(domain: int, sizes):
     m = mesh(domain)
     torch.manual_seed(0)
     ref = Prefixed(sum(sizes), 3).double()
     model = snn.convert(copy.deepcopy(ref), m, strict=True)
-    return _compare(ref, model, m, torch.randn(2, 2, sum(sizes), 3, dtype=torch.float64), sizes)
+    return compare_on_slabs(ref, model, m, torch.randn(2, 2, sum(sizes), 3, dtype=torch.float64), sizes)
 
 
 @pytest.mark.parametrize("domain,sizes", [(2, (4, 3)), (3, (3, 1, 3))])
@@ -102,7 +76,7 @@ def _timm(name: str, domain: int, sizes, kw: dict):
         if p.dim() == 1 and bool((p.abs() < 1e-4).all()):
             torch.nn.init.uniform_(p, 0.5, 1.5)
     model = snn.convert(copy.deepcopy(ref), m, strict=True)
-    return _compare(ref, model, m, torch.randn(2, 3, sum(sizes), 32, dtype=torch.float64), sizes)
+    return compare_on_slabs(ref, model, m, torch.randn(2, 3, sum(sizes), 32, dtype=torch.float64), sizes)
 
 
 _BEIT = dict(depth=2, embed_dim=32, num_heads=2)
@@ -154,7 +128,7 @@ def _cropped(kind: str, domain: int, sizes):
     x = torch.randn(2, 2, sum(sizes), 5, dtype=torch.float64)
     if kind == "select_row":
         return max(check_against_reference(ref, x, m, sharded=model, sizes=sizes).values())
-    return _compare(ref, model, m, x, sizes, replicated=False)
+    return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
 
 
 @pytest.mark.parametrize("kind", ["head_rows", "both_ends", "narrow", "select_row"])
