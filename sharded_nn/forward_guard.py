@@ -1293,13 +1293,12 @@ class _GuardMode(TorchFunctionMode):
         call = f"`{getattr(func, '__name__', 'view')}`"
         self._routing(call)
         sharded = [(k, d) for k, d in enumerate(st) if d is not None]
-        rows = self._gather_with_coords([int(x.shape[d]) for _, d in sharded], f"forward guard: {call} to constant sizes")
         glob = list(x.shape)
         local = list(request)
         out_state: list = [None] * len(st)
-        for j, (k, d) in enumerate(sharded):
-            lengths = [r[j] for r in self._along_axis(rows, k)]
-            glob[d] = sum(lengths)
+        spans = self._spans([(k, int(x.shape[d])) for k, d in sharded], f"{call} to constant sizes")
+        for (_, d), (_, _, total) in zip(sharded, spans):
+            glob[d] = total
         if math.prod(glob) != math.prod(request):
             return self._h_reshape_moved(func, "view", args, kwargs, [x])  # torch's own error, on every rank
         groups = _groups(tuple(glob), tuple(request))
