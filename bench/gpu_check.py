@@ -14,6 +14,11 @@ Three parts, each printed as a Markdown table and written to ``--out`` (JSON):
    backward of the plain model at P=1, ``torch.cuda.max_memory_allocated`` growth above the
    model and input, against ``snn.plan_memory``'s P=1 activation prediction (its peak less
    parameters and input, as ``bench/run.py`` compares on CPU).
+4. **What the sharded path costs on a GPU at world size 1** (issue 16's per-call overhead, where
+   kernels take microseconds and Python does not shrink with them): a 16x64x64 ``Conv2d`` plain
+   against ``ShardedConv2d`` and a converted two-layer model, per forward call; each zoo model's
+   training step plain against sharded; and two timm CNNs converted with ``snn.convert`` (the
+   forward guard on every call), forward at 1024x512. Times are medians of synchronised runs.
 
 Run it from the repository root on the GPU machine::
 
@@ -83,7 +88,9 @@ def _attention_case(device, dtype, masked, causal, mesh):
         pad[:, 0] = False
         pad = pad.to(device)
     dout = torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype)
-    out = snn.functional.ring_attention(q, k, v, mesh, causal, key_padding_mask=pad)
+    # ``return_lse`` keeps the ring's block path at world size 1 (without it, a one-rank ring
+    # calls torch's own attention and the block kernels under test would not run).
+    out, _lse = snn.functional.ring_attention(q, k, v, mesh, causal, key_padding_mask=pad, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     return [out.detach(), *grads]
 
@@ -139,6 +146,72 @@ def check_memory(device_type: str) -> list[dict]:
     return rows
 
 
+def _median_ms(fn, device_type: str, calls: int = 20, runs: int = 15) -> float:
+    """Median over ``runs`` of the time per call of ``calls`` back-to-back calls, synchronised."""
+    import statistics
+
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times) * 1e3
+
+
+def check_latency(device_type: str, mesh) -> list[dict]:
+    """Part 4: plain against sharded at world size 1 on the same device (ratio > 1: ours slower)."""
+    import copy
+
+    from torch import nn
+
+    device = torch.device(device_type)
+    rows = []
+
+    def row(case, plain_ms, ours_ms):
+        rows.append({"case": case, "plain_ms": plain_ms, "sharded_ms": ours_ms, "ratio": ours_ms / plain_ms})
+
+    torch.manual_seed(0)
+    plain = nn.Conv2d(16, 16, 3, padding=1).to(device)
+    sharded = snn.ShardedConv2d(16, 16, 3, padding=1, mesh=mesh, dims=(2,)).to(device)
+    sharded.load_state_dict(plain.state_dict())
+    two = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)).to(device)
+    two_sharded = snn.convert(copy.deepcopy(two), mesh)
+    x = torch.randn(1, 16, 64, 64, device=device)
+    with torch.no_grad():
+        row("Conv2d 16x64x64 fwd", _median_ms(lambda: plain(x), device_type),
+            _median_ms(lambda: sharded(x), device_type))
+        row("2 x Conv2d converted fwd", _median_ms(lambda: two(x), device_type),
+            _median_ms(lambda: two_sharded(x), device_type))
+    for model, size in (("vit", 1024 if device_type == "cuda" else 256), ("unet", 512 if device_type == "cuda" else 128),
+                        ("transolver", 262144 if device_type == "cuda" else 8192)):
+        cfg = demo.DemoConfig(model=model, size=size, nproc=1, repeat=5,
+                              depth=None if device_type == "cuda" else 2)
+        plain_s = demo.rank_step(cfg, sharded=False)["seconds"]
+        ours_s = demo.rank_step(cfg, sharded=True)["seconds"]
+        row(f"{model} {size} fwd+bwd step", plain_s * 1e3, ours_s * 1e3)
+    try:
+        import timm
+    except ImportError:
+        return rows
+    h, w = (1024, 512) if device_type == "cuda" else (256, 128)
+    x = torch.randn(1, 3, h, w, device=device)
+    for name in ("resnet50", "efficientnet_b0"):
+        torch.manual_seed(0)
+        ref = timm.create_model(name, pretrained=False).to(device).eval()
+        ours = snn.convert(copy.deepcopy(ref), mesh).eval()
+        with torch.no_grad():
+            err = (ours(x) - ref(x)).abs().max().item()
+            row(f"timm {name} {h}x{w} fwd (max diff {err:.1e})", _median_ms(lambda: ref(x), device_type, 5, 9),
+                _median_ms(lambda: ours(x), device_type, 5, 9))
+    return rows
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "(none)"
@@ -171,10 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## 2. ring attention: fused block kernel against the math path\n\n" + _table(attention))
     memory = check_memory(device_type)
     print("\n## 3. peak activation memory at P=1: measured against plan_memory\n\n" + _table(memory))
+    try:
+        latency = check_latency(device_type, mesh)
+    except Exception as exc:  # noqa: BLE001 - a timing part must not hide the checks above
+        import traceback
+
+        traceback.print_exc()
+        latency = [{"case": "error", "error": repr(exc)}]
+    print("\n## 4. plain against sharded at world size 1 (ratio > 1: the sharded path is slower)\n\n"
+          + _table(latency))
     ok = all(r["ok"] for r in backend + attention)
     print(f"\nall checks {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
     Path(args.out).write_text(json.dumps({"info": info, "backend": backend, "attention": attention,
-                                          "memory": memory, "ok": ok}, indent=1))
+                                          "memory": memory, "latency": latency, "ok": ok}, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok else 1

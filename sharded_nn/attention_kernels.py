@@ -260,9 +260,24 @@ def _cpu_backward(dout, q, k, v, out, lse, pad, scale, diag):
 # --------------------------------------------------------------------------- CUDA efficient kernel
 
 
+def _bmhk(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a ``(B, H, M, K)`` view) stored as a contiguous ``(B, M, H, K)`` tensor (a copy only
+    where it is not).
+
+    Why: the memory-efficient backward computes ``delta = rowsum(dout * out)`` inside the kernel
+    for float16/bfloat16 and reads ``out`` with the stride it has as the forward's own output,
+    ``H * K`` between rows (xformers' ``o_strideM`` is derived, not passed). Given a ``(B, H, M,
+    K)``-contiguous ``out`` (or a chunk of a few heads), the half-precision dq and dk came out
+    wrong by O(1) on an H200 (torch 2.11); float32 computes delta outside the kernel.
+    """
+    bmhk = t.transpose(1, 2)
+    return t if bmhk.is_contiguous() else bmhk.contiguous().transpose(1, 2)
+
+
 def _efficient_forward(q, k, v, pad, scale, diag):
-    # The kernel wants contiguous rows; the ring hands it views of query runs.
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # The kernel takes any strides but needs unit-stride head rows (as torch's own sdpa gives
+    # it): views of a fused qkv projection and of query runs go in without a copy.
+    q, k, v = _rows(q), _rows(k), _rows(v)
     bias = _additive(pad, q.dtype, align=16)
     if bias is not None:
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -274,7 +289,7 @@ def _efficient_forward(q, k, v, pad, scale, diag):
 
 
 def _efficient_backward(dout, q, k, v, out, lse, pad, scale, diag):
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _rows(q), _rows(k), _rows(v)
     bias = _additive(pad, q.dtype, align=16)
     if bias is not None:
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -285,16 +300,22 @@ def _efficient_backward(dout, q, k, v, out, lse, pad, scale, diag):
     seed = torch.zeros((), dtype=torch.int64)
     offset = torch.zeros((), dtype=torch.int64)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, bias, out.to(q.dtype).contiguous(), lse_padded, seed, offset,
+        _rows(dout), q, k, v, bias, _bmhk(out.to(q.dtype)), lse_padded, seed, offset,
         0.0, [True, True, True, False], diag, scale=scale,
     )
     return dq, dk, dv
 
 
 #: Fused kernels that must pass the one-time self-check before use, by device type:
-#: (forward, backward, dtypes they accept).
-_CHECKED_KERNELS: dict[str, tuple[Callable, Callable, tuple[torch.dtype, ...]]] = {
-    "cuda": (_efficient_forward, _efficient_backward, (torch.float16, torch.bfloat16, torch.float32)),
+#: (forward, backward, dtypes they accept, fewest query rows worth a launch).
+#:
+#: Why a fewest: the CUDA kernel spreads its work over (64-query tile, head, sample) thread
+#: blocks, so a run of a few queries (a ViT's class and register tokens riding the ring as
+#: replicated queries) gets B * H blocks on a GPU of 132 multiprocessors, each walking every
+#: key alone: on an H200, 1 query over 4097 keys took 0.42 ms against 0.57 ms for all 4096
+#: queries. The math path does such a run in a few small batched products.
+_CHECKED_KERNELS: dict[str, tuple[Callable, Callable, tuple[torch.dtype, ...], int]] = {
+    "cuda": (_efficient_forward, _efficient_backward, (torch.float16, torch.bfloat16, torch.float32), 16),
 }
 #: Outcome of the self-check per (device, dtype, D, Dv, mask kind).
 _CHECKED: dict[tuple, bool] = {}
@@ -313,7 +334,11 @@ def _self_check(key: tuple, fwd: Callable, bwd: Callable) -> bool:
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    q, k, v, dout = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, dv), rand(b, h, n, dv)
+    # The layouts of real calls: q, k, v as views of one fused projection (B, N, 3, H, D), the
+    # output gradient and the output (B, H, N, D)-contiguous as ring attention holds them.
+    qkv = rand(b, n, 3, h, max(d, dv)).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0, ..., :d], qkv[1, ..., :d], qkv[2, ..., :dv]
+    dout = rand(b, h, n, dv)
     pad = None
     if masked:
         pad = (torch.rand(b, n, generator=g) < 0.3).to(torch.uint8)
@@ -322,7 +347,7 @@ def _self_check(key: tuple, fwd: Callable, bwd: Callable) -> bool:
     scale = 0.3
     try:
         out, lse = fwd(q, k, v, pad, scale, diag)
-        grads = bwd(dout, q, k, v, out, lse, pad, scale, diag)
+        grads = bwd(dout, q, k, v, out.contiguous(), lse, pad, scale, diag)
         ref_out, ref_lse = _math_forward(q, k, v, _additive(pad, q.dtype), scale, diag)
         ref_grads = _math_backward(dout, q, k, v, ref_out, ref_lse, _additive(pad, q.dtype), scale, diag)
         tol = _check_tolerance(dtype)
@@ -345,7 +370,7 @@ def _self_check(key: tuple, fwd: Callable, bwd: Callable) -> bool:
 def _fused(q: torch.Tensor, v: torch.Tensor, pad, diag: bool) -> tuple[Callable, Callable] | None:
     """The checked fused kernel pair for this block, or None for the other paths."""
     entry = _CHECKED_KERNELS.get(q.device.type)
-    if entry is None or q.dtype not in entry[2]:
+    if entry is None or q.dtype not in entry[2] or q.shape[2] < entry[3]:
         return None
     key = (q.device, q.dtype, q.shape[-1], v.shape[-1], pad is not None, bool(diag))
     ok = _CHECKED.get(key)

@@ -390,7 +390,7 @@ def fake_cpu_kernel(monkeypatch):
     monkeypatch.setattr(ak, "_CHECKED", {})
 
     def install(fwd, bwd):
-        monkeypatch.setitem(ak._CHECKED_KERNELS, "cpu", (fwd, bwd, (torch.float64,)))
+        monkeypatch.setitem(ak._CHECKED_KERNELS, "cpu", (fwd, bwd, (torch.float64,), 1))
 
     return install
 
@@ -413,6 +413,26 @@ def test_fused_kernel_used_after_check(fake_cpu_kernel, mask, diag):
     # One self-check (fwd + bwd) for the key, then the kernel serves both blocks.
     assert calls == ["fwd", "bwd"] * 3
     assert list(ak._CHECKED.values()) == [True]
+
+
+def test_fused_kernel_skips_runs_of_few_queries(monkeypatch):
+    """A checked kernel serves query runs of at least its fewest rows; shorter runs (replicated
+    class tokens) take the math path, with the same result."""
+    from sharded_nn import attention_kernels as ak
+
+    fwd, bwd, calls = _math_kernels()
+    monkeypatch.setattr(ak, "_CHECKED", {})
+    monkeypatch.setitem(ak._CHECKED_KERNELS, "cpu", (fwd, bwd, (torch.float64,), 4))
+    q, k, v, dout, pad = _block_problem(True, False)
+    for rows in (3, 4):
+        calls.clear()
+        ref_out, ref_grads = _block_reference(q[:, :, :rows], k, v, dout[:, :, :rows], pad, False)
+        out, grads = _run_block(q[:, :, :rows], k, v, dout[:, :, :rows], pad, False)
+        torch.testing.assert_close(out, ref_out)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want)
+        # 3 rows: no kernel call at all (not even its self-check); 4 rows: self-check + block.
+        assert calls == ([] if rows < 4 else ["fwd", "bwd"] * 2)
 
 
 def _raising(*args, **kwargs):
@@ -460,6 +480,7 @@ def test_efficient_kernel_wrappers(fake_cpu_kernel, monkeypatch):
 
     def efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
         assert compute_lse and dropout_p == 0.0
+        assert all(t.stride(-1) == 1 for t in (q, k, v))
         assert bias is None or (bias.shape == (*q.shape[:3], k.shape[2]) and bias.stride(2) == 0)
         out, lse = ak._math_forward(q, k, v, bias, scale, is_causal)
         n = q.shape[2]
@@ -469,6 +490,11 @@ def test_efficient_kernel_wrappers(fake_cpu_kernel, monkeypatch):
 
     def efficient_backward(dout, q, k, v, bias, out, lse, seed, offset, dropout_p, mask, is_causal=False, *, scale):
         assert lse.shape[2] % 32 == 0 and list(mask) == [True, True, True, False]
+        # The CUDA kernel's half-precision delta reads ``out`` as the forward stores it,
+        # (B, M, H, K)-contiguous (its row stride is derived, not passed), and every operand
+        # with unit-stride head rows.
+        assert out.transpose(1, 2).is_contiguous()
+        assert all(t.stride(-1) == 1 for t in (dout, q, k, v, out))
         grads = ak._math_backward(dout, q, k, v, out, lse[:, :, : q.shape[2]], bias, scale, is_causal)
         return (*grads, None)
 
@@ -502,7 +528,7 @@ def _ring_with_broken_kernel(world):
 
     saved = dict(ak._CHECKED_KERNELS), dict(ak._CHECKED)
     ak._CHECKED.clear()
-    ak._CHECKED_KERNELS["cpu"] = (_wrong_forward, _math_kernels()[1], (torch.float64,))
+    ak._CHECKED_KERNELS["cpu"] = (_wrong_forward, _math_kernels()[1], (torch.float64,), 1)
     try:
         with pytest.warns(snn.ShardingWarning, match="self-check"):
             _check_cases(world, [Cfg(mask=True), Cfg(causal=True, layout="zigzag")], "ring")
