@@ -99,6 +99,25 @@ def test_replicated_queries_exact(run, world, case):
     assert run(world, _check, world, cfg, pieces, p_drop) == [True] * world
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_replicated_queries_one_rank(run, case):
+    """A one-rank domain: torch's fused attention on ``[replicated; queries]`` (no dropout, no
+    padding) or the ring's own path (dropout, padding), exact either way, split or concatenated."""
+    cfg, pieces, p_drop = CASES[case]
+    assert run(1, _check, 1, cfg, pieces, p_drop) == [True]
+    assert run(1, _check_concat, cfg) == [True]
+
+
+def _check_concat(cfg: Cfg):
+    m = mesh(1)
+    q, k, v, pad, _ = cfg.tensors()
+    rq = torch.randn(cfg.batch, cfg.heads, N_REP, cfg.dim, generator=torch.Generator().manual_seed(3), dtype=cfg.dtype)
+    both = snf.ring_attention(q, k, v, m, key_padding_mask=pad, replicated_q=rq, concat_replicated=True)
+    ref = _reference(torch.cat([rq, q], 2), k, v, pad, 0.0)
+    torch.testing.assert_close(both, ref, atol=1e-10, rtol=1e-10)
+    return True
+
+
 def _errors(world):
     m = mesh(world)
     q = torch.randn(1, 2, 3, 4)
