@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from .errors import ShardingError
-from .mesh import axis_size, domain_axes
+from .mesh import axis_index, axis_size, domain_axes
 
 __all__ = ["ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_reviewed"]
 
@@ -1484,7 +1484,7 @@ class _GuardMode(TorchFunctionMode):
         out = []
         for j, (k, n) in enumerate(local):
             lengths = [r[j] for r in self._along_axis(rows, k)]
-            mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+            mine = axis_index(self.guard.mesh, self.guard.axes[k])
             out.append((sum(lengths[:mine]), n, sum(lengths)))
         return out
 
@@ -1647,7 +1647,7 @@ class _GuardMode(TorchFunctionMode):
 
         self._routing("`cat`")
         axis = self.guard.axes[st.index(dim)]
-        coord, n = self.guard.mesh.get_local_rank(axis), axis_size(self.guard.mesh, axis)
+        coord, n = axis_index(self.guard.mesh, axis), axis_size(self.guard.mesh, axis)
         # The other ranks concatenate empty slices of the ends: the same calls, and so the same
         # backward graph on every rank (the order of the backward's collectives follows it).
         parts = [t if (i < j and coord == 0) or (i > j and coord == n - 1) or i == j else t.narrow(dim, 0, 0)
@@ -1894,7 +1894,7 @@ class _GuardMode(TorchFunctionMode):
         self._routing(f"`{base}`")
         k = n.axis
         (lengths,) = self._axis_lengths([n], f"forward guard: {base}")
-        mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+        mine = axis_index(self.guard.mesh, self.guard.axes[k])
         total = sum(lengths)
         if at is None:
             kwargs = {**kwargs, "steps": total}
@@ -1986,7 +1986,7 @@ class _GuardMode(TorchFunctionMode):
             data = data_axis(self.guard.mesh)
             if data is not None:
                 seed += 1_000_003 * axis_index(self.guard.mesh, data)
-            self.streams = RandomStreams(seed, [self.guard.mesh.get_local_rank(a) for a in self.guard.axes])
+            self.streams = RandomStreams(seed, [axis_index(self.guard.mesh, a) for a in self.guard.axes])
         sharded = [False] * len(self.guard.axes) if noise_state is None else [d is not None for d in noise_state]
         return run_seeded(func, args, kwargs, self.streams.next_seed(self.streams.key(sharded)), device)
 
@@ -2147,7 +2147,7 @@ class _GuardMode(TorchFunctionMode):
         lengths = [r[0] for r in self._along_axis(rows, k)]
         axis = self.guard.axes[k]
         out = all_gather_grid(t, group_over(self.guard.mesh, [axis]), (d,), [(r,) for r in range(len(lengths))],
-                              [lengths], self.guard.mesh.get_local_rank(axis))
+                              [lengths], axis_index(self.guard.mesh, axis))
         st = list(self.states.get(t))
         st[k] = None
         self._set(out, None if all(v is None for v in st) else tuple(st))
@@ -2223,7 +2223,7 @@ class _GuardMode(TorchFunctionMode):
                 self.fail("`einsum`", f"its operands' local lengths along letter {letter!r}, sharded by mesh axis "
                           f"{self.guard.axes[k]!r}, differ ({along}): they are not slabs of one layout", "")
             lens = [r[0] for r in along]
-            mine = self.guard.mesh.get_local_rank(self.guard.axes[k])
+            mine = axis_index(self.guard.mesh, self.guard.axes[k])
             start, total = sum(lens[:mine]), sum(lens)
             for i in holders:
                 if i in sharded:
@@ -2599,13 +2599,13 @@ class _GuardMode(TorchFunctionMode):
     def _gather_with_coords(self, facts, what: str):
         from .layers.base import gather_facts
 
-        coords = [self.guard.mesh.get_local_rank(a) for a in self.guard.axes]
+        coords = [axis_index(self.guard.mesh, a) for a in self.guard.axes]
         return gather_facts(self.guard.mesh, what, local=[*coords, *facts])
 
     def _along_axis(self, rows, k: int):
         """Facts of the ranks along mesh axis ``k`` that share this rank's other coordinates, in axis order."""
         n = len(self.guard.axes)
-        mine = [self.guard.mesh.get_local_rank(a) for a in self.guard.axes]
+        mine = [axis_index(self.guard.mesh, a) for a in self.guard.axes]
         sel = [r for r in rows if all(r[i] == mine[i] for i in range(n) if i != k)]
         return [tuple(r[n:]) for r in sorted(sel, key=lambda r: r[k])]
 

@@ -35,9 +35,10 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import all_reduce_sum, comm_device
-from .comm.collectives import all_gather_stacked
-from .mesh import axis_group, axis_size, data_axis, domain_axes, domain_group, group_over
+from .comm import all_reduce_sum
+from .comm.peers import domain_peers
+from .comm.ring_pass import gather_ints
+from .mesh import axis_group, axis_size, data_axis, domain_axes, group_over
 from .reductions import accumulation_dtype
 
 # Shapes of more dims are compared exactly but shown truncated in error messages.
@@ -110,7 +111,9 @@ def _mean_acc(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     # float64 across ranks: the count is then an exact integer far beyond float32's 2**24, and
     # the partial sums (accumulated in at least float32 locally) lose nothing when added.
     local = x.sum(dtype=accumulation_dtype(x.dtype)).to(torch.float64)
-    parts = torch.stack([local, local.new_tensor(float(x.numel()))])
+    # ``new_full``, not ``new_tensor``: a fill kernel, where a copy of a host number would stall
+    # a GPU at every loss (a copy from pageable memory waits for the stream).
+    parts = torch.stack([local, local.new_full((), float(x.numel()))])
     total = domain_sum(parts, mesh)
     return (total[0] / total[1]).to(accumulation_dtype(x.dtype))
 
@@ -238,12 +241,13 @@ def relative_l2(pred: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh, *, e
 
 def _check_same_shape(pred: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
     """Raise the same ``ValueError`` on every domain rank if any rank's slabs differ in shape."""
-    group = domain_group(mesh)
     row = [int(pred.shape != target.shape), pred.dim(), target.dim()]
     for shape in (pred.shape, target.shape):
         shown = list(shape[:_SHOWN_NDIM])
         row += shown + [-1] * (_SHOWN_NDIM - len(shown))
-    rows = all_gather_stacked(torch.tensor(row, dtype=torch.int64, device=comm_device(group)), group).tolist()
+    # On the CPU over gloo (``gather_ints``): a gather of device tensors read back with
+    # ``tolist`` would synchronise the GPU at every loss; with one rank nothing travels.
+    rows = [list(r) for r in gather_ints(row, domain_peers(mesh))]
     if any(r[0] for r in rows):
         raise ValueError(_shape_mismatch_message(rows, what))
 

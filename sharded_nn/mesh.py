@@ -138,8 +138,9 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
 
 
 def axis_index(mesh: DeviceMesh, axis: str) -> int:
-    """This rank's coordinate along ``axis``."""
-    return mesh.get_local_rank(axis)
+    """This rank's coordinate along ``axis`` (remembered per mesh: ``DeviceMesh.get_local_rank``
+    costs tens of microseconds, and layers ask for it on every call)."""
+    return mesh_cached(mesh, ("axis_index", axis), lambda: mesh.get_local_rank(axis))
 
 
 def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:

@@ -42,7 +42,7 @@ from .comm import all_reduce_max, all_reduce_sum, gather_layouts
 from .comm.sizes import scope_declare, scope_forget
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import domain_axes, group_over
+from .mesh import axis_index, domain_axes, group_over
 from .sharding import default_dims
 
 __all__ = ["argmax", "log_softmax", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
@@ -205,7 +205,7 @@ def argmax(
     if not axes:
         return idx if keepdim else idx.squeeze(d)
     axis, layout = sharded[d]
-    idx = idx + layout.starts[mesh.get_local_rank(axis)]
+    idx = idx + layout.starts[axis_index(mesh, axis)]
     group = group_over(mesh, axes)
     local_top = x.amax(d, keepdim=True)
     top = all_reduce_max(local_top, group)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import axis_size, data_axis, default_dims, domain_axes, domain_group, group_over, stated_layout
+from .mesh import axis_index, axis_size, data_axis, default_dims, domain_axes, domain_group, group_over, stated_layout
 
 
 def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
@@ -108,7 +108,7 @@ def batch_slice(mesh: DeviceMesh, batch_size: int) -> slice:
             "averaged over replicas). Pick a multiple, or drop the last incomplete batch."
         )
     per = batch_size // replicas
-    start = 0 if axis is None else mesh.get_local_rank(axis) * per
+    start = 0 if axis is None else axis_index(mesh, axis) * per
     return slice(start, start + per)
 
 
@@ -140,7 +140,7 @@ def local_slices(
     layouts = global_layouts(global_shape, mesh, dims, align)
     idx = [slice(None)] * len(global_shape)
     for d, a, lay in zip(dims, domain_axes(mesh), layouts):
-        idx[d] = lay.slice(mesh.get_local_rank(a))
+        idx[d] = lay.slice(axis_index(mesh, a))
     if batch_dim is not None:
         (b,) = normalize_dims(batch_dim, len(global_shape), "local_slices")
         if b in dims:
@@ -158,7 +158,7 @@ def _slab_slices(x: torch.Tensor, mesh: DeviceMesh, dims, batch_dim) -> tuple[sl
     layouts = gather_layouts(x.shape, mesh, dims, what="local_slices", allow_empty=True)
     idx = [slice(None)] * x.dim()
     for d, a, lay in zip(dims, domain_axes(mesh), layouts):
-        idx[d] = lay.slice(mesh.get_local_rank(a))
+        idx[d] = lay.slice(axis_index(mesh, a))
     return tuple(idx)
 
 

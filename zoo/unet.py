@@ -44,6 +44,7 @@ from sharded_nn.layers.base import ShardedMixin, agree
 from sharded_nn.layers.padding import pad as sharded_pad
 from sharded_nn.layers.window import Window, extend, plan_window
 from sharded_nn.layout import Layout
+from sharded_nn.mesh import axis_index
 from sharded_nn.registry import register, registered
 
 from .factory import register_model
@@ -344,7 +345,7 @@ class ShardedFarEdgeCrop(ShardedMixin, FarEdgeCrop):
                     f"ranks {[r for r, n in enumerate(keep) if n == 0]} empty or needs growing; crop only a tail "
                     "that lies on the last rank."
                 )
-            idx[d] = slice(0, keep[self.mesh.get_local_rank(self.mesh_axes[k])])
+            idx[d] = slice(0, keep[axis_index(self.mesh, self.mesh_axes[k])])
             out_layouts.append(Layout(tuple(keep)))
         scope_declare(self.mesh, self.dims, x.dim(), out_layouts)
         return x[tuple(idx)]

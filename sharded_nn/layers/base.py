@@ -23,7 +23,7 @@ from ..comm import domain_peers, gather_ints, layouts_from_shapes
 from ..comm.sizes import scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry
 from ..errors import ShardingError
 from ..layout import Layout
-from ..mesh import axis_size, default_dims, domain_axes
+from ..mesh import axis_index, axis_size, default_dims, domain_axes
 
 #: Tensors with more dims than this are refused (the gathered rows have a fixed width).
 MAX_NDIM = 12
@@ -210,7 +210,7 @@ def agree(
     facts.update({f"the model's {k} at its entry": v for k, v in scope_take_entry().items()})
     # Each row carries the rank's domain coordinates, so no assumption is made about how the
     # group orders its ranks; shapes are padded to a fixed width.
-    coords = [mesh.get_local_rank(a) for a in axes]
+    coords = [axis_index(mesh, a) for a in axes]
     padded = [*shape[:MAX_NDIM], *(-1,) * (MAX_NDIM - min(len(shape), MAX_NDIM))]
     flat = [v for vals in facts.values() for v in vals]
     rows = gather_facts(mesh, what, local=[len(shape), *coords, *padded, *flat, *local])

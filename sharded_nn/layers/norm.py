@@ -42,7 +42,7 @@ from ..comm.collectives import all_gather_stacked
 from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
-from ..mesh import axis_size, data_axis, group_over, mesh_cached
+from ..mesh import axis_index, axis_size, data_axis, group_over, mesh_cached
 from ..moments import local_moments, packed_local_moments, row_affine2, row_affine2_applies
 from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
@@ -732,7 +732,7 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
         for i, d in covered:
             # This rank's slice of the elementwise affine parameters along the sharded dim.
             lay = layouts[i]
-            start = lay.starts[self.mesh.get_local_rank(self.mesh_axes[i])]
+            start = lay.starts[axis_index(self.mesh, self.mesh_axes[i])]
             w = None if w is None else w.narrow(d - first, start, x.shape[d])
             b = None if b is None else b.narrow(d - first, start, x.shape[d])
         return _affine(y, w, b).to(_out_dtype(x, "layer_norm"))
