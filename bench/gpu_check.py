@@ -19,6 +19,11 @@ Three parts, each printed as a Markdown table and written to ``--out`` (JSON):
    against ``ShardedConv2d`` and a converted two-layer model, per forward call; each zoo model's
    training step plain against sharded; and two timm CNNs converted with ``snn.convert`` (the
    forward guard on every call), forward at 1024x512. Times are medians of synchronised runs.
+5. **Stream synchronisations in a training step** (``torch.cuda.set_sync_debug_mode``): each zoo
+   model's forward, loss and backward, plain against sharded at world size 1; the sharded step
+   must not synchronise more often than the plain one (a synchronisation stalls the host until
+   the GPU drains, and the next kernels wait for the host). Where it does, the first frames in
+   ``sharded_nn``/``zoo`` are printed.
 
 Run it from the repository root on the GPU machine::
 
@@ -212,6 +217,56 @@ def check_latency(device_type: str, mesh) -> list[dict]:
     return rows
 
 
+def _count_syncs(step, device_type: str) -> tuple[int, list[str]]:
+    """Synchronising CUDA calls made by one ``step()``, and where in sharded_nn / zoo they were."""
+    import traceback
+    import warnings
+
+    if device_type != "cuda":
+        step()
+        return 0, []
+    places: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+
+        def note(*_args, **_kwargs):
+            ours = [f for f in traceback.extract_stack()[:-1] if "sharded_nn" in f.filename or "/zoo/" in f.filename]
+            places.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:3]) or "(torch/timm)")
+
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return len(places), sorted(set(places))
+
+
+def check_syncs(device_type: str, mesh) -> list[dict]:
+    """Part 5: stream synchronisations of one training step, plain against sharded."""
+    rows = []
+    sizes = {"vit": 256, "unet": 128, "transolver": 4096, "cnn": 32}
+    for model, size in sizes.items():
+        counts = {}
+        for sharded in (False, True):
+            cfg = demo.DemoConfig(model=model, size=size, depth=2 if model in ("vit", "transolver") else None, nproc=1)
+            m = mesh if sharded else None
+            net = demo.build_model(cfg, m).to(device_type)
+            x = demo.global_input(cfg).to(device_type).requires_grad_()
+
+            def step(net=net, x=x, m=m):
+                out = net(x, embedding=x.detach()) if model == "transolver" else net(x)
+                loss = out.float().square().mean()  # plain and replicated alike; no host numbers
+                (loss if m is None else snn.losses.share(loss, m)).backward()
+
+            step()
+            step()
+            counts[sharded] = _count_syncs(step, device_type)
+        rows.append({"model": model, "plain_syncs": counts[False][0], "sharded_syncs": counts[True][0],
+                     "where": "; ".join(counts[True][1]) or "-", "ok": counts[True][0] <= counts[False][0]})
+    return rows
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "(none)"
@@ -253,10 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         latency = [{"case": "error", "error": repr(exc)}]
     print("\n## 4. plain against sharded at world size 1 (ratio > 1: the sharded path is slower)\n\n"
           + _table(latency))
-    ok = all(r["ok"] for r in backend + attention)
+    syncs = check_syncs(device_type, mesh)
+    print("\n## 5. stream synchronisations in one training step at world size 1\n\n" + _table(syncs))
+    ok = all(r["ok"] for r in backend + attention + syncs)
     print(f"\nall checks {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
     Path(args.out).write_text(json.dumps({"info": info, "backend": backend, "attention": attention,
-                                          "memory": memory, "latency": latency, "ok": ok}, indent=1))
+                                          "memory": memory, "latency": latency, "syncs": syncs, "ok": ok}, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok else 1
