@@ -149,6 +149,37 @@ def test_norms_match_torch_without_the_native_kernel(run):
     assert all(run(2, _torch_only_statistics, 2, cases))
 
 
+def _cuda_kernel_contract(domain, cases):
+    """The norms' backward through a stand-in of ``native_batch_norm_backward`` that checks what
+    the CUDA kernel asserts (saved statistics given as tensors, possibly empty, never None) and
+    then runs torch's own: CI has no GPU, and None passed on CPU (session 40 found it on an H200)."""
+    from types import SimpleNamespace
+
+    from sharded_nn.layers import norm
+
+    real = torch.ops.aten.native_batch_norm_backward
+    calls = []
+
+    def native_batch_norm_backward(g, x, w, rm, rv, save_mean, save_invstd, train, eps, mask):
+        assert isinstance(save_mean, torch.Tensor) and isinstance(save_invstd, torch.Tensor)
+        calls.append(train)
+        return real(g, x, w, rm, rv, save_mean, save_invstd, train, eps, mask)
+
+    saved = norm._aten
+    norm._aten = SimpleNamespace(native_batch_norm_backward=native_batch_norm_backward)
+    try:
+        ok = _check_cases(domain, cases, steps=1)
+    finally:
+        norm._aten = saved
+    assert calls, "the sharded norms' backward did not reach the kernel"
+    return ok
+
+
+def test_norm_backward_keeps_the_cuda_kernel_contract(run):
+    cases = [c for c in CASES_1D if c[0].func in (nn.GroupNorm, nn.BatchNorm2d, nn.BatchNorm3d)]
+    assert all(run(2, _cuda_kernel_contract, 2, cases))
+
+
 def _stable_with_offset():
     # x ~ 1e8 + N(0, 1): E[x^2] - E[x]^2 cancels every digit even in float64 (the variance would
     # come out as a multiple of ~1e16 * 2^-52 ~ 2, or negative); the two passes keep ~1e-8. torch's

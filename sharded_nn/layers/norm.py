@@ -358,6 +358,27 @@ class _GroupNormFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+#: The aten namespace, looked up through this name so that tests can check the kernels' contract.
+_aten = torch.ops.aten
+
+
+def _grad_sums(g, x, weight, mean, var, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``sum(g * xhat)`` and ``sum(g)`` of ``(N, C, ...)`` tensors with the given
+    statistics, from torch's inference-form batch-norm backward kernel (its reduction pass only).
+
+    The saved statistics go in as empty tensors, not None: the CUDA kernel asserts that
+    ``save_mean`` is defined and takes the running statistics when it is empty (cuDNN's eval path
+    calls it so); the CPU kernel reads neither when ``train`` is False. With None every sharded
+    GroupNorm and BatchNorm backward raised torch's internal assert on CUDA (found on an H200 in
+    session 40).
+    """
+    unsaved = x.new_empty(0)
+    _, s_gx, s_g = _aten.native_batch_norm_backward(
+        g, x, weight, mean, var, unsaved, unsaved, False, eps, [False, True, True]
+    )
+    return s_gx, s_g
+
+
 def _fusable(x: torch.Tensor) -> bool:
     """Whether torch's CPU/CUDA batch-norm kernels can take ``x`` with statistics of its dtype
     (float32/float64, not empty); fp16/bf16 keep the elementwise forms, which accumulate in float32."""
@@ -388,9 +409,7 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
     gf = gy.reshape(1, n * c, -1)
     # The sums first (a reduction pass), so that their all-reduce is in flight while the local
     # part of dx, g * weight * rstd, is computed (as in _BatchNormFn.backward).
-    _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(
-        gf, xf, w_nc, m_nc, v_nc, None, None, False, eps, [False, True, True]
-    )
+    s_gx, s_g = _grad_sums(gf, xf, w_nc, m_nc, v_nc, eps)
     pending = all_reduce_sum_start(
         torch.stack([(w_nc * s_g).reshape(n, groups, -1).sum(2), (w_nc * s_gx).reshape(n, groups, -1).sum(2)]),
         ctx.group,
@@ -626,9 +645,7 @@ class _BatchNormFn(torch.autograd.Function):
         # inference-form kernel), so that their all-reduce is in flight while this rank computes
         # the local part of dx, g * w * rstd: the round trip overlaps a pass over the slab
         # instead of following it.
-        _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward.default(
-            g, x, w, mean, var, None, None, False, eps, [False, True, True]
-        )
+        s_gx, s_g = _grad_sums(g, x, w, mean, var, eps)
         pending = all_reduce_sum_start(torch.stack([s_g, s_gx]), group)
         dw = s_gx if weight is not None and ctx.needs_input_grad[1] else None
         db = s_g if ctx.has_bias and ctx.needs_input_grad[2] else None
