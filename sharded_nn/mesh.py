@@ -137,6 +137,11 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
     return mesh.size(mesh._get_mesh_dim_by_name(axis))
 
 
+def one_rank(mesh: DeviceMesh) -> bool:
+    """Whether the domain of ``mesh`` is one rank (every domain axis of size 1): tensors are whole."""
+    return mesh_cached(mesh, ("one_rank",), lambda: all(axis_size(mesh, a) == 1 for a in domain_axes(mesh)))
+
+
 def axis_index(mesh: DeviceMesh, axis: str) -> int:
     """This rank's coordinate along ``axis`` (remembered per mesh: ``DeviceMesh.get_local_rank``
     costs tens of microseconds, and layers ask for it on every call)."""

@@ -712,6 +712,27 @@ def test_timm_entry_methods_run_under_the_guard(run, domain):
     assert max(run(domain, _entry_methods, domain, sizes)) < 1e-10
 
 
+def _se_entry(domain):
+    """timm's forward_features called directly on a converted model with squeeze-excite blocks."""
+    import timm
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = timm.create_model("mobilenetv3_small_050", num_classes=3).double().eval()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 3, 64, 32, dtype=torch.float64)
+    with torch.no_grad():
+        feats = model.forward_features(snn.shard(x, m, dims=(2,)))
+        return (snn.gather(feats, m) - ref.forward_features(x)).abs().max().item()
+
+
+@pytest.mark.parametrize("domain", [1, 2])
+def test_squeeze_excite_entry_methods(run, domain):
+    # One rank: the guard installs no entry methods (nothing to guard), and the squeeze-excite
+    # block, exact on whole tensors, must not ask for the guard (it raised before session 40).
+    assert max(run(domain, _se_entry, domain)) < 1e-10
+
+
 class PhaseAfterConv(nn.Module):
     """A strided phase between two sharded convolutions (the second agrees on the sliced slab)."""
 
