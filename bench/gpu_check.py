@@ -24,6 +24,13 @@ Three parts, each printed as a Markdown table and written to ``--out`` (JSON):
    must not synchronise more often than the plain one (a synchronisation stalls the host until
    the GPU drains, and the next kernels wait for the host). Where it does, the first frames in
    ``sharded_nn``/``zoo`` are printed.
+6. **The sharded layers' multi-rank code on the device**: at world size 1 the layers run torch's
+   own (a one-rank mesh has nothing to exchange), so parts 1-5 never reach the halo convolutions
+   and the sharded norms' kernels on CUDA. Here every layer is forced onto its multi-rank path
+   (halo exchange with no neighbours, norms' statistics through their all-reduce) and the zoo
+   CNN and UNet and two converted timm CNNs in training mode (depthwise convolutions, batch
+   norms on batch statistics, squeeze-excite, channels-last LayerNorm2d) are checked in float64
+   against the plain models: output, input gradient and parameter gradients.
 
 Run it from the repository root on the GPU machine::
 
@@ -267,6 +274,60 @@ def check_syncs(device_type: str, mesh) -> list[dict]:
     return rows
 
 
+def check_forced(device_type: str, mesh) -> list[dict]:
+    """Part 6: every sharded layer on its multi-rank path at world size 1, float64, against torch."""
+    from sharded_nn.layers.base import ShardedMixin
+
+    import copy
+
+    def zoo_case(model, size):
+        cfg = demo.DemoConfig(model=model, size=size, nproc=1, dtype="float64")
+        return (demo.build_model(cfg, None), demo.build_model(cfg, mesh), demo.global_input(cfg))
+
+    def timm_case(name, channels_last=False):
+        import timm
+
+        torch.manual_seed(0)
+        # BatchNorm on batch statistics; no dropout (its draws would differ between the two models).
+        plain = timm.create_model(name, pretrained=False, drop_rate=0.0).train()
+        x = torch.randn(2, 3, 64, 48, dtype=torch.float64)
+        if channels_last:  # the norms' per-channel statistics then read strided slabs in place
+            plain, x = plain.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        return plain, snn.convert(copy.deepcopy(plain), mesh), x
+
+    cases = [("cnn 32^3", lambda: zoo_case("cnn", 32)), ("unet 128^2", lambda: zoo_case("unet", 128)),
+             ("timm efficientnet_b0 train 2x3x64x48", lambda: timm_case("efficientnet_b0")),
+             ("timm efficientnet_b0 train, channels-last", lambda: timm_case("efficientnet_b0", True)),
+             ("timm convnext_atto train 2x3x64x48", lambda: timm_case("convnext_atto"))]
+    rows = []
+    for model, make in cases:
+        ref, ours, x = make()
+        ref, ours = ref.to(device_type, torch.float64), ours.to(device_type, torch.float64)
+        forced = 0
+        for m in ours.modules():
+            if isinstance(m, ShardedMixin) and getattr(m, "_local_only", False):
+                m._local_only, forced = False, forced + 1
+                if hasattr(m, "_stats_local"):
+                    m._stats_local = False
+        x = x.to(device_type)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = ref(xa), ours(xb)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+
+        def rel(a, b):
+            return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+        # Parameter gradients as one vector: a bias before a training-mode batch norm has a zero
+        # gradient mathematically, so per-tensor relative errors would compare rounding noise.
+        pairs = [(q.grad, p.grad) for p, q in zip(ref.parameters(), ours.parameters()) if p.grad is not None]
+        errs = [rel(yb, ya), rel(xb.grad, xa.grad),
+                rel(torch.cat([a.flatten() for a, _ in pairs]), torch.cat([b.flatten() for _, b in pairs]))]
+        rows.append({"model": model, "layers_forced": forced, "max_rel_err": max(errs),
+                     "ok": forced > 0 and max(errs) < 1e-9})
+    return rows
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "(none)"
@@ -310,10 +371,12 @@ def main(argv: list[str] | None = None) -> int:
           + _table(latency))
     syncs = check_syncs(device_type, mesh)
     print("\n## 5. stream synchronisations in one training step at world size 1\n\n" + _table(syncs))
-    ok = all(r["ok"] for r in backend + attention + syncs)
+    forced = check_forced(device_type, mesh)
+    print("\n## 6. the sharded layers' multi-rank path at world size 1 (float64, against torch)\n\n" + _table(forced))
+    ok = all(r["ok"] for r in backend + attention + syncs + forced)
     print(f"\nall checks {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
     Path(args.out).write_text(json.dumps({"info": info, "backend": backend, "attention": attention,
-                                          "memory": memory, "latency": latency, "syncs": syncs, "ok": ok}, indent=1))
+                                          "memory": memory, "latency": latency, "syncs": syncs, "forced": forced, "ok": ok}, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok else 1
