@@ -28,7 +28,7 @@ Three parts, each printed as a Markdown table and written to ``--out`` (JSON):
    own (a one-rank mesh has nothing to exchange), so parts 1-5 never reach the halo convolutions
    and the sharded norms' kernels on CUDA. Here every layer is forced onto its multi-rank path
    (halo exchange with no neighbours, norms' statistics through their all-reduce) and the zoo
-   CNN and UNet and two converted timm CNNs in training mode (depthwise convolutions, batch
+   CNN, UNet and Transolver and two converted timm CNNs in training mode (depthwise convolutions, batch
    norms on batch statistics, squeeze-excite, channels-last LayerNorm2d) are checked in float64
    against the plain models: output, input gradient and parameter gradients.
 
@@ -281,7 +281,7 @@ def check_forced(device_type: str, mesh) -> list[dict]:
     import copy
 
     def zoo_case(model, size):
-        cfg = demo.DemoConfig(model=model, size=size, nproc=1, dtype="float64")
+        cfg = demo.DemoConfig(model=model, size=size, nproc=1, dtype="float64", depth=2 if model == "transolver" else None)
         return (demo.build_model(cfg, None), demo.build_model(cfg, mesh), demo.global_input(cfg))
 
     def timm_case(name, channels_last=False):
@@ -296,6 +296,7 @@ def check_forced(device_type: str, mesh) -> list[dict]:
         return plain, snn.convert(copy.deepcopy(plain), mesh), x
 
     cases = [("cnn 32^3", lambda: zoo_case("cnn", 32)), ("unet 128^2", lambda: zoo_case("unet", 128)),
+             ("transolver 4096 points", lambda: zoo_case("transolver", 4096)),
              ("timm efficientnet_b0 train 2x3x64x48", lambda: timm_case("efficientnet_b0")),
              ("timm efficientnet_b0 train, channels-last", lambda: timm_case("efficientnet_b0", True)),
              ("timm convnext_atto train 2x3x64x48", lambda: timm_case("convnext_atto"))]
@@ -311,7 +312,10 @@ def check_forced(device_type: str, mesh) -> list[dict]:
                     m._stats_local = False
         x = x.to(device_type)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ya, yb = ref(xa), ours(xb)
+        if model.startswith("transolver"):  # the point coordinates double as its embedding
+            ya, yb = ref(xa, embedding=xa.detach()), ours(xb, embedding=xb.detach())
+        else:
+            ya, yb = ref(xa), ours(xb)
         ya.square().sum().backward()
         yb.square().sum().backward()
 
