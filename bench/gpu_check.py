@@ -31,6 +31,9 @@ Three parts, each printed as a Markdown table and written to ``--out`` (JSON):
    CNN, UNet and Transolver and two converted timm CNNs in training mode (depthwise convolutions, batch
    norms on batch statistics, squeeze-excite, channels-last LayerNorm2d) are checked in float64
    against the plain models: output, input gradient and parameter gradients.
+7. **The same under ``torch.autocast`` to bfloat16**: ours and the plain model under the same
+   autocast are each compared with the plain model in float64; ours may be at most twice as far
+   off (the low precision, not the sharding, sets the error).
 
 Run it from the repository root on the GPU machine::
 
@@ -274,8 +277,13 @@ def check_syncs(device_type: str, mesh) -> list[dict]:
     return rows
 
 
-def check_forced(device_type: str, mesh) -> list[dict]:
-    """Part 6: every sharded layer on its multi-rank path at world size 1, float64, against torch."""
+def check_forced(device_type: str, mesh, autocast: torch.dtype | None = None) -> list[dict]:
+    """Part 6: every sharded layer on its multi-rank path at world size 1, float64, against torch.
+
+    Part 7 (``autocast``): the same in float32 under ``torch.autocast`` to ``autocast``, where the
+    plain model under the same autocast is itself off from float64 by the low precision: each is
+    compared with the plain model in float64, and ours must be no more than twice as far off.
+    """
     from sharded_nn.layers.base import ShardedMixin
 
     import copy
@@ -303,7 +311,9 @@ def check_forced(device_type: str, mesh) -> list[dict]:
     rows = []
     for model, make in cases:
         ref, ours, x = make()
-        ref, ours = ref.to(device_type, torch.float64), ours.to(device_type, torch.float64)
+        exact = copy.deepcopy(ref).to(device_type, torch.float64)
+        dtype = torch.float64 if autocast is None else torch.float32
+        ref, ours = ref.to(device_type, dtype), ours.to(device_type, dtype)
         forced = 0
         for m in ours.modules():
             if isinstance(m, ShardedMixin) and getattr(m, "_local_only", False):
@@ -311,24 +321,29 @@ def check_forced(device_type: str, mesh) -> list[dict]:
                 if hasattr(m, "_stats_local"):
                     m._stats_local = False
         x = x.to(device_type)
-        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        if model.startswith("transolver"):  # the point coordinates double as its embedding
-            ya, yb = ref(xa, embedding=xa.detach()), ours(xb, embedding=xb.detach())
-        else:
-            ya, yb = ref(xa), ours(xb)
-        ya.square().sum().backward()
-        yb.square().sum().backward()
+
+        def run(net, inp):
+            inp = inp.to(torch.float64 if net is exact else dtype).clone().requires_grad_()
+            kw = {"embedding": inp.detach()} if model.startswith("transolver") else {}
+            with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None and net is not exact):
+                y = net(inp, **kw)
+            y.double().square().sum().backward()
+            # Parameter gradients as one vector: a bias before a training-mode batch norm has a
+            # zero gradient mathematically, so per-tensor relative errors would compare noise.
+            grads = torch.cat([p.grad.double().flatten() for p in net.parameters() if p.grad is not None])
+            return [y.detach().double(), inp.grad.double(), grads]
 
         def rel(a, b):
-            return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+            return max(((u - v).abs().max() / v.abs().max().clamp_min(1e-300)).item() for u, v in zip(a, b))
 
-        # Parameter gradients as one vector: a bias before a training-mode batch norm has a zero
-        # gradient mathematically, so per-tensor relative errors would compare rounding noise.
-        pairs = [(q.grad, p.grad) for p, q in zip(ref.parameters(), ours.parameters()) if p.grad is not None]
-        errs = [rel(yb, ya), rel(xb.grad, xa.grad),
-                rel(torch.cat([a.flatten() for a, _ in pairs]), torch.cat([b.flatten() for _, b in pairs]))]
-        rows.append({"model": model, "layers_forced": forced, "max_rel_err": max(errs),
-                     "ok": forced > 0 and max(errs) < 1e-9})
+        want, got = run(exact, x), run(ours, x)
+        if autocast is None:
+            err = rel(got, want)
+            rows.append({"model": model, "layers_forced": forced, "max_rel_err": err, "ok": forced > 0 and err < 1e-9})
+        else:
+            err, base = rel(got, want), rel(run(ref, x), want)
+            rows.append({"model": model, "layers_forced": forced, "ours_vs_float64": err, "plain_vs_float64": base,
+                         "ok": forced > 0 and err <= 2 * base + 1e-3})
     return rows
 
 
@@ -377,10 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## 5. stream synchronisations in one training step at world size 1\n\n" + _table(syncs))
     forced = check_forced(device_type, mesh)
     print("\n## 6. the sharded layers' multi-rank path at world size 1 (float64, against torch)\n\n" + _table(forced))
-    ok = all(r["ok"] for r in backend + attention + syncs + forced)
+    mixed = check_forced(device_type, mesh, autocast=torch.bfloat16)
+    print("\n## 7. the same under autocast to bfloat16 (each against the plain model in float64)\n\n" + _table(mixed))
+    ok = all(r["ok"] for r in backend + attention + syncs + forced + mixed)
     print(f"\nall checks {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
     Path(args.out).write_text(json.dumps({"info": info, "backend": backend, "attention": attention,
-                                          "memory": memory, "latency": latency, "syncs": syncs, "forced": forced, "ok": ok}, indent=1))
+                                          "memory": memory, "latency": latency, "syncs": syncs, "forced": forced, "autocast": mixed, "ok": ok}, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok else 1
