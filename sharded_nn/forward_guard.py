@@ -1609,10 +1609,9 @@ class _GuardMode(TorchFunctionMode):
         st = next(iter(sts), None)
         if st is not None and dim in st:
             slabs = [j for j, t in enumerate(tensors) if self._st(t) is not None]
-            if len(slabs) != 1:
-                self.fail(f"`{base}`", f"it concatenates slabs along sharded dim {dim}",
-                          "concatenate along channels or another unsharded dim")
-            return self._cat_ends(func, args, kwargs, tensors, slabs[0], dim, st)
+            if len(slabs) == 1:
+                return self._cat_ends(func, args, kwargs, tensors, slabs[0], dim, st)
+            return self._cat_slabs(base, func, args, kwargs, tensors, slabs, dim, st)
         try:
             out = func(*args, **kwargs)
         except RuntimeError:
@@ -1634,6 +1633,53 @@ class _GuardMode(TorchFunctionMode):
                     args, kwargs, tensors = self._with_rows(rows, args, kwargs, tensors)
                     out = func(*args, **kwargs)
                 self._broadcast(base, (tensors,), {}, out)
+        self._set(out, st)
+        return out
+
+    def _cat_slabs(self, base, func, args, kwargs, tensors, slabs, dim, st):
+        """``cat`` of several slabs (and plain tensors) along their sharded dim, where the rows
+        of the operands lie on the ranks in operand order: each rank concatenating its pieces then
+        gives the single device's order. CoaT cuts its class token off a sequence (``x[:, :1]``:
+        a slab of one row, held by the first rank) and puts it back in front of the image tokens.
+
+        One small all-gather of the slabs' lengths; every rank checks every line of the mesh
+        along the axis, so all decide alike. A plain tensor goes to the rank after the last one
+        holding rows before it (rank 0 when none does); the others concatenate empty slices of it
+        (the same calls, and so the same backward graph, on every rank). Operands whose rows
+        interleave across the ranks (two full slabs) are refused on every rank."""
+        from .comm.sizes import scope_forget
+
+        self._routing(f"`{base}`")
+        k = st.index(dim)
+        rows = self._gather_with_coords([int(tensors[j].shape[dim]) for j in slabs], "forward guard: `cat` of slabs")
+        n_axes = len(self.guard.axes)
+        lines: dict[tuple, list] = {}
+        for r in rows:
+            lines.setdefault(tuple(r[i] for i in range(n_axes) if i != k), []).append(r)
+        mine = tuple(axis_index(self.guard.mesh, a) for i, a in enumerate(self.guard.axes) if i != k)
+        owners: list[int] = []
+        for key, line in lines.items():
+            line = [tuple(r[n_axes:]) for r in sorted(line, key=lambda r: r[k])]
+            last, ok, plain_at = 0, True, []
+            for i in range(len(tensors)):
+                if i in slabs:
+                    held = [c for c, lens in enumerate(line) if lens[slabs.index(i)] > 0]
+                    if held:
+                        ok = ok and held[0] >= last
+                        last = held[-1]
+                else:
+                    plain_at.append(last)
+            if not ok:
+                self.fail(f"`{base}`", f"it concatenates slabs along sharded dim {dim} whose rows interleave across "
+                          "the ranks (each rank holds rows of several of them)",
+                          "concatenate along channels or another unsharded dim")
+            if key == mine:
+                owners = plain_at
+        coord = axis_index(self.guard.mesh, self.guard.axes[k])
+        plain = iter(owners)
+        parts = [t if i in slabs or next(plain) == coord else t.narrow(dim, 0, 0) for i, t in enumerate(tensors)]
+        scope_forget()
+        out = func(parts, *args[1:], **kwargs) if args else func(**{**kwargs, "tensors": parts})
         self._set(out, st)
         return out
 

@@ -137,3 +137,56 @@ def test_constant_bounds_crop_by_global_position(run, kind, domain, sizes):
     # Before session 39, ``h[:, :, :8]`` kept every row of slabs shorter than 8 (a constant stop
     # beyond the local length was taken for "the whole slab"): the output had 10 rows, not 8.
     assert max(run(domain, _cropped, kind, domain, sizes)) < 1e-10
+
+
+class CutAndRejoin(nn.Module):
+    """CoaT's convolutional position encoding: the class token is cut off the sequence
+    (``x[:, :1]``, a slab of one row held by the first rank), the image tokens go through a
+    depthwise convolution on their grid, and the two are concatenated again; then attention and
+    a head on the class token and the mean of the image tokens. ``kind="interleave"`` joins two
+    full slabs instead (the rows of each lie on every rank: refused)."""
+
+    def __init__(self, c: int = 6, kind: str = "rejoin") -> None:
+        super().__init__()
+        self.kind = kind
+        self.stem = nn.Conv2d(2, c, 3, padding=1)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, c) * 0.5)
+        self.cpe = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.head = nn.Linear(2 * c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.tanh(self.stem(x))
+        b, c, gh, gw = s.shape
+        t = torch.cat([self.cls_token.expand(b, -1, -1), s.flatten(2).transpose(1, 2)], dim=1)
+        cls_token, img = t[:, :1], t[:, 1:]
+        feat = img.transpose(1, 2).reshape(b, c, gh, gw)
+        img = (self.cpe(feat) + feat).flatten(2).transpose(1, 2)
+        t = torch.cat((cls_token, img), dim=1) if self.kind == "rejoin" else torch.cat((img, img), dim=1)
+        q, k, v = self.qkv(t).reshape(b, t.shape[1], 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        t = t + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t.shape)
+        return self.head(torch.cat([t[:, 0], t[:, 1:].mean(dim=1)], dim=-1))
+
+
+def _cut_and_rejoin(domain: int, sizes, kind: str = "rejoin"):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = CutAndRejoin(kind=kind).double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(2, 2, sum(sizes), 4, dtype=torch.float64)
+    if kind == "rejoin":
+        return compare_on_slabs(ref, model, m, x, sizes)
+    with pytest.raises(snn.ShardingError, match="interleave across the ranks"):
+        model(snn.shard(x, m, dims=(2,)))
+    return 0.0
+
+
+@pytest.mark.parametrize("domain,sizes", [(2, (4, 3)), (3, (3, 1, 3))])
+def test_class_token_cut_and_rejoined_is_exact(run, domain, sizes):
+    # Before session 40 the second concatenation (two slabs: the one-row class token and the
+    # image tokens) was refused, and with it timm's CoaT.
+    assert max(run(domain, _cut_and_rejoin, domain, sizes)) < 1e-10
+
+
+def test_slabs_interleaving_across_ranks_are_refused_on_every_rank(run):
+    assert run(2, _cut_and_rejoin, 2, (4, 3), "interleave") == [0.0, 0.0]
