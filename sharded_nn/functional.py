@@ -957,8 +957,9 @@ def _one_rank_attention(q, k, v, plan: _Plan, rq: torch.Tensor | None, concat_re
     separate small call for the replicated queries, a Python autograd function) is pure
     overhead, and on a GPU, where a ViT layer's attention takes about half a millisecond, it made a
     vit_small step at 1024^2 1.4x slower than timm's (H200, world size 1). Replicated queries
-    join the others in one call (the same result as attending separately). Dropout, key
-    padding (all-padded rows give zeros here, NaN in torch) and ``return_lse`` keep the ring path.
+    join the others in one call (the same result as attending separately). Dropout (its mask law
+    is ours, not torch's), key padding (a row whose keys are all padding gets zeros from the ring,
+    NaN from torch) and ``return_lse`` keep the ring path.
     """
     n_r = 0 if rq is None else rq.shape[2]
     q_all = q if rq is None else torch.cat([rq, q], 2)
