@@ -44,6 +44,8 @@ def _grid_variants(n: int, channels: bool, grad: bool) -> dict[str, Callable]:
         v = {
             "ndim on one rank": _one_rank(r, lambda: x.unsqueeze(0), lambda: x),
             "dtype on one rank": _one_rank(r, lambda: x.float(), lambda: x),
+            # (With NCCL, a CPU slab among GPU ones; "meta" stands in for the other device here.)
+            "device on one rank": _one_rank(r, lambda: x.to("meta"), lambda: x),
             "ndim on every rank": x.reshape(1, 1, *x.shape),
         }
         if channels:

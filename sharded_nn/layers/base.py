@@ -43,6 +43,15 @@ def dtype_name(code: int) -> str:
     return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
 
 
+#: Device types by code, as for dtypes (``len(_DEVICES)``: another one).
+_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "meta")
+
+
+def device_code(device: torch.device) -> int:
+    """A small integer naming the type of ``device``, the same on every rank."""
+    return _DEVICES.index(device.type) if device.type in _DEVICES else len(_DEVICES)
+
+
 class BoundedCache:
     """A small least-recently-used map (plain dicts: no ``functools`` wrapper for Dynamo to warn on).
 
@@ -204,7 +213,9 @@ def agree(
     if requires_grad is None:
         requires_grad = x.requires_grad
     grad = int(bool(requires_grad) and torch.is_grad_enabled())
-    facts = {"dtype": (dtype_code(x.dtype),), "requires_grad": (grad,), **(same or {})}
+    # The device type too: with NCCL a CPU slab on one rank would fail there alone, mid-exchange.
+    facts = {"dtype": (dtype_code(x.dtype),), "device": (device_code(x.device),), "requires_grad": (grad,),
+             **(same or {})}
     # The first agreement of a layout scope also checks the model's entry facts, from which the
     # per-call facts of the layers that derive their layouts later follow (``entry_facts``).
     facts.update({f"the model's {k} at its entry": v for k, v in scope_take_entry().items()})
@@ -271,7 +282,12 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
     for name, vals in facts.items():
         got = [tuple(r[i : i + len(vals)]) for r in rows]
         if len(set(got)) != 1:
-            shown = [dtype_name(g[0]) for g in got] if name == "dtype" else [g if len(g) > 1 else g[0] for g in got]
+            if name == "dtype":
+                shown = [dtype_name(g[0]) for g in got]
+            elif name == "device":
+                shown = [_DEVICES[g[0]] if g[0] < len(_DEVICES) else "another device" for g in got]
+            else:
+                shown = [g if len(g) > 1 else g[0] for g in got]
             if name == "requires_grad":
                 hint = " Every rank must run the same backward: set requires_grad alike on every rank."
             elif name.startswith("the model's"):
