@@ -34,6 +34,7 @@ from .comm.peers import AxisPeers, domain_peers
 from .comm.ring_pass import gather_ints, ring_pass
 from .errors import ShardingError, ShardingNotImplementedError
 from .layout import Layout
+from .mesh import device_code, device_name
 
 __all__ = ["conv", "interpolate", "pad", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -265,10 +266,12 @@ def _plan(
         _LAYOUTS.index(layout) if layout in _LAYOUTS else -1,
         -1 if rq is None else (rq.shape[2] if isinstance(rq, torch.Tensor) and rq.dim() == 4 else -2), int(rq_ok),
     )  # fmt: skip
+    # The device types too: with NCCL a CPU tensor on one rank would fail there alone, mid-ring.
+    dev_facts = tuple(device_code(t.device) for t in (q, k, v))
     if seq_lens is None:
-        rows = gather_ints((*facts, *drop_facts, *call_facts, *ndims), ring)
+        rows = gather_ints((*facts, *drop_facts, *call_facts, *dev_facts, *ndims), ring)
     else:
-        rows = _rows_from_lengths(ring, (*facts, *drop_facts, *call_facts, *ndims), seq_lens, what)
+        rows = _rows_from_lengths(ring, (*facts, *drop_facts, *call_facts, *dev_facts, *ndims), seq_lens, what)
     bad = [(r, tuple(row[-3:])) for r, row in enumerate(rows) if tuple(row[-3:]) != (4, 4, 4)]
     if bad:
         raise ShardingError(
@@ -278,6 +281,14 @@ def _plan(
     drop_rows = [tuple(row[len(facts) : len(facts) + len(drop_facts)]) for row in rows]
     n0 = len(facts) + len(drop_facts)
     call_rows = [tuple(row[n0 : n0 + len(call_facts)]) for row in rows]
+    n1 = n0 + len(call_facts)
+    dev_rows = [tuple(row[n1 : n1 + len(dev_facts)]) for row in rows]
+    if len(set(dev_rows)) != 1:
+        raise ShardingError(
+            f"{what}: the ranks' q, k and v are on different device types: "
+            f"{[tuple(device_name(c) for c in r) for r in dev_rows]} (by rank). Put every rank's tensors on "
+            "its own device of the mesh's type."
+        )
     if any(r[3] < 0 for r in call_rows):
         bad = [i for i, r in enumerate(call_rows) if r[3] < 0]
         raise ValueError(f"{what}: layout must be one of {_LAYOUTS}; ranks {bad} pass something else.")

@@ -137,6 +137,20 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
     return mesh.size(mesh._get_mesh_dim_by_name(axis))
 
 
+#: Device types by code: the type of a rank's tensors travels in agreements as a small integer
+#: (``len(_DEVICES)``: another one).
+_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "meta")
+
+
+def device_code(device: torch.device) -> int:
+    """A small integer naming the type of ``device``, the same on every rank."""
+    return _DEVICES.index(device.type) if device.type in _DEVICES else len(_DEVICES)
+
+
+def device_name(code: int) -> str:
+    return _DEVICES[code] if 0 <= code < len(_DEVICES) else "another device"
+
+
 def one_rank(mesh: DeviceMesh) -> bool:
     """Whether the domain of ``mesh`` is one rank (every domain axis of size 1): tensors are whole."""
     return mesh_cached(mesh, ("one_rank",), lambda: all(axis_size(mesh, a) == 1 for a in domain_axes(mesh)))

@@ -268,6 +268,7 @@ def _core_errors(cls_name: str):
         "head dim on one rank": _catch(lambda: attn(*(_one_rank(r, lambda: q[..., :3], lambda: q),) * 3)),
         "heads on one rank": _catch(lambda: attn(*(_one_rank(r, lambda: q[:, :1], lambda: q),) * 3)),
         "3-d q, k, v on one rank": _catch(lambda: attn(*(_one_rank(r, lambda: q[0], lambda: q),) * 3)),
+        "device on one rank": _catch(lambda: attn(*(_one_rank(r, lambda: q.to("meta"), lambda: q),) * 3)),
     }
     if cls_name == "UlyssesAttention":
         q3 = snn.shard(torch.randn(2, 3, 9, 4, generator=g, dtype=D), m, dims=(2,))

@@ -23,7 +23,7 @@ from ..comm import domain_peers, gather_ints, layouts_from_shapes
 from ..comm.sizes import scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry
 from ..errors import ShardingError
 from ..layout import Layout
-from ..mesh import axis_index, axis_size, default_dims, domain_axes
+from ..mesh import axis_index, axis_size, default_dims, device_code, device_name, domain_axes
 
 #: Tensors with more dims than this are refused (the gathered rows have a fixed width).
 MAX_NDIM = 12
@@ -42,14 +42,6 @@ def dtype_code(dtype: torch.dtype) -> int:
 def dtype_name(code: int) -> str:
     return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
 
-
-#: Device types by code, as for dtypes (``len(_DEVICES)``: another one).
-_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "meta")
-
-
-def device_code(device: torch.device) -> int:
-    """A small integer naming the type of ``device``, the same on every rank."""
-    return _DEVICES.index(device.type) if device.type in _DEVICES else len(_DEVICES)
 
 
 class BoundedCache:
@@ -285,7 +277,7 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
             if name == "dtype":
                 shown = [dtype_name(g[0]) for g in got]
             elif name == "device":
-                shown = [_DEVICES[g[0]] if g[0] < len(_DEVICES) else "another device" for g in got]
+                shown = [device_name(g[0]) for g in got]
             else:
                 shown = [g if len(g) > 1 else g[0] for g in got]
             if name == "requires_grad":
