@@ -106,6 +106,7 @@ MODELS = {
                                    "timm ViT"),
     "timm/vit_relpos_small_patch16_224": (_timm("vit_relpos_small_patch16_224", img_size=(64, 32), depth=2),
                                           (1, 3, 64, 32), "timm ViT"),
+    "timm/coat_lite_tiny": (_timm("coat_lite_tiny", img_size=(64, 32)), (1, 3, 64, 32), "timm ViT"),
     "monai/UNETR-3d": (_monai("UNETR", in_channels=1, out_channels=2, img_size=(64, 32, 32), feature_size=4,
                               hidden_size=32, mlp_dim=64, num_heads=2), (1, 1, 64, 32, 32), "MONAI 3-D"),
     "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
@@ -169,7 +170,8 @@ def _outputs(y):
 #: shape exactly, with ``snn.alignment`` probed at that shape (not at the default 1024 probe).
 FIXED_SIZE = {"timm/vit_small_patch16_224", "timm/deit_tiny_distilled_patch16_224", "timm/swin_tiny_patch4_window7_224",
               "timm/swinv2_tiny_window8_256", "timm/swinv2_cr_tiny_ns_224", "timm/cait_xxs24_224", "timm/beit_base_patch16_224",
-              "timm/eva02_tiny_patch14_224", "timm/vit_relpos_small_patch16_224", "monai/UNETR-3d"}
+              "timm/eva02_tiny_patch14_224", "timm/vit_relpos_small_patch16_224", "timm/coat_lite_tiny",
+              "monai/UNETR-3d"}
 
 
 def _entry(name: str):

@@ -1266,8 +1266,9 @@ class _GuardMode(TorchFunctionMode):
         st = self._st(x)
         if base in ("view", "reshape") and st not in (None, UNKNOWN):
             request = _reshape_request(args, kwargs)
-            if (request is not None and not any(_is_tagged(v) or v == -1 for v in request)
-                    and any(d is not None for d in st)):
+            if (request is not None and not any(_is_tagged(v) for v in request)
+                    and any(d is not None for d in st)
+                    and (-1 not in request or not _fits_any_slab(x, st, request))):
                 return self._reshape_global(func, x, st, request, args, kwargs)
         try:
             return self._h_reshape_moved(func, base, args, kwargs, stateful)
@@ -1299,6 +1300,15 @@ class _GuardMode(TorchFunctionMode):
         spans = self._spans([(k, int(x.shape[d])) for k, d in sharded], f"{call} to constant sizes")
         for (_, d), (_, _, total) in zip(sharded, spans):
             glob[d] = total
+        if -1 in request:
+            # The single device's -1: what the whole sample leaves for it (decided on global sizes,
+            # so alike on every rank).
+            rest = math.prod(v for v in request if v != -1)
+            if request.count(-1) > 1 or rest == 0 or math.prod(glob) % rest:
+                self.fail(call, f"the requested shape {tuple(request)} does not fit the whole sample's shape "
+                          f"{tuple(glob)} (a tensor sharded along {self.describe(st)})", "")
+            request = [math.prod(glob) // rest if v == -1 else v for v in request]
+            local = list(request)
         if math.prod(glob) != math.prod(request):
             return self._h_reshape_moved(func, "view", args, kwargs, [x])  # torch's own error, on every rank
         groups = _groups(tuple(glob), tuple(request))
@@ -2877,6 +2887,40 @@ def _classify_cached(func):
 
 #: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
 _HANDLERS = {name[3:]: fn for name, fn in vars(_GuardMode).items() if name.startswith("_h_") and callable(fn)}
+
+
+def _fits_any_slab(x: torch.Tensor, st, request) -> bool:
+    """Whether a request of constants and one -1 reads as "the -1 takes the sharded dims": the
+    constants before the -1 are products of leading unsharded dims of ``x``, those after it of
+    trailing unsharded dims, and every sharded dim lies between (``x.view(b, -1, c)``,
+    ``windows.view(-1, ws, ws, c)``); a slab of any length then fits it alike on every rank.
+    Otherwise a constant spans a sharded dim: it is a size of the whole sample (CoaT's
+    ``reshape(b, h, w, -1)`` of its tokens with its fixed grid), which a slab would fit on some
+    ranks only, or wrongly, and the request is read on the global shape. Decided on the request
+    and the unsharded sizes, which every rank has alike."""
+    if request.count(-1) != 1:
+        return False
+    shape = [int(n) for n in x.shape]
+    sharded = {d for d in st if d is not None}
+    cut = request.index(-1)
+
+    def consume(consts, dims) -> int | None:
+        """How many of ``dims`` (in order) the ``consts`` take, each a product of unsharded dims."""
+        used = 0
+        for c in consts:
+            prod = 1
+            while prod < c:
+                if used >= len(dims) or dims[used] in sharded:
+                    return None
+                prod *= shape[dims[used]]
+                used += 1
+            if prod != c:
+                return None
+        return used
+
+    left = consume(request[:cut], list(range(len(shape))))
+    right = consume(list(reversed(request[cut + 1 :])), list(range(len(shape) - 1, -1, -1)))
+    return left is not None and right is not None and all(left <= d < len(shape) - right for d in sharded)
 
 
 def _reshape_request(args, kwargs):

@@ -190,8 +190,10 @@ class Hazards(nn.Module):
             h = h * float(h.sum())
         elif k == "whole_domain_operand":  # a fixed-size embedding of all rows added to a slab
             h = h + torch.linspace(0, 1, self.rows, dtype=h.dtype)[:, None]
-        elif k == "view_whole_minus_one":  # a constant of the whole sample's shape beside a -1 (Hiera's unroll)
+        elif k == "view_whole_minus_one":  # a constant of the whole sample's shape beside a -1: read globally
             h = h.reshape(-1, self.rows * h.shape[3]).reshape(h.shape)
+        elif k == "view_minus_one_inner":  # a constant -1 view that puts the sharded rows inside a merged dim
+            h = h.reshape(-1, 3).reshape(h.shape)
         elif k == "setitem_const":  # the first 8 rows of the whole sample (was: every row of short slabs)
             h = h.clone()
             h[:, :, :8] = 0.0
@@ -210,7 +212,7 @@ EXACT = [
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
-    "whole_domain_operand", "slice_rows",
+    "whole_domain_operand", "slice_rows", "view_whole_minus_one",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -222,7 +224,7 @@ REFUSED = {
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
     "setitem_const": "index assignment.*writes local positions",
-    "view_whole_minus_one": "`reshape`.*does not fit the slabs of a tensor sharded along dim 2.*a size of the whole sample",
+    "view_minus_one_inner": "`reshape`.*folds sharded dim 2 into a constant shape .* not the outermost",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",
 }
@@ -336,7 +338,7 @@ def _size_value_of_lost_layout(domain):
 
         def forward(self, x):
             h = self.conv(x)
-            u = h.reshape(-1, 3)  # the guard cannot follow this reshape: layout unknown
+            u = h.flatten()  # the guard cannot follow this flatten (dims merged around the sharded one)
             return h / u.numel()
 
     model = snn.convert(Lost().double(), m)

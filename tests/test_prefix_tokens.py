@@ -146,9 +146,9 @@ class CutAndRejoin(nn.Module):
     a head on the class token and the mean of the image tokens. ``kind="interleave"`` joins two
     full slabs instead (the rows of each lie on every rank: refused)."""
 
-    def __init__(self, c: int = 6, kind: str = "rejoin") -> None:
+    def __init__(self, c: int = 6, kind: str = "rejoin", grid: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.grid = kind, grid
         self.stem = nn.Conv2d(2, c, 3, padding=1)
         self.cls_token = nn.Parameter(torch.randn(1, 1, c) * 0.5)
         self.cpe = nn.Conv2d(c, c, 3, padding=1, groups=c)
@@ -160,7 +160,10 @@ class CutAndRejoin(nn.Module):
         b, c, gh, gw = s.shape
         t = torch.cat([self.cls_token.expand(b, -1, -1), s.flatten(2).transpose(1, 2)], dim=1)
         cls_token, img = t[:, :1], t[:, 1:]
-        feat = img.transpose(1, 2).reshape(b, c, gh, gw)
+        if self.grid is None:
+            feat = img.transpose(1, 2).reshape(b, c, gh, gw)
+        else:  # CoaT's form: the whole sample's grid as constants beside a -1
+            feat = img.reshape(b, *self.grid, -1).permute(0, 3, 1, 2)
         img = (self.cpe(feat) + feat).flatten(2).transpose(1, 2)
         t = torch.cat((cls_token, img), dim=1) if self.kind == "rejoin" else torch.cat((img, img), dim=1)
         q, k, v = self.qkv(t).reshape(b, t.shape[1], 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)
@@ -168,10 +171,10 @@ class CutAndRejoin(nn.Module):
         return self.head(torch.cat([t[:, 0], t[:, 1:].mean(dim=1)], dim=-1))
 
 
-def _cut_and_rejoin(domain: int, sizes, kind: str = "rejoin"):
+def _cut_and_rejoin(domain: int, sizes, kind: str = "rejoin", grid: bool = False):
     m = mesh(domain)
     torch.manual_seed(0)
-    ref = CutAndRejoin(kind=kind).double()
+    ref = CutAndRejoin(kind=kind, grid=(sum(sizes), 4) if grid else None).double()
     model = snn.convert(copy.deepcopy(ref), m, strict=True)
     x = torch.randn(2, 2, sum(sizes), 4, dtype=torch.float64)
     if kind == "rejoin":
@@ -181,11 +184,13 @@ def _cut_and_rejoin(domain: int, sizes, kind: str = "rejoin"):
     return 0.0
 
 
+@pytest.mark.parametrize("grid", [False, True])
 @pytest.mark.parametrize("domain,sizes", [(2, (4, 3)), (3, (3, 1, 3))])
-def test_class_token_cut_and_rejoined_is_exact(run, domain, sizes):
+def test_class_token_cut_and_rejoined_is_exact(run, domain, sizes, grid):
     # Before session 40 the second concatenation (two slabs: the one-row class token and the
-    # image tokens) was refused, and with it timm's CoaT.
-    assert max(run(domain, _cut_and_rejoin, domain, sizes)) < 1e-10
+    # image tokens) was refused, and with it timm's CoaT; so was (grid=True) CoaT's
+    # ``reshape(b, h, w, -1)`` with the whole sample's grid as constants (the layout was lost).
+    assert max(run(domain, _cut_and_rejoin, domain, sizes, "rejoin", grid)) < 1e-10
 
 
 def test_slabs_interleaving_across_ranks_are_refused_on_every_rank(run):
