@@ -1297,9 +1297,11 @@ class _GuardMode(TorchFunctionMode):
         glob = list(x.shape)
         local = list(request)
         out_state: list = [None] * len(st)
-        spans = self._spans([(k, int(x.shape[d])) for k, d in sharded], f"{call} to constant sizes")
-        for (_, d), (_, _, total) in zip(sharded, spans):
-            glob[d] = total
+        # Every rank's lengths (not only this rank's span): the checks below then decide alike.
+        rows = self._gather_with_coords([int(x.shape[d]) for _, d in sharded], f"forward guard: {call} to constant sizes")
+        lengths = {d: [r[j] for r in self._along_axis(rows, k)] for j, (k, d) in enumerate(sharded)}
+        for d, lens in lengths.items():
+            glob[d] = sum(lens)
         if -1 in request:
             # The single device's -1: what the whole sample leaves for it (decided on global sizes,
             # so alike on every rank).
@@ -1321,9 +1323,9 @@ class _GuardMode(TorchFunctionMode):
             o = outs[0]
             inner = math.prod(request[i] for i in go if i > o)
             merged = math.prod(glob[i] for i in gi if i > d)
-            if (x.shape[d] * merged) % inner:
-                self.fail(call, f"it folds sharded dim {d} into the constant shape {tuple(request)}: a slab of "
-                          f"{x.shape[d]} of {glob[d]} positions is not a whole number of the {inner}-position blocks "
+            if any((n * merged) % inner for n in lengths[d]):
+                self.fail(call, f"it folds sharded dim {d} into the constant shape {tuple(request)}: slabs of "
+                          f"{lengths[d]} of {glob[d]} positions are not whole numbers of the {inner}-position blocks "
                           f"of output dim {o}", "shard the input with an alignment that makes slabs whole blocks")
             local[o] = x.shape[d] * merged // inner
             out_state[k] = o

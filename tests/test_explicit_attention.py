@@ -141,3 +141,35 @@ def _timm_relpos(domain: int, sizes):
 @pytest.mark.parametrize("domain,sizes", [(2, (32, 16)), (3, (16, 32, 16))])
 def test_timm_relative_position_vit_is_exact(run, domain, sizes):
     assert max(run(domain, _timm_relpos, domain, sizes)) < 1e-10
+
+
+class FoldRows(nn.Module):
+    """A view to constant sizes that folds the rows of the whole grid into blocks of two."""
+
+    def __init__(self, rows: int, w: int) -> None:
+        super().__init__()
+        self.rows, self.w = rows, w
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return h.view(1, 2, self.rows // 2, 2 * self.w).sum()
+
+
+def _fold_misaligned(sizes):
+    m = mesh(len(sizes))
+    model = snn.convert(FoldRows(sum(sizes), 3).double(), m)
+    x = torch.randn(1, 2, sum(sizes), 3, dtype=torch.float64)
+    r = m.get_local_rank("domain")
+    try:
+        model(x.narrow(2, sum(sizes[:r]), sizes[r]))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_constant_view_of_misaligned_slabs_is_refused_on_every_rank(run):
+    # Slabs of 4, 3 and 3 rows folded into blocks of 2: the first rank's slab fits, the others'
+    # do not. Before session 40 only those two raised, and the first ran on alone.
+    out = run(3, _fold_misaligned, (4, 3, 3))
+    assert len(set(out)) == 1 and "not whole numbers of the" in out[0], out
