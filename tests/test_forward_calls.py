@@ -757,3 +757,24 @@ def _phase_one_row_slab(domain):
 
 def test_strided_phase_then_sharded_layer_agrees_again(run):
     assert max(run(2, _phase_one_row_slab, 2)) < 1e-12
+
+
+@pytest.mark.parametrize("shape,st,request_,local", [
+    ((2, 5, 8), (1,), [2, -1, 8], True),  # x.view(b, -1, c): the -1 takes the sharded tokens
+    ((1, 5, 8), (1,), [-1, 8], True),  # batch and tokens merged into the -1
+    ((2, 3, 4, 2, 2, 6), (1,), [-1, 2, 2, 6], True),  # Swin's windows.view(-1, ws, ws, c)
+    ((1, 5, 8), (1,), [1, -1, 8], True),  # a constant 1 takes no dim
+    ((1, 12, 8), (1,), [1, 3, 4, -1], False),  # CoaT's reshape(b, h, w, -1): h spans the tokens
+    ((1, 8, 6, 5), (2,), [-1, 30], False),  # the sharded rows inside a merged trailing constant
+    ((1, 8, 6, 5), (2,), [8, -1], True),  # leading unsharded dims, then the rest
+    ((1, 8, 6, 5), (2,), [4, -1], False),  # 4 does not factor the leading unsharded dims
+    ((1, 8, 6, 5), (2,), [-1, 3, -1], False),  # two -1: not a local reading
+])
+def test_minus_one_reading_depends_only_on_unsharded_sizes(shape, st, request_, local):
+    from sharded_nn.forward_guard import _fits_any_slab
+
+    assert _fits_any_slab(torch.empty(shape), st, request_) is local
+    # The sharded dim's local length never changes the decision (every rank decides alike).
+    other = list(shape)
+    other[st[0]] = 1
+    assert _fits_any_slab(torch.empty(other), st, request_) is local
