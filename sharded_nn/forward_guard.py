@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from .errors import ShardingError
-from .mesh import axis_index, axis_size, domain_axes
+from .mesh import axis_index, axis_size, domain_axes, one_rank
 
 __all__ = ["ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_reviewed"]
 
@@ -543,7 +543,7 @@ class ForwardGuard:
         self.reviewed = tuple(reviewed)
         # A fact of the mesh, the same on every rank: with one rank per domain axis every tensor
         # is whole, nothing can be mixed wrongly, and the guard skips its mode and layer hooks.
-        self.single = all(axis_size(mesh, a) == 1 for a in self.axes)
+        self.single = one_rank(mesh)
         self.refresh(model)
 
     def refresh(self, model: nn.Module) -> None:
@@ -1268,7 +1268,7 @@ class _GuardMode(TorchFunctionMode):
             request = _reshape_request(args, kwargs)
             if (request is not None and not any(_is_tagged(v) for v in request)
                     and any(d is not None for d in st)
-                    and (-1 not in request or not _fits_any_slab(x, st, request))):
+                    and (-1 not in request or not _minus_one_takes_sharded(x, st, request))):
                 return self._reshape_global(func, x, st, request, args, kwargs)
         try:
             return self._h_reshape_moved(func, base, args, kwargs, stateful)
@@ -1298,8 +1298,8 @@ class _GuardMode(TorchFunctionMode):
         local = list(request)
         out_state: list = [None] * len(st)
         # Every rank's lengths (not only this rank's span): the checks below then decide alike.
-        rows = self._gather_with_coords([int(x.shape[d]) for _, d in sharded], f"forward guard: {call} to constant sizes")
-        lengths = {d: [r[j] for r in self._along_axis(rows, k)] for j, (k, d) in enumerate(sharded)}
+        gathered = self._lengths([(k, int(x.shape[d])) for k, d in sharded], f"forward guard: {call} to constant sizes")
+        lengths = {d: lens for (_, d), lens in zip(sharded, gathered)}
         for d, lens in lengths.items():
             glob[d] = sum(lens)
         if -1 in request:
@@ -1492,13 +1492,18 @@ class _GuardMode(TorchFunctionMode):
     def _spans(self, local: list[tuple[int, int]], what: str) -> list[tuple[int, int, int]]:
         """Per (mesh axis, this rank's local length) of ``local``: (global start, length, global
         length) along that axis, from one small all-gather of the lengths (alike on every rank)."""
-        rows = self._gather_with_coords([n for _, n in local], f"forward guard: {what}")
         out = []
-        for j, (k, n) in enumerate(local):
-            lengths = [r[j] for r in self._along_axis(rows, k)]
+        for (k, n), lengths in zip(local, self._lengths(local, f"forward guard: {what}")):
             mine = axis_index(self.guard.mesh, self.guard.axes[k])
             out.append((sum(lengths[:mine]), n, sum(lengths)))
         return out
+
+    def _lengths(self, local: list[tuple[int, int]], what: str) -> list[list[int]]:
+        """Per (mesh axis, this rank's local length) of ``local``: the local lengths of the ranks
+        along that axis that share this rank's other coordinates, in axis order (one all-gather
+        for all of them)."""
+        rows = self._gather_with_coords([n for _, n in local], what)
+        return [[r[j] for r in self._along_axis(rows, k)] for j, (k, _) in enumerate(local)]
 
     def _crop_global(self, x, st, crops, expanded: list) -> list:
         """``x[..., a:b, ...]`` along sharded dims by **global** positions, as on one device:
@@ -2637,8 +2642,7 @@ class _GuardMode(TorchFunctionMode):
     def _axis_lengths(self, leaves: list, what: str) -> list[list[int]]:
         """Per ``LocalLength`` in ``leaves``: the local lengths of the ranks along its mesh axis that
         share this rank's other coordinates, in axis order (one all-gather for all of them)."""
-        rows = self._gather_with_coords([int(leaf) for leaf in leaves], what)
-        return [[r[j] for r in self._along_axis(rows, leaf.axis)] for j, leaf in enumerate(leaves)]
+        return self._lengths([(leaf.axis, int(leaf)) for leaf in leaves], what)
 
     def global_compare(self, op, a, b) -> bool:
         """``op(a, b)`` for a tagged ``a`` (and maybe ``b``) on the global sizes: a branch of the
@@ -2891,7 +2895,7 @@ def _classify_cached(func):
 _HANDLERS = {name[3:]: fn for name, fn in vars(_GuardMode).items() if name.startswith("_h_") and callable(fn)}
 
 
-def _fits_any_slab(x: torch.Tensor, st, request) -> bool:
+def _minus_one_takes_sharded(x: torch.Tensor, st, request) -> bool:
     """Whether a request of constants and one -1 reads as "the -1 takes the sharded dims": the
     constants before the -1 are products of leading unsharded dims of ``x``, those after it of
     trailing unsharded dims, and every sharded dim lies between (``x.view(b, -1, c)``,

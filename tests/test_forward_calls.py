@@ -771,10 +771,10 @@ def test_strided_phase_then_sharded_layer_agrees_again(run):
     ((1, 8, 6, 5), (2,), [-1, 3, -1], False),  # two -1: not a local reading
 ])
 def test_minus_one_reading_depends_only_on_unsharded_sizes(shape, st, request_, local):
-    from sharded_nn.forward_guard import _fits_any_slab
+    from sharded_nn.forward_guard import _minus_one_takes_sharded
 
-    assert _fits_any_slab(torch.empty(shape), st, request_) is local
+    assert _minus_one_takes_sharded(torch.empty(shape), st, request_) is local
     # The sharded dim's local length never changes the decision (every rank decides alike).
     other = list(shape)
     other[st[0]] = 1
-    assert _fits_any_slab(torch.empty(other), st, request_) is local
+    assert _minus_one_takes_sharded(torch.empty(other), st, request_) is local
