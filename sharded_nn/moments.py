@@ -46,6 +46,9 @@ _tried = False
 _why_not: str | None = None
 _FUNCS = {torch.float32: "snn_moments_f32", torch.float64: "snn_moments_f64"}
 _AFFINE = {torch.float32: "snn_row_affine2_f32", torch.float64: "snn_row_affine2_f64"}
+_MERGE = {torch.float32: "snn_merge_moments_f32", torch.float64: "snn_merge_moments_f64"}
+_BN_SUMS = {torch.float32: "snn_bn_grad_sums_f32", torch.float64: "snn_bn_grad_sums_f64"}
+_BN_DX = {torch.float32: "snn_bn_input_grad_f32", torch.float64: "snn_bn_input_grad_f64"}
 
 
 def wanted() -> bool:
@@ -73,6 +76,16 @@ def _load() -> ctypes.CDLL | None:
                 affine_args = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4)
                 for fn in _AFFINE.values():
                     getattr(lib, fn).argtypes = affine_args
+                    getattr(lib, fn).restype = None
+                i64, ptr, dbl = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+                for fn in _MERGE.values():
+                    getattr(lib, fn).argtypes = (ptr, i64, i64, ptr, ptr, ptr, ptr, dbl)
+                    getattr(lib, fn).restype = dbl
+                for fn in _BN_SUMS.values():
+                    getattr(lib, fn).argtypes = (ptr, ptr, i64, i64, i64, ptr, ptr, dbl, ptr, ptr, ptr)
+                    getattr(lib, fn).restype = None
+                for fn in _BN_DX.values():
+                    getattr(lib, fn).argtypes = (ptr, ptr, i64, i64, i64, ptr, ptr, ptr, dbl, ptr, dbl, ptr)
                     getattr(lib, fn).restype = None
                 _lib = lib
             except (RuntimeError, OSError) as exc:
@@ -172,4 +185,117 @@ def row_affine2(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     getattr(_lib, _AFFINE[x.dtype])(
         g.data_ptr(), x.data_ptr(), rows, inner, a.data_ptr(), b.data_ptr(), c.data_ptr(), out.data_ptr()
     )
+    return out
+
+
+def _vector_of(t: torch.Tensor | None, dtype: torch.dtype, k: int) -> bool:
+    """Whether ``t`` is a contiguous CPU ``(k,)`` tensor of ``dtype`` the kernels may read or write."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.shape == (k,)
+        and t.is_contiguous()
+    )
+
+
+def merge_packed(
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    running: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """Merge the ranks' ``packed_local_moments`` rows (``(ranks, 1 + 2K)`` float64) in rank order.
+
+    Returns the merged per-``K`` mean and biased variance in ``dtype`` and the total count (a
+    float), in one native call instead of a dozen tiny torch calls. ``running``:
+    ``(running_mean, running_var, momentum)`` updated in place as torch's batch norm does
+    (unbiased variance) when the count exceeds 1. None where the kernel does not apply (no native
+    library, other dtypes or layouts, tracing): the caller merges with torch.
+    """
+    if (
+        type(rows) is not torch.Tensor
+        or rows.device.type != "cpu"
+        or rows.dtype != torch.float64
+        or rows.dim() != 2
+        or not rows.is_contiguous()
+        or dtype not in _MERGE
+        or torch.compiler.is_compiling()
+        or not available()
+    ):
+        return None
+    ranks, width = rows.shape
+    k = (width - 1) // 2
+    rm = rv = None
+    factor = 0.0
+    if running is not None:
+        rm, rv, factor = running
+        if not (_vector_of(rm, dtype, k) and _vector_of(rv, dtype, k)):
+            return None
+    mean = torch.empty(k, dtype=dtype)
+    var = torch.empty(k, dtype=dtype)
+    count = getattr(_lib, _MERGE[dtype])(
+        rows.data_ptr(), ranks, k, mean.data_ptr(), var.data_ptr(),
+        None if rm is None else rm.data_ptr(), None if rv is None else rv.data_ptr(), float(factor),
+    )  # fmt: skip
+    return mean, var, count
+
+
+def bn_grad_sums(
+    g3: torch.Tensor,
+    x3: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    weight_grad: bool = False,
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """A batch norm backward's sums over ``A`` and ``B`` of ``(A, K, B)`` tensors, in one pass.
+
+    Returns ``(sums, dw, db)``: ``sums`` the float64 ``(2K,)`` ``[sum(g), sum(g * (x - mean))]``
+    (the message a sharded batch norm's backward all-reduces), and where asked this slab's
+    weight gradient ``sum(g * xhat)`` (``xhat = (x - mean) / sqrt(var + eps)``) and bias gradient
+    ``sum(g)`` in ``x``'s dtype. None where the kernel does not apply.
+    """
+    if not (_applies(x3) and type(g3) is torch.Tensor and g3.dtype == x3.dtype and g3.shape == x3.shape
+            and g3.is_contiguous()):  # fmt: skip
+        return None
+    a, k, b = x3.shape
+    if not (_vector_of(mean, x3.dtype, k) and _vector_of(var, x3.dtype, k)):
+        return None
+    sums = torch.empty(2 * k, dtype=torch.float64)
+    dw = torch.empty(k, dtype=x3.dtype) if weight_grad else None
+    db = torch.empty(k, dtype=x3.dtype) if bias_grad else None
+    getattr(_lib, _BN_SUMS[x3.dtype])(
+        g3.data_ptr(), x3.data_ptr(), a, k, b, mean.data_ptr(), var.data_ptr(), float(eps), sums.data_ptr(),
+        None if dw is None else dw.data_ptr(), None if db is None else db.data_ptr(),
+    )  # fmt: skip
+    return sums, dw, db
+
+
+def bn_input_grad(
+    g3: torch.Tensor,
+    x3: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    sums: torch.Tensor,
+    count: float,
+) -> torch.Tensor | None:
+    """A batch norm's input gradient ``w rstd g + a x + b`` per channel of ``(A, K, B)`` tensors from
+    the global sums ``[S_g, S_gx]`` of :func:`bn_grad_sums` (coefficients in double), in one pass.
+    None where the kernel does not apply."""
+    if not (_applies(x3) and type(g3) is torch.Tensor and g3.dtype == x3.dtype and g3.shape == x3.shape
+            and g3.is_contiguous()):  # fmt: skip
+        return None
+    a, k, b = x3.shape
+    if not (_vector_of(mean, x3.dtype, k) and _vector_of(var, x3.dtype, k) and _vector_of(sums, torch.float64, 2 * k)):
+        return None
+    if weight is not None and not _vector_of(weight, x3.dtype, k):
+        return None
+    out = torch.empty_like(x3)
+    getattr(_lib, _BN_DX[x3.dtype])(
+        g3.data_ptr(), x3.data_ptr(), a, k, b, None if weight is None else weight.data_ptr(), mean.data_ptr(),
+        var.data_ptr(), float(eps), sums.data_ptr(), float(count), out.data_ptr(),
+    )  # fmt: skip
     return out

@@ -152,3 +152,124 @@ def test_row_affine2_refuses_what_it_cannot_read(one_thread) -> None:
 def test_the_source_ships_with_the_package() -> None:
     # Compiled from the installed package's csrc/ (pyproject package-data "csrc/*.cpp").
     assert native.source("moments").is_file()
+
+
+def _torch_merge(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Chan's merge of ``[count, mean (K), M2 (K)]`` rows written with torch ops, in float64."""
+    k = (rows.shape[1] - 1) // 2
+    counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + k], rows[:, 1 + k :]
+    n = counts.sum()
+    mean = (counts * means).sum(0) / n
+    return mean, (m2s + counts * (means - mean) ** 2).sum(0) / n, n.item()
+
+
+@needs_native
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merge_of_the_ranks_messages_matches_torch(one_thread, ranks, dtype) -> None:
+    # The ranks' packed statistics of one tensor cut into uneven slabs (one of them empty when
+    # there are several ranks) merge to the whole tensor's mean and biased variance.
+    gen = torch.Generator().manual_seed(ranks)
+    sizes = [7, 0, 130, 1, 64][:ranks] if ranks > 1 else [90]
+    whole = torch.randn(2, 6, sum(sizes), generator=gen, dtype=torch.float64) * 1.5 + 4.0
+    parts = whole.split(sizes, dim=2)
+    rows = []
+    for part in parts:
+        packed = moments.packed_local_moments(part.contiguous()) if part.shape[2] else None
+        rows.append(packed if packed is not None else torch.zeros(13, dtype=torch.float64))
+    rows = torch.stack(rows)
+    got = moments.merge_packed(rows, dtype)
+    assert got is not None, moments.why_not()
+    mean, var, count = got
+    assert mean.dtype == var.dtype == dtype and mean.shape == var.shape == (6,) and count == 2 * sum(sizes)
+    want_mean, want_var = _reference(whole)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(mean.double(), want_mean, atol=tol, rtol=tol)
+    torch.testing.assert_close(var.double(), want_var, atol=tol, rtol=tol)
+    t_mean, t_var, t_n = _torch_merge(rows)
+    torch.testing.assert_close(mean.double(), t_mean.to(dtype).double(), atol=tol, rtol=tol)
+    assert t_n == count
+
+
+@needs_native
+@pytest.mark.parametrize("momentum", [0.1, 1.0 / 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merge_updates_running_statistics_as_torch_batch_norm(one_thread, momentum, dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 50, generator=gen, dtype=dtype) * 2 - 1
+    bn = torch.nn.BatchNorm1d(4, momentum=momentum).to(dtype)
+    bn.running_mean.uniform_(-1, 1, generator=gen)
+    bn.running_var.uniform_(0.5, 2, generator=gen)
+    rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+    bn.train()(x)  # torch's update
+    rows = torch.stack([moments.packed_local_moments(x[:, :, :20].contiguous()),
+                        moments.packed_local_moments(x[:, :, 20:].contiguous())])  # fmt: skip
+    assert moments.merge_packed(rows, dtype, (rm, rv, momentum)) is not None
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(rm, bn.running_mean, atol=tol, rtol=tol)
+    torch.testing.assert_close(rv, bn.running_var, atol=tol, rtol=tol)
+    # One value per channel: torch raises before updating, so the merge leaves them alone.
+    single = torch.stack([moments.packed_local_moments(x[:1, :, :1].contiguous())])
+    before = rm.clone()
+    assert moments.merge_packed(single, dtype, (rm, rv, momentum))[2] == 1
+    assert torch.equal(rm, before)
+
+
+def test_merge_refuses_what_it_cannot_write(one_thread) -> None:
+    rows = torch.zeros(2, 7, dtype=torch.float64)
+    rows[:, 0] = 4
+    assert moments.merge_packed(rows.float(), torch.float32) is None  # the message is float64
+    assert moments.merge_packed(rows, torch.float16) is None  # no half kernel
+    stats = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 0.1
+    assert moments.merge_packed(rows, torch.float32, stats) is None  # running stats of another dtype
+    assert moments.merge_packed(rows, torch.float32, (torch.zeros(6)[::2], torch.ones(3), 0.1)) is None
+
+
+@needs_native
+@pytest.mark.parametrize("inner", [1, 9, 16, 1000, 2051])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_norm_backward_kernels_match_torch(one_thread, inner, dtype) -> None:
+    # The sums a sharded batch norm all-reduces, its slab's weight and bias gradients, and the
+    # input gradient from global sums, against torch's own batch norm backward in float64.
+    gen = torch.Generator().manual_seed(inner)
+    x = torch.randn(2, 5, inner, generator=gen, dtype=torch.float64) * 1.7 + 0.3
+    g = torch.randn(2, 5, inner, generator=gen, dtype=torch.float64)
+    w = torch.randn(5, generator=gen, dtype=torch.float64)
+    eps = 1e-5
+    var, mean = torch.var_mean(x, (0, 2), correction=0)
+    got = moments.bn_grad_sums(g.to(dtype), x.to(dtype), mean.to(dtype), var.to(dtype), eps, True, True)
+    assert got is not None, moments.why_not()
+    sums, dw, db = got
+    assert sums.dtype == torch.float64 and sums.shape == (10,) and dw.dtype == db.dtype == dtype
+    xs, gs, ms, vs = x.to(dtype).double(), g.to(dtype).double(), mean.to(dtype).double(), var.to(dtype).double()
+    want_g = gs.sum((0, 2))
+    want_gx = (gs * (xs - ms[:, None])).sum((0, 2))
+    tol = 1e-12 if dtype == torch.float64 else 3e-5
+    scale = gs.abs().sum((0, 2)).max().item()
+    torch.testing.assert_close(sums[:5], want_g, atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(sums[5:], want_gx, atol=tol * scale * 4, rtol=tol)
+    torch.testing.assert_close(db.double(), want_g, atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(dw.double(), want_gx / (vs + eps).sqrt(), atol=tol * scale * 4, rtol=tol)
+    # dx with the batch statistics equals torch's training-mode batch norm backward.
+    xr = xs.clone().requires_grad_()
+    torch.nn.functional.batch_norm(xr, None, None, w, None, True, 0.0, eps).backward(gs)
+    dx = moments.bn_input_grad(g.to(dtype), x.to(dtype), w.to(dtype), mean.to(dtype), var.to(dtype), eps, sums,
+                               2.0 * inner)  # fmt: skip
+    assert dx is not None and dx.dtype == dtype and dx.shape == x.shape
+    torch.testing.assert_close(dx.double(), xr.grad, atol=1e-10 if dtype == torch.float64 else 2e-4, rtol=1e-4)
+    no_weight = moments.bn_input_grad(g, x, None, mean, var, eps, sums.new_tensor(sums.tolist()), 2.0 * inner)
+    xr.grad = None
+    torch.nn.functional.batch_norm(xr, None, None, None, None, True, 0.0, eps).backward(gs)
+    if dtype == torch.float64:
+        torch.testing.assert_close(no_weight, xr.grad, atol=1e-10, rtol=1e-8)
+
+
+def test_batch_norm_backward_kernels_refuse_what_they_cannot_read(one_thread) -> None:
+    x, g = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    m, v, sums = torch.zeros(3), torch.ones(3), torch.zeros(6, dtype=torch.float64)
+    assert moments.bn_grad_sums(g.transpose(1, 2).contiguous().transpose(1, 2), x, m, v, 1e-5) is None
+    assert moments.bn_grad_sums(g, x, m.double(), v, 1e-5) is None
+    assert moments.bn_input_grad(g, x, torch.ones(3, dtype=torch.float64), m, v, 1e-5, sums, 8.0) is None
+    assert moments.bn_input_grad(g, x, None, m, v, 1e-5, sums.float(), 8.0) is None
+    torch.set_num_threads(2)
+    assert moments.bn_grad_sums(g, x, m, v, 1e-5) is None

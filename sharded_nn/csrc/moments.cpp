@@ -1,5 +1,7 @@
 // The sharded norms' native kernels (sharded_nn/moments.py): per-channel mean and sum of squared
-// deviations in one pass over memory, and the group-norm backward's per-row affine map of two arrays.
+// deviations in one pass over memory, the group-norm backward's per-row affine map of two arrays,
+// the merge of the ranks' statistics with the running-statistics update, and the batch-norm
+// backward's sums and input gradient (one pass each).
 //
 // Why this exists: a sharded GroupNorm or BatchNorm must take its slab's statistics apart from the
 // normalization (the statistics are merged across ranks before anything is normalized), while
@@ -153,6 +155,116 @@ SNN_INLINE void row_affine2(const T* __restrict__ g, const T* __restrict__ x, in
   }
 }
 
+// Chan's merge of per-rank (count, mean, M2) rows, in rank order (every rank gets the same bits):
+// rows is a contiguous (ranks, 1 + 2k) array [count, mean (k), M2 (k)] per rank. Writes the
+// merged mean and biased variance (in T) and returns the total count. Where rm and rv are given
+// and the count exceeds 1, also updates them as torch's batch norm does with momentum `factor`:
+// rm = (1 - f) rm + f mean, rv = (1 - f) rv + f var n / (n - 1).
+template <typename T>
+SNN_INLINE double merge_moments(const double* rows, int64_t ranks, int64_t k, T* mean_out, T* var_out, T* rm, T* rv,
+                                double factor) {
+  const int64_t width = 1 + 2 * k;
+  double count = 0.0;
+  for (int64_t r = 0; r < ranks; ++r) count += rows[r * width];
+  for (int64_t c = 0; c < k; ++c) {
+    double mean = 0.0, m2 = 0.0;
+    if (count > 0.0) {
+      double s = 0.0;
+      for (int64_t r = 0; r < ranks; ++r) s += rows[r * width] * rows[r * width + 1 + c];
+      mean = s / count;
+      for (int64_t r = 0; r < ranks; ++r) {
+        const double d = rows[r * width + 1 + c] - mean;
+        m2 += rows[r * width + 1 + k + c] + rows[r * width] * d * d;
+      }
+    }
+    const double var = count > 0.0 ? m2 / count : 0.0;
+    mean_out[c] = static_cast<T>(mean);
+    var_out[c] = static_cast<T>(var);
+    if (rm != nullptr && count > 1.0) {
+      rm[c] = static_cast<T>((1.0 - factor) * static_cast<double>(rm[c]) + factor * mean);
+      rv[c] = static_cast<T>((1.0 - factor) * static_cast<double>(rv[c]) + factor * var * (count / (count - 1.0)));
+    }
+  }
+  return count;
+}
+
+// Per-channel sum(g) and sum(g * (x - mean[c])) of contiguous (outer, channels, inner) arrays,
+// in double (blocks of kBlock summed in T lanes, then added in double in a fixed order).
+template <typename T>
+SNN_INLINE void grad_sums(const T* g, const T* x, int64_t outer, int64_t channels, int64_t inner, const T* mean,
+                          double* sum_g, double* sum_gx) {
+  using V = typename Vec<T>::type;
+  constexpr int W = Vec<T>::width;
+  constexpr int step = 2 * W;
+  for (int64_t c = 0; c < channels; ++c) {
+    const T m = mean[c];
+    double sg = 0.0, sgx = 0.0;
+    for (int64_t a = 0; a < outer; ++a) {
+      const T* gr = g + (a * channels + c) * inner;
+      const T* xr = x + (a * channels + c) * inner;
+      for (int64_t b0 = 0; b0 < inner; b0 += kBlock) {
+        const int64_t len = inner - b0 < kBlock ? inner - b0 : kBlock;
+        V g0 = {}, g1 = {}, p0 = {}, p1 = {};
+        int64_t i = 0;
+        for (; i + step <= len; i += step) {
+          const V ga = load(gr + b0 + i), gb = load(gr + b0 + i + W);
+          g0 += ga;
+          g1 += gb;
+          p0 += ga * (load(xr + b0 + i) - m);
+          p1 += gb * (load(xr + b0 + i + W) - m);
+        }
+        const V zero = {};
+        T tg = horizontal<T>(g0, g1, zero, zero), tp = horizontal<T>(p0, p1, zero, zero);
+        for (; i < len; ++i) {
+          tg += gr[b0 + i];
+          tp += gr[b0 + i] * (xr[b0 + i] - m);
+        }
+        sg += static_cast<double>(tg);
+        sgx += static_cast<double>(tp);
+      }
+    }
+    sum_g[c] = sg;
+    sum_gx[c] = sgx;
+  }
+}
+
+// The input gradient of a batch norm with global statistics: per channel c, with
+// rstd = 1 / sqrt(var + eps), wr = w rstd and the global sums S_g, S_gx = sum(g (x - mean)):
+// dx = wr g + a x + b, a = -wr rstd^2 S_gx / n, b = -wr S_g / n - a mean. Coefficients in double,
+// one pass over the arrays. w may be null (weight 1).
+template <typename T>
+SNN_INLINE void bn_input_grad(const T* __restrict__ g, const T* __restrict__ x, int64_t outer, int64_t channels,
+                              int64_t inner, const T* w, const T* mean, const T* var, double eps, const double* sum_g,
+                              const double* sum_gx, double count, T* __restrict__ out) {
+  for (int64_t c = 0; c < channels; ++c) {
+    const double rstd = 1.0 / __builtin_sqrt(static_cast<double>(var[c]) + eps);
+    const double wr = (w != nullptr ? static_cast<double>(w[c]) : 1.0) * rstd;
+    const double a = -wr * rstd * rstd * sum_gx[c] / count;
+    const double b = -wr * sum_g[c] / count - a * static_cast<double>(mean[c]);
+    const T tw = static_cast<T>(wr), ta = static_cast<T>(a), tb = static_cast<T>(b);
+    for (int64_t o = 0; o < outer; ++o) {
+      const int64_t base = (o * channels + c) * inner;
+      const T* gr = g + base;
+      const T* xr = x + base;
+      T* dr = out + base;
+      for (int64_t i = 0; i < inner; ++i) dr[i] = (tw * gr[i] + ta * xr[i]) + tb;
+    }
+  }
+}
+
+// A batch norm backward's per-channel sums sum(g) and sum(g (x - mean)), into sums[0:C] and
+// sums[C:2C] (double: the message the ranks all-reduce); where given, this rank's bias gradient
+// sum(g) into db and weight gradient sum(g xhat) = sum(g (x - mean)) / sqrt(var + eps) into dw.
+template <typename T>
+SNN_INLINE void bn_grad_sums(const T* g, const T* x, int64_t outer, int64_t channels, int64_t inner, const T* mean,
+                             const T* var, double eps, double* sums, T* dw, T* db) {
+  grad_sums<T>(g, x, outer, channels, inner, mean, sums, sums + channels);
+  for (int64_t c = 0; c < channels; ++c) {
+    if (db != nullptr) db[c] = static_cast<T>(sums[c]);
+    if (dw != nullptr) dw[c] = static_cast<T>(sums[channels + c] / __builtin_sqrt(static_cast<double>(var[c]) + eps));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -178,6 +290,43 @@ SNN_CLONES void snn_row_affine2_f32(const float* g, const float* x, int64_t rows
 SNN_CLONES void snn_row_affine2_f64(const double* g, const double* x, int64_t rows, int64_t inner, const double* a,
                                     const double* b, const double* c, double* out) {
   row_affine2<double>(g, x, rows, inner, a, b, c, out);
+}
+
+// Chan's merge of the ranks' packed statistics (see merge_moments); rm/rv may be null.
+SNN_CLONES double snn_merge_moments_f32(const double* rows, int64_t ranks, int64_t k, float* mean, float* var,
+                                        float* rm, float* rv, double factor) {
+  return merge_moments<float>(rows, ranks, k, mean, var, rm, rv, factor);
+}
+
+SNN_CLONES double snn_merge_moments_f64(const double* rows, int64_t ranks, int64_t k, double* mean, double* var,
+                                        double* rm, double* rv, double factor) {
+  return merge_moments<double>(rows, ranks, k, mean, var, rm, rv, factor);
+}
+
+// A batch norm backward's per-channel sums (see bn_grad_sums).
+SNN_CLONES void snn_bn_grad_sums_f32(const float* g, const float* x, int64_t outer, int64_t channels, int64_t inner,
+                                     const float* mean, const float* var, double eps, double* sums, float* dw,
+                                     float* db) {
+  bn_grad_sums<float>(g, x, outer, channels, inner, mean, var, eps, sums, dw, db);
+}
+
+SNN_CLONES void snn_bn_grad_sums_f64(const double* g, const double* x, int64_t outer, int64_t channels, int64_t inner,
+                                     const double* mean, const double* var, double eps, double* sums, double* dw,
+                                     double* db) {
+  bn_grad_sums<double>(g, x, outer, channels, inner, mean, var, eps, sums, dw, db);
+}
+
+// A batch norm's input gradient from the global sums [S_g (C), S_gx (C)] (see bn_input_grad).
+SNN_CLONES void snn_bn_input_grad_f32(const float* g, const float* x, int64_t outer, int64_t channels, int64_t inner,
+                                      const float* w, const float* mean, const float* var, double eps,
+                                      const double* sums, double count, float* out) {
+  bn_input_grad<float>(g, x, outer, channels, inner, w, mean, var, eps, sums, sums + channels, count, out);
+}
+
+SNN_CLONES void snn_bn_input_grad_f64(const double* g, const double* x, int64_t outer, int64_t channels,
+                                      int64_t inner, const double* w, const double* mean, const double* var,
+                                      double eps, const double* sums, double count, double* out) {
+  bn_input_grad<double>(g, x, outer, channels, inner, w, mean, var, eps, sums, sums + channels, count, out);
 }
 
 }  // extern "C"
