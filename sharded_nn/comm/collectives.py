@@ -45,27 +45,26 @@ def _all_reduce(y: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum
         y.copy_(buf)
 
 
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``torch.stack`` of every rank's ``x`` (same shape on every rank); no gradient."""
+    world = _size(group)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if world == 1:
+        return x.detach().clone().unsqueeze(0)  # nothing to gather (a gloo call still costs a thread hand-off)
+    # Allocated in its final shape (few torch calls: a BatchNorm's statistics go through here
+    # twice per layer and step, where each call costs more than the bytes).
+    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
     g = local_transport.collective_route(group, x)
     if g is not None:
         record_call(x.numel() * x.element_size())
         local_transport.start_all_gather(out, x, g).wait()
-        return
+        return out
     # torch 2.14 renamed all_gather_into_tensor; keep working on older releases too. Looked up at
     # call time, so that ``comm.traffic.count_traffic`` sees the call.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
-
-
-def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``torch.stack`` of every rank's ``x`` (same shape on every rank); no gradient."""
-    world = _size(group)
-    x = x.detach().contiguous()
-    if world == 1:
-        return x.clone().unsqueeze(0)  # nothing to gather (a gloo call still costs a thread hand-off)
-    out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x.reshape(-1), group)
-    return out.reshape(world, *x.shape)
+    fn(out.view(-1), x.detach().reshape(-1), group=group)
+    return out
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -427,10 +427,19 @@ class _Recv(_Work):
     __slots__ = ("dst", "key", "tensor")
 
     def __init__(
-        self, tensor: torch.Tensor, key: tuple, timeout: float, what: str, peer: int, tr: _Transport | None = None
+        self,
+        tensor: torch.Tensor | None,
+        key: tuple,
+        timeout: float,
+        what: str,
+        peer: int,
+        tr: _Transport | None = None,
+        dst: memoryview | None = None,
     ) -> None:
-        super().__init__(timeout, what, peer, tr)
-        self.tensor, self.dst, self.key = tensor, _bytes_of(tensor), key
+        # ``dst`` instead of ``tensor``: bytes of a buffer the caller keeps alive (collectives,
+        # whose messages are always small enough for the socket, never read ``tensor``).
+        self.done, self.timeout, self.what, self.peer, self.tr = False, timeout, what, peer, tr
+        self.tensor, self.dst, self.key = tensor, _bytes_of(tensor) if dst is None else dst, key
 
     def check(self, n: int) -> None:
         if n != len(self.dst):
@@ -1084,25 +1093,35 @@ def start_p2p(group: dist.ProcessGroup, ops: Sequence[tuple[torch.Tensor, int, b
     return works
 
 
-def _exchange_all(g: _Group, x: torch.Tensor, bufs: Sequence[torch.Tensor | None], what: str) -> list[_Work]:
-    """Send ``x`` to every other member and receive each member's tensor into ``bufs[i]``."""
+def _exchange_all(g: _Group, send: memoryview, recv: Sequence[memoryview | None], what: str) -> list[_Work]:
+    """Send the bytes ``send`` to every other member and receive each member's into ``recv[i]``.
+
+    Collectives only: their messages are at most ``max_bytes()`` (``collective_route``), so they
+    always travel inline over the socket, and the views stand for tensors the caller keeps alive.
+    Written for the per-call cost: a BatchNorm's statistics are exchanged twice per layer and
+    step, where each Python or torch call costs more than the bytes.
+    """
     tag = -1 - g.seq
     g.seq = (g.seq + 1) & ((1 << 62) - 1)
     tr = _transport()
     parts: list[_Work] = []
+    label = f"{what} (call {-tag})"
     with tr.lock:
         me = g.index
         n = len(g.ranks)
+        head = memoryview(_HDR.pack(g.gid, tag, len(send)))
         # Send in ring order starting with the right neighbour, so that no rank is everyone's
         # first destination.
         for k in range(1, n):
             peer = g.ranks[(me + k) % n]
-            w = _Work(g.timeout, f"{what} (call {-tag})", peer, tr)
-            tr.send(peer, g.gid, tag, x, w)
+            w = _Work(g.timeout, label, peer, tr)
+            c = tr.conn(peer, g.timeout)
+            STATS["socket"] += 1
+            tr._send_views(c, [head, send], w)  # (a failed connection: ``w.wait()`` raises)
             parts.append(w)
         for i, peer in enumerate(g.ranks):
             if i != me:
-                r = _Recv(bufs[i], (g.gid, peer, tag), g.timeout, f"{what} (call {-tag})", peer, tr)
+                r = _Recv(None, (g.gid, peer, tag), g.timeout, label, peer, tr, dst=recv[i])
                 tr.post_recv(r)
                 parts.append(r)
     return parts
@@ -1117,7 +1136,8 @@ def start_all_reduce(y: torch.Tensor, g: _Group, op: str = "sum") -> _Collective
     # it later, so they keep a copy.
     mine = y if me < 2 else y.clone()
     bufs = [mine if i == me else torch.empty_like(y) for i in range(n)]
-    parts = _exchange_all(g, y, bufs, f"an all_reduce ({op}) of {_nbytes(y)} bytes")
+    recv = [None if i == me else _bytes_of(b) for i, b in enumerate(bufs)]
+    parts = _exchange_all(g, _bytes_of(y), recv, f"an all_reduce ({op}) of {_nbytes(y)} bytes")
     fn = torch.add if op == "sum" else torch.maximum
 
     def finish() -> None:
@@ -1129,9 +1149,12 @@ def start_all_reduce(y: torch.Tensor, g: _Group, op: str = "sum") -> _Collective
 
 
 def start_all_gather(out: torch.Tensor, x: torch.Tensor, g: _Group) -> _Collective:
-    """Gather contiguous CPU ``x`` of every member into ``out`` (``len(group) * x.numel()``
-    elements, in group-rank order)."""
-    chunks = list(out.view(len(g.ranks), -1).unbind(0)) if x.numel() else [out[:0]] * len(g.ranks)
-    chunks[g.index].copy_(x.reshape(-1))
-    parts = _exchange_all(g, chunks[g.index], chunks, f"an all_gather of {_nbytes(x)} bytes")
+    """Gather contiguous CPU ``x`` of every member into contiguous ``out`` (``len(group) *
+    x.numel()`` elements, in group-rank order)."""
+    nb = _nbytes(x)
+    whole = _bytes_of(out)
+    chunks = [whole[i * nb : (i + 1) * nb] for i in range(len(g.ranks))]
+    if nb:
+        ctypes.memmove(out.data_ptr() + g.index * nb, x.data_ptr(), nb)
+    parts = _exchange_all(g, chunks[g.index], chunks, f"an all_gather of {nb} bytes")
     return _Collective(parts, lambda: None)
