@@ -121,6 +121,7 @@ def rank_main(
     dtype: torch.dtype = torch.float32,
     transport: str = "local",
     min_seconds: float = 0.0,
+    cap: bool = False,
 ) -> dict:
     # Read by the communication layer at every call: "gloo" sends every message through gloo
     # (the A/B of the same-host transport, ``--transport``).
@@ -132,9 +133,14 @@ def rank_main(
     if sharded:
         mesh = snn.init_mesh(domain=dist.get_world_size())
         align = snn.alignment(model, 2, input_shape=(1, 3, h, w))
-        # convert installs the layout scope: layouts agreed once per forward, on the input.
-        model = snn.convert(model, mesh)
         x = x_full[snn.local_slices(x_full.shape, mesh, dims=(2,), align=align)].clone()
+        if cap:
+            # The host's cap: each rank runs the *plain* model on its own slab, with no message
+            # between the ranks (only the timing's barriers), at the same time as the other.
+            mesh = None
+        else:
+            # convert installs the layout scope: layouts agreed once per forward, on the input.
+            model = snn.convert(model, mesh)
     else:
         x = x_full
     del x_full
@@ -150,6 +156,15 @@ def rank_main(
         loss = (model(x) * weights).sum()
         (snn.losses.share(loss, mesh) if mesh is not None else loss).backward()
         return first_conv.weight.grad.clone()
+
+    if cap:
+        model.eval()
+        t_fwd, _ = _median_time(forward, iters, sync, min_seconds)
+        model.train()
+        t_step, _ = _median_time(train_step, iters, sync, min_seconds)
+        times = torch.tensor([t_fwd, t_step], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        return {"fwd": times[0].item(), "step": times[1].item()}
 
     model.eval()
     t_fwd, logits = _median_time(forward, iters, sync, min_seconds)
@@ -182,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", choices=("local", "gloo", "both"), default="local",
         help="P=2 messages: the same-host transport (default), gloo only, or both (one P=2 run each, A/B)",
     )
+    parser.add_argument(
+        "--cap", action="store_true",
+        help="also time the host's cap: two processes each running plain timm on its own slab at once, no messages",
+    )
     args = parser.parse_args(argv)
     rows = []
     ref_tag = "P=1" if args.no_f64 else "float64"
@@ -201,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                 for t in variants
             }
             got = runs[variants[0]]
+            cap = None
+            if args.cap:
+                cap = snn.launch(
+                    rank_main, 2, name, h, w, args.iters, True, torch.float32, "local", args.min_seconds, True,
+                    threads=1, timeout=args.timeout,
+                )
             if args.no_f64:
                 exact = ref
             else:
@@ -217,19 +242,22 @@ def main(argv: list[str] | None = None) -> int:
                     err = f"P=2 {lo:.1e}/{gr:.1e}"
                     if not args.no_f64:
                         err = f"P=1 {errs['P=1'][0]:.1e}/{errs['P=1'][1]:.1e} {err}"
-                rows.append((label, size, ref, run, err))
+                rows.append((label, size, ref, run, err, cap))
+                capped = "" if cap is None else f", host cap (plain halves at once) {cap['fwd']:.3f}/{cap['step']:.3f} s"
                 print(f"{label} {size}: fwd {ref['fwd']:.3f}/{run['fwd']:.3f} s, "
                       f"fwd+bwd {ref['step']:.3f}/{run['step']:.3f} s, "
-                      f"rel. err vs {ref_tag} (logits/grad) {err}", flush=True)  # fmt: skip
+                      f"rel. err vs {ref_tag} (logits/grad) {err}{capped}", flush=True)  # fmt: skip
+    cap_head = " host cap fwd / fwd+bwd |" if args.cap else ""
     print(f"\n| model | size | fwd P=1 (s) | fwd P=2 (s) | speedup | fwd+bwd P=1 (s) | fwd+bwd P=2 (s) | speedup | "
-          f"rel. error vs {ref_tag} (logits/grad) | target |")  # fmt: skip
-    print("| --- " * 10 + "|")
-    for name, size, ref, got, err in rows:
+          f"rel. error vs {ref_tag} (logits/grad) | target |{cap_head}")  # fmt: skip
+    print("| --- " * (11 if args.cap else 10) + "|")
+    for name, size, ref, got, err, cap in rows:
         s1, s2 = ref["fwd"] / got["fwd"], ref["step"] / got["step"]
         t = TARGETS.get(size)
         mark = "n/a" if t is None else ("PASS" if min(s1, s2) >= t else "MISS") + f" ({t}x)"
+        cap_cell = "" if cap is None else f" {ref['fwd'] / cap['fwd']:.2f}x / {ref['step'] / cap['step']:.2f}x |"
         print(f"| {name} | {size} | {ref['fwd']:.3f} | {got['fwd']:.3f} | {s1:.2f}x | {ref['step']:.3f} | "
-              f"{got['step']:.3f} | {s2:.2f}x | {err} | {mark} |")  # fmt: skip
+              f"{got['step']:.3f} | {s2:.2f}x | {err} | {mark} |{cap_cell}")  # fmt: skip
     return 0
 
 
