@@ -33,6 +33,13 @@ Run from the repository root::
     python bench/cnn.py                                     # 5 models x 3 sizes (long)
     python bench/cnn.py --models regnetx_002 --sizes 512x256 --iters 2   # quick
     python bench/cnn.py --models efficientnet_b0 --sizes 512x256 --transport both   # transport A/B
+    python bench/cnn.py --sizes 512x256 --cap   # also the host's cap (below)
+
+``--cap`` adds a third launch per cell: two processes, each running *plain* timm on its own slab
+(the slab the sharded model's rank holds) at the same time, with no message between them. P=1's
+time over that is what this host allows a perfect domain-parallel P=2 (cache and memory
+bandwidth shared, small kernels that do not halve); the sharded run's distance to it is the
+library's cost.
 
 ``--transport gloo`` sets ``SHARDED_NN_TRANSPORT=gloo`` in the P=2 ranks (every message through
 gloo); ``both`` runs P=2 once with each and prints a row per variant.
