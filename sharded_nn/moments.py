@@ -154,15 +154,20 @@ def packed_local_moments(x3: torch.Tensor) -> torch.Tensor | None:
 
 
 
-def row_affine2_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether :func:`row_affine2` can take the ``(R, I)`` tensors ``g`` and ``x`` here."""
+def _pair_applies(g: torch.Tensor, x: torch.Tensor, ndim: int) -> bool:
+    """Whether the kernels can read ``x`` (``_applies``) and ``g``, a contiguous tensor like it."""
     return (
-        _applies(x, 2)
+        _applies(x, ndim)
         and type(g) is torch.Tensor
         and g.dtype == x.dtype
         and g.shape == x.shape
         and g.is_contiguous()
     )
+
+
+def row_affine2_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether :func:`row_affine2` can take the ``(R, I)`` tensors ``g`` and ``x`` here."""
+    return _pair_applies(g, x, 2)
 
 
 def row_affine2(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -240,6 +245,22 @@ def merge_packed(
     return mean, var, count
 
 
+def bn_backward_applies(
+    g3: torch.Tensor, x3: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor
+) -> bool:
+    """Whether :func:`bn_grad_sums` and :func:`bn_input_grad` both take these ``(A, K, B)`` tensors
+    and per-``K`` statistics (checked before the sums are sent, so that a caller never starts an
+    all-reduce it cannot finish on the same path)."""
+    if not _pair_applies(g3, x3, 3):
+        return False
+    k = x3.shape[1]
+    return (
+        _vector_of(mean, x3.dtype, k)
+        and _vector_of(var, x3.dtype, k)
+        and (weight is None or _vector_of(weight, x3.dtype, k))
+    )
+
+
 def bn_grad_sums(
     g3: torch.Tensor,
     x3: torch.Tensor,
@@ -256,12 +277,9 @@ def bn_grad_sums(
     weight gradient ``sum(g * xhat)`` (``xhat = (x - mean) / sqrt(var + eps)``) and bias gradient
     ``sum(g)`` in ``x``'s dtype. None where the kernel does not apply.
     """
-    if not (_applies(x3) and type(g3) is torch.Tensor and g3.dtype == x3.dtype and g3.shape == x3.shape
-            and g3.is_contiguous()):  # fmt: skip
+    if not bn_backward_applies(g3, x3, None, mean, var):
         return None
     a, k, b = x3.shape
-    if not (_vector_of(mean, x3.dtype, k) and _vector_of(var, x3.dtype, k)):
-        return None
     sums = torch.empty(2 * k, dtype=torch.float64)
     dw = torch.empty(k, dtype=x3.dtype) if weight_grad else None
     db = torch.empty(k, dtype=x3.dtype) if bias_grad else None
@@ -285,14 +303,9 @@ def bn_input_grad(
     """A batch norm's input gradient ``w rstd g + a x + b`` per channel of ``(A, K, B)`` tensors from
     the global sums ``[S_g, S_gx]`` of :func:`bn_grad_sums` (coefficients in double), in one pass.
     None where the kernel does not apply."""
-    if not (_applies(x3) and type(g3) is torch.Tensor and g3.dtype == x3.dtype and g3.shape == x3.shape
-            and g3.is_contiguous()):  # fmt: skip
+    if not (bn_backward_applies(g3, x3, weight, mean, var) and _vector_of(sums, torch.float64, 2 * x3.shape[1])):
         return None
     a, k, b = x3.shape
-    if not (_vector_of(mean, x3.dtype, k) and _vector_of(var, x3.dtype, k) and _vector_of(sums, torch.float64, 2 * k)):
-        return None
-    if weight is not None and not _vector_of(weight, x3.dtype, k):
-        return None
     out = torch.empty_like(x3)
     getattr(_lib, _BN_DX[x3.dtype])(
         g3.data_ptr(), x3.data_ptr(), a, k, b, None if weight is None else weight.data_ptr(), mean.data_ptr(),

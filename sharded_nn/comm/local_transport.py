@@ -424,7 +424,7 @@ class _Work:
 
 
 class _Recv(_Work):
-    __slots__ = ("dst", "key", "tensor")
+    __slots__ = ("dst", "key", "tensor", "keep")
 
     def __init__(
         self,
@@ -435,11 +435,13 @@ class _Recv(_Work):
         peer: int,
         tr: _Transport | None = None,
         dst: memoryview | None = None,
+        keep: object = None,
     ) -> None:
-        # ``dst`` instead of ``tensor``: bytes of a buffer the caller keeps alive (collectives,
-        # whose messages are always small enough for the socket, never read ``tensor``).
+        # ``dst`` instead of ``tensor``: bytes of a buffer owned by ``keep``, held here while the
+        # receive is posted (collectives, whose messages always travel inline, never read
+        # ``tensor``).
         self.done, self.timeout, self.what, self.peer, self.tr = False, timeout, what, peer, tr
-        self.tensor, self.dst, self.key = tensor, _bytes_of(tensor) if dst is None else dst, key
+        self.tensor, self.dst, self.key, self.keep = tensor, _bytes_of(tensor) if dst is None else dst, key, keep
 
     def check(self, n: int) -> None:
         if n != len(self.dst):
@@ -664,11 +666,15 @@ class _Transport:
                 STATS["shm"] += 1
                 work.done = True  # the payload is out of the caller's tensor
                 return
-            STATS["inline large"] += 1
-        else:
-            STATS["socket"] += 1
-        body = _bytes_of(t)
-        self._send_views(c, [memoryview(_HDR.pack(gid, tag, len(body))), body], work, t)
+            self.send_inline(c, gid, tag, _bytes_of(t), work, t, "inline large")
+            return
+        self.send_inline(c, gid, tag, _bytes_of(t), work, t)
+
+    def send_inline(self, c: _Conn, gid: int, tag: int, body: memoryview, work: _Work, keep, path="socket") -> None:
+        """Send ``body`` (owned by ``keep``, held until written) inline over the socket, counted
+        in ``STATS[path]``."""
+        STATS[path] += 1
+        self._send_views(c, [memoryview(_HDR.pack(gid, tag, len(body))), body], work, keep)
 
     def _send_views(self, c: _Conn, views: list[memoryview], work: _Work | None = None, keep=None) -> None:
         """Write ``views`` now as far as the socket takes them; queue the rest (``work`` is done
@@ -1093,11 +1099,15 @@ def start_p2p(group: dist.ProcessGroup, ops: Sequence[tuple[torch.Tensor, int, b
     return works
 
 
-def _exchange_all(g: _Group, send: memoryview, recv: Sequence[memoryview | None], what: str) -> list[_Work]:
+def _exchange_all(
+    g: _Group, send: memoryview, recv: Sequence[memoryview | None], what: str, keep: object
+) -> list[_Work]:
     """Send the bytes ``send`` to every other member and receive each member's into ``recv[i]``.
 
     Collectives only: their messages are at most ``max_bytes()`` (``collective_route``), so they
-    always travel inline over the socket, and the views stand for tensors the caller keeps alive.
+    always travel inline over the socket. ``keep`` owns the memory of every view; the sends and
+    receives hold it until they are done (a collective dropped before its ``wait`` must not
+    leave a message to land in freed memory).
     Written for the per-call cost: a BatchNorm's statistics are exchanged twice per layer and
     step, where each Python or torch call costs more than the bytes.
     """
@@ -1109,19 +1119,17 @@ def _exchange_all(g: _Group, send: memoryview, recv: Sequence[memoryview | None]
     with tr.lock:
         me = g.index
         n = len(g.ranks)
-        head = memoryview(_HDR.pack(g.gid, tag, len(send)))
         # Send in ring order starting with the right neighbour, so that no rank is everyone's
         # first destination.
         for k in range(1, n):
             peer = g.ranks[(me + k) % n]
             w = _Work(g.timeout, label, peer, tr)
-            c = tr.conn(peer, g.timeout)
-            STATS["socket"] += 1
-            tr._send_views(c, [head, send], w)  # (a failed connection: ``w.wait()`` raises)
+            # (A failed connection sends nothing: ``w.wait()`` raises.)
+            tr.send_inline(tr.conn(peer, g.timeout), g.gid, tag, send, w, keep)
             parts.append(w)
         for i, peer in enumerate(g.ranks):
             if i != me:
-                r = _Recv(None, (g.gid, peer, tag), g.timeout, label, peer, tr, dst=recv[i])
+                r = _Recv(None, (g.gid, peer, tag), g.timeout, label, peer, tr, dst=recv[i], keep=keep)
                 tr.post_recv(r)
                 parts.append(r)
     return parts
@@ -1137,7 +1145,7 @@ def start_all_reduce(y: torch.Tensor, g: _Group, op: str = "sum") -> _Collective
     mine = y if me < 2 else y.clone()
     bufs = [mine if i == me else torch.empty_like(y) for i in range(n)]
     recv = [None if i == me else _bytes_of(b) for i, b in enumerate(bufs)]
-    parts = _exchange_all(g, _bytes_of(y), recv, f"an all_reduce ({op}) of {_nbytes(y)} bytes")
+    parts = _exchange_all(g, _bytes_of(y), recv, f"an all_reduce ({op}) of {_nbytes(y)} bytes", (y, bufs))
     fn = torch.add if op == "sum" else torch.maximum
 
     def finish() -> None:
@@ -1156,5 +1164,5 @@ def start_all_gather(out: torch.Tensor, x: torch.Tensor, g: _Group) -> _Collecti
     chunks = [whole[i * nb : (i + 1) * nb] for i in range(len(g.ranks))]
     if nb:
         ctypes.memmove(out.data_ptr() + g.index * nb, x.data_ptr(), nb)
-    parts = _exchange_all(g, chunks[g.index], chunks, f"an all_gather of {nb} bytes")
+    parts = _exchange_all(g, chunks[g.index], chunks, f"an all_gather of {nb} bytes", out)
     return _Collective(parts, lambda: None)

@@ -44,6 +44,7 @@ from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
 from ..mesh import axis_index, axis_size, data_axis, group_over, mesh_cached
 from ..moments import (
+    bn_backward_applies,
     bn_grad_sums,
     bn_input_grad,
     local_moments,
@@ -196,7 +197,12 @@ def merged_moments(
         m2 = m2s.addcmul(counts, (means - mean).square_()).sum(0)
         var = m2 / count
         mean, var = mean.to(acc), var.to(acc)
-        _update_running(running, mean, var, count.item())
+        if running is not None:
+            # The layer reads the count too: read it once (a device sync on GPUs) and hand it back
+            # as a CPU number.
+            n = count.item()
+            _update_running(running, mean, var, n)
+            count = torch.tensor(n, dtype=torch.float64)
         return mean.reshape(keep), var.reshape(keep), count
 
 
@@ -713,21 +719,16 @@ def _batch_norm_backward_native(ctx, g, x, weight, mean, var):
     that cost more than a deep layer's arithmetic. The weight and bias gradients are this rank's
     partial sums, as on the torch path.
     """
-    if x.dim() < 2 or not x.is_contiguous() or not g.is_contiguous() or var.dtype != x.dtype:
-        return None
-    if weight is not None and (weight.dtype != x.dtype or not weight.is_contiguous()):
+    if x.dim() < 2 or not x.is_contiguous() or not g.is_contiguous():
         return None
     x3, g3 = x.view(x.shape[0], x.shape[1], -1), g.view(x.shape[0], x.shape[1], -1)
-    sums = bn_grad_sums(
+    if not bn_backward_applies(g3, x3, weight, mean, var):
+        return None  # (decided before anything is sent: the torch path sends the same message)
+    local, dw, db = bn_grad_sums(
         g3, x3, mean, var, ctx.eps, weight is not None and ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
     )
-    if sums is None:
-        return None
-    local, dw, db = sums
     pending = all_reduce_sum_start(local, ctx.group)
     dx = bn_input_grad(g3, x3, weight, mean, var, ctx.eps, pending.wait(), ctx.count)
-    if dx is None:  # (the checks above mirror the kernel's: not reached)
-        raise RuntimeError("sharded batch norm: the native input-gradient kernel refused tensors its sums took")
     return dx.view(x.shape), dw, db, None, None, None, None, None
 
 
