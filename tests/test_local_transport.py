@@ -10,7 +10,8 @@
 * collectives through it equal gloo's, bitwise the same on every rank (P = 2, 3, 4);
 * failures: a peer that closes its connection, or raises instead of joining a collective, gives
   every other rank a ``TransportError`` naming it, within the group's timeout;
-* a waiting rank sleeps in ``poll`` (no spinning: its CPU time stays far below the wait);
+* a waiting rank polls without sleeping for at most its spin budget, then sleeps in ``poll`` (its
+  CPU time stays far below a long wait); the budget's default follows the host's cores;
 * ``SHARDED_NN_TRANSPORT=gloo`` turns it off, and ``count_traffic`` counts the same calls and bytes
   either way.
 """
@@ -434,9 +435,13 @@ def test_peer_that_raises_times_out_with_clear_error(run, world):
 
 
 @_transport_on
-def _wait_sleeps():
+def _wait_sleeps(spin_us: int | None = None):
     rank = dist.get_rank()
     group = dist.group.WORLD
+    if spin_us is not None:
+        # The budget is decided when the transport is made; this worker's may be older.
+        with _Env(SHARDED_NN_TRANSPORT_SPIN_US=str(spin_us)):
+            lt._transport().spin = lt.spin_seconds()
     t = torch.zeros(4, dtype=D)
     # Connect first (rank 1 -> 0), so that only the wait below is timed.
     if rank == 1:
@@ -450,13 +455,43 @@ def _wait_sleeps():
         return 0.0
     c0, w0 = time.thread_time(), time.perf_counter()
     lt.start_recv(t, group, 1, 8).wait()
-    return (time.thread_time() - c0, time.perf_counter() - w0, t.tolist())
+    out = (time.thread_time() - c0, time.perf_counter() - w0, t.tolist())
+    if spin_us is not None:
+        with _Env(SHARDED_NN_TRANSPORT_SPIN_US=None):
+            lt._transport().spin = lt.spin_seconds()
+    return out
 
 
-def test_waiting_rank_sleeps_instead_of_spinning(run):
-    cpu, wall, got = run(2, _wait_sleeps)[0]
+def test_waiting_rank_sleeps_after_its_spin_budget(run):
+    cpu, wall, got = run(2, _wait_sleeps)[0]  # the default budget (at most 1 ms)
     assert got == [1.0] * 4 and wall >= 0.9
     assert cpu < 0.1 * wall, (cpu, wall)  # blocked in poll, not spinning
+
+
+def test_waiting_rank_spins_for_its_budget_then_sleeps(run):
+    cpu, wall, got = run(2, _wait_sleeps, 60_000)[0]  # 60 ms of polling, then poll() sleeps
+    assert got == [1.0] * 4 and wall >= 0.9
+    assert 0.03 < cpu < 0.1 * wall + 0.06, (cpu, wall)
+
+
+def test_spin_budget_follows_the_cores_and_the_environment(monkeypatch):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.delenv(lt.ENV_SPIN_US, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # a core per rank: spin
+    assert lt.spin_seconds() == pytest.approx(lt._DEFAULT_SPIN_US * 1e-6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))  # ranks share cores: never spin
+    assert lt.spin_seconds() == 0.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores + 1)  # the rank's threads fill the host
+    assert lt.spin_seconds() == 0.0
+    monkeypatch.setenv(lt.ENV_SPIN_US, "250")  # the user's budget wins
+    assert lt.spin_seconds() == pytest.approx(250e-6)
+    monkeypatch.setenv(lt.ENV_SPIN_US, "0")
+    assert lt.spin_seconds() == 0.0
+    monkeypatch.setenv(lt.ENV_SPIN_US, "fast")
+    with pytest.raises(ValueError, match="SHARDED_NN_TRANSPORT_SPIN_US='fast': expected microseconds"):
+        lt.spin_seconds()
 
 
 @_transport_on

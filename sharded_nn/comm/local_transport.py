@@ -13,8 +13,10 @@ stream sockets instead: one connection per pair of processes (abstract namespace
 per process published in the default group's store), shared by all groups. Everything runs on
 the calling thread: sends write without blocking and queue what the socket does not take; every
 later transport call and every ``wait`` flushes queued sends and reads incoming messages in one
-``poll`` loop, so two ranks that send to each other never deadlock, and a waiting rank sleeps in
-``poll`` (never spins: the cores are shared). Larger messages, NCCL/CUDA tensors, peers on other
+``poll`` loop, so two ranks that send to each other never deadlock. A waiting rank first polls
+without sleeping for up to ``spin_seconds()`` and then sleeps in ``poll`` (see there: waking a
+sleeping process costs a virtual machine tens of microseconds per message; spinning happens only
+where every rank has a core of its own). Larger messages, NCCL/CUDA tensors, peers on other
 hosts and code under ``torch.compile`` keep using torch.distributed.
 
 Large messages (ring attention's key/value blocks, the 1 MiB halo planes of a 3-D UNet): above
@@ -102,6 +104,7 @@ __all__ = [
     "max_bytes",
     "p2p_route",
     "shm_max_bytes",
+    "spin_seconds",
     "start_all_gather",
     "start_all_reduce",
     "start_p2p",
@@ -123,6 +126,11 @@ _DEFAULT_SHM_MAX_BYTES = 64 << 20
 #: out of the sender's tensor (``process_vm_readv``) where the kernel allows it; ``0`` keeps such
 #: payloads on the arena.
 ENV_DIRECT = "SHARDED_NN_TRANSPORT_DIRECT"
+#: ``SHARDED_NN_TRANSPORT_SPIN_US``: how long a waiting rank polls without sleeping before it
+#: sleeps in ``poll`` (microseconds; 0: never spin). Unset: ``_DEFAULT_SPIN_US`` where the ranks
+#: of this host and their threads fit its cores, else 0.
+ENV_SPIN_US = "SHARDED_NN_TRANSPORT_SPIN_US"
+_DEFAULT_SPIN_US = 1000
 #: Virtual size of a process's arena in multiples of the largest shared-memory message: room for
 #: several messages in flight (a ring hop's key and value, both directions of a halo) before a
 #: send falls back to the socket.
@@ -193,6 +201,35 @@ def shm_max_bytes() -> int:
             f"{ENV_SHM_MAX_BYTES}={raw!r}: expected a number of bytes (0 turns shared memory off; the same on "
             "every rank)."
         ) from None
+
+
+def spin_seconds() -> float:
+    """How long a waiting rank polls its sockets without sleeping before it sleeps in ``poll``.
+
+    Why: a process asleep in ``poll`` is woken by the peer's message through the kernel's
+    scheduler, which on a virtual machine costs tens of microseconds (a vCPU that halted must be
+    resumed): a one-byte socket round trip between two processes took 40-59 us sleeping against
+    3.5-3.9 us polling on the 2-vCPU CI host. A converted CNN waits on a neighbour or a
+    collective tens of times per forward, most waits far shorter than a millisecond. Spinning
+    costs nothing where every rank has a core of its own (the core would idle), but where ranks
+    share cores it takes the time of the rank being waited for, so by default a rank spins only
+    when this host's ranks (``LOCAL_WORLD_SIZE``, as torchrun and ``snn.launch`` set it, else the
+    world size) times their threads fit the cores this process may run on; a wait longer than
+    the budget then sleeps, as before. ``SHARDED_NN_TRANSPORT_SPIN_US`` sets the budget (0: never).
+    """
+    raw = os.environ.get(ENV_SPIN_US)
+    if raw:
+        try:
+            us = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_SPIN_US}={raw!r}: expected microseconds (0: never spin).") from None
+        return max(us, 0) * 1e-6
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+    except (ValueError, RuntimeError):
+        return 0.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _DEFAULT_SPIN_US * 1e-6 if local * torch.get_num_threads() <= cores else 0.0
 
 
 #: Counters of the messages sent by this process, by path (tests and benchmarks read them).
@@ -550,6 +587,7 @@ class _Transport:
         self.poller = select.poll()
         self.poller.register(self.listener.fileno(), select.POLLIN)
         self.lock = threading.RLock()
+        self.spin = spin_seconds()  # decided once: the thread count is set before the first message
         self.store.set(f"{self.prefix}{self.rank}", f"{self.host}\n{self.boot}\n{self.name}")
 
     # ----- peers
@@ -905,19 +943,22 @@ class _Transport:
     def progress(self, done: Callable[[], bool], timeout: float, work: _Work, raise_on_timeout: bool = True) -> None:
         """Flush queued sends and read incoming messages until ``done()``, at most ``timeout`` s."""
         with self.lock:
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
+            deadline = start + timeout
+            spin_end = start + self.spin  # poll without sleeping until then (``spin_seconds``)
             first = True
             while True:
                 c = self.conns.get(work.peer)
                 if c is not None and c.error is not None and not done():
                     self._check(c, work)
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if not first and left <= 0:
                     if not raise_on_timeout:
                         return
                     self._timed_out(work, timeout)
                 first = False
-                for fd, ev in self.poller.poll(max(left, 0.0) * 1000.0):
+                for fd, ev in self.poller.poll(0.0 if now < spin_end else max(left, 0.0) * 1000.0):
                     c = self.by_fd.get(fd)
                     if c is None:
                         self._accept()
