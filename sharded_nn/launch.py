@@ -187,6 +187,34 @@ def _worker(
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(1)
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    """End a rank whose ``fn`` returned: exit handlers and flushed streams, then ``os._exit(0)``.
+
+    Why not a normal interpreter shutdown: gloo's worker threads outlive a collective's ``wait``
+    by a little (the work object, and with it the tensors of the collective, is released on the
+    worker thread after the caller has been told it is done), and a process group that Python
+    code still references is not torn down by ``destroy_process_group``. Where the last reference
+    to such a tensor falls while the interpreter finalizes, the worker thread cannot take the GIL
+    to release the tensor's Python object, the interpreter ends the thread, and C++ aborts the
+    process ("terminate called without an active exception", SIGABRT) after the rank's work and
+    result were complete (gdb: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Seen in 1 of 3-4 P=2 launches of
+    ``bench/cnn.py`` when the peer spun in the same-host transport (its core busy, so this rank's
+    gloo thread waited for a core until after shutdown had begun). The ``atexit`` handlers still
+    run (multiprocessing's own cleanup of child processes is one), so only the interpreter's
+    final teardown is skipped.
+    """
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(

@@ -252,6 +252,28 @@ def test_launch_returns_rank0_result():
     assert _descendants() <= before
 
 
+def _launch_atexit(stamp_dir):
+    import atexit
+
+    rank = dist.get_rank()
+    # The rank's exit handlers still run: launch ends a rank without the interpreter's final
+    # teardown (gloo's workers may still be releasing the last collective's tensors then).
+    atexit.register(lambda: open(os.path.join(stamp_dir, f"atexit{rank}"), "w").close())
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the last collective's tensor is dropped as fn returns
+    return t.sum().item()
+
+
+def test_launch_runs_exit_handlers_and_ends_ranks_cleanly(tmp_path):
+    before = _descendants()
+    for _ in range(3):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        assert snn.launch(_launch_atexit, 2, str(tmp_path), timeout=120, device_type="cpu", threads=1) == 6.0
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["atexit0", "atexit1"]
+    assert _descendants() <= before
+
+
 def test_launch_reraises_rank_exception_fast():
     # Rank 1 raises while ranks 0 and 2 wait for it inside an all-reduce.
     before = _descendants()

@@ -958,7 +958,8 @@ class _Transport:
                         return
                     self._timed_out(work, timeout)
                 first = False
-                for fd, ev in self.poller.poll(0.0 if now < spin_end else max(left, 0.0) * 1000.0):
+                spinning = now < spin_end
+                for fd, ev in self.poller.poll(0.0 if spinning else max(left, 0.0) * 1000.0):
                     c = self.by_fd.get(fd)
                     if c is None:
                         self._accept()
@@ -969,6 +970,11 @@ class _Transport:
                         self._read(c)
                 if done():
                     return
+                if spinning:
+                    # Let a runnable thread of this core go first (gloo's workers, this rank's
+                    # own included, which the peer may be waiting on): a busy poll loop would
+                    # otherwise hold the core for the scheduler's whole time slice.
+                    os.sched_yield()
 
     def _timed_out(self, work: _Work, timeout: float) -> None:
         if isinstance(work, _Recv):
