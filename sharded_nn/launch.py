@@ -209,6 +209,9 @@ def _exit_without_finalizing() -> None:
     """
     import atexit
 
+    from . import gloo_exit
+
+    atexit.unregister(gloo_exit._grace)  # its wait is for a teardown that does not happen here
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
     with contextlib.suppress(Exception):

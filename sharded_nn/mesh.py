@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import host_cache
+from . import gloo_exit, host_cache
 
 DATA_AXIS = "data"
 DOMAIN_AXIS = "domain"
@@ -83,6 +83,7 @@ def init_mesh(
         # Reuse large activation buffers instead of faulting them in on every step (torchrun has
         # no launch to do it); SHARDED_NN_HOST_CACHE=0 keeps torch's allocator.
         host_cache.install_default()
+        gloo_exit.arm()  # gloo's workers get a moment at exit (see there: else a rare SIGABRT)
     world = dist.get_world_size()
     if data < 1:
         raise ValueError(f"init_mesh: data must be >= 1, got {data}. Pass data=1 (no data-parallel axis) or more.")

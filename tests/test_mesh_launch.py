@@ -274,6 +274,35 @@ def test_launch_runs_exit_handlers_and_ends_ranks_cleanly(tmp_path):
     assert _descendants() <= before
 
 
+def _gloo_exit_armed():
+    from sharded_nn import gloo_exit
+
+    snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    return gloo_exit.armed()
+
+
+def test_gloo_users_leave_gloo_workers_a_moment_at_exit(run):
+    # A process that used a gloo group through sharded_nn sleeps GRACE_S in an exit handler, so
+    # that gloo's workers release the last collective's tensors before interpreter teardown.
+    assert run(2, _gloo_exit_armed) == [True, True]
+
+
+def test_gloo_exit_handler_is_registered_once_and_sleeps(monkeypatch):
+    import atexit
+
+    from sharded_nn import gloo_exit
+
+    registered, slept = [], []
+    monkeypatch.setattr(gloo_exit, "_ARMED", [False])
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(gloo_exit.time, "sleep", slept.append)
+    gloo_exit.arm()
+    gloo_exit.arm()
+    assert registered == [gloo_exit._grace] and gloo_exit.armed()
+    registered[0]()
+    assert slept == [gloo_exit.GRACE_S] and gloo_exit.GRACE_S > 0
+
+
 def test_launch_reraises_rank_exception_fast():
     # Rank 1 raises while ranks 0 and 2 wait for it inside an all-reduce.
     before = _descendants()

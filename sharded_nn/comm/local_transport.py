@@ -97,6 +97,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import gloo_exit
+
 __all__ = [
     "TransportError",
     "collective_route",
@@ -588,6 +590,7 @@ class _Transport:
         self.poller.register(self.listener.fileno(), select.POLLIN)
         self.lock = threading.RLock()
         self.spin = spin_seconds()  # decided once: the thread count is set before the first message
+        gloo_exit.arm()  # this process talks over a gloo group (a mesh from torch's own init)
         self.store.set(f"{self.prefix}{self.rank}", f"{self.host}\n{self.boot}\n{self.name}")
 
     # ----- peers
