@@ -20,10 +20,16 @@ What is measured (DESIGN.md section 7):
   and the reported time is the median over iterations. Gradient reduction across ranks (DDP) is
   not part of the timed region: the stacks have ~28k parameters, so it would be negligible.
   Reported: speedup ``T1 / T2`` and parallel efficiency ``T1 / (2 * T2)``.
-* Memory: peak resident set size of each rank (``VmHWM``, reset by ``sharded_nn.demo.PeakRSS``
-  right after imports, process-group initialisation and mesh creation) above the resident size
-  then; the maximum over ranks is reported, and the ratio P=2 / P=1. (``ru_maxrss`` would start
-  at the launching parent's mark, which spawned processes inherit.)
+* Memory: peak resident set size of each rank (``VmHWM``, reset by ``sharded_nn.demo.PeakRSS``)
+  during one untimed steady-state step after the timed ones, above the resident size just before
+  it; the maximum over ranks is reported, and the ratio P=2 / P=1. ``PeakRSS`` first returns the
+  host cache's blocks to the OS, so the step maps its buffers afresh and its whole working set
+  counts. Until session 42 the baseline was taken right after mesh creation, which also counted
+  the modules that ``convert``'s shape-only probe (meta tensors) makes torch import: about 200 MiB
+  of code and data (sympy among them) at P=1 and P=2 alike, which pulled the ratio towards 1
+  (conv3d 0.59x on session 42's host, 0.51x without them; how much depends on what the process
+  imported before). (``ru_maxrss`` would start at the launching parent's mark, which spawned
+  processes inherit.)
 * Consistency: the global loss and the domain-summed weight gradients of P=2 are compared with
   P=1 (the input is generated plane by plane from per-plane seeds, so both runs see the same
   global sample), to make sure that the timings are of a correct computation.
@@ -215,9 +221,6 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, varia
         the domain-summed parameter gradients; only rank 0's copy reaches ``launch``'s caller.
     """
     mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
-    # Baseline after imports, process-group init (done by launch) and mesh creation: what is
-    # left above it is the model's working set (activations, gradients, slab).
-    peak = PeakRSS()  # VmHWM reset here: spawn children inherit the parent's ru_maxrss
     if torch.get_num_threads() != 1:
         raise RuntimeError(f"bench: expected 1 torch thread per rank, got {torch.get_num_threads()}.")
     dtype = _DTYPES[dtype_name]
@@ -236,6 +239,11 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, varia
         cpu_times.append(time.process_time() - c0)
         dist.barrier()
         times.append(time.perf_counter() - t0)
+    # The working set of one steady-state step (activations, gradients, slab, halos): the
+    # modules and first-touch pages of the first calls are resident by now, as in any longer run.
+    peak = PeakRSS()  # also resets VmHWM: spawn children inherit the parent's ru_maxrss
+    dist.barrier()
+    _step(model, x)
     mem_mib = peak.mib()
 
     # Collectives below are outside the timed region and after the memory reading.
