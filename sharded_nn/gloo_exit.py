@@ -13,9 +13,10 @@ job failed. Measured on the 2-vCPU CI host: 1 in 6 runs of ``bench/torchrun_env.
 1 in 3-4 P=2 launches of ``bench/cnn.py`` (before ``launch`` ended its ranks with ``os._exit``).
 
 What: once a process has used a gloo group through sharded_nn (``init_mesh`` on CPU, the
-same-host transport, ``launch``'s ranks), an ``atexit`` handler sleeps ``GRACE_S`` at exit. Exit
-handlers run before teardown and the sleep releases the GIL, so a worker still holding a tensor
-finishes with it then. Nothing else is changed; a process that never used gloo pays nothing.
+same-host transport), an ``atexit`` handler sleeps ``GRACE_S`` at exit. Exit handlers run before
+teardown and the sleep releases the GIL, so a worker still holding a tensor finishes with it
+then. Nothing else is changed; a process that never used gloo pays nothing. ``launch``'s ranks
+skip both the teardown and the wait (``disarm``, then ``os._exit`` after their exit handlers).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def arm() -> None:
     if not _ARMED[0]:
         _ARMED[0] = True
         atexit.register(_grace)
+
+
+def disarm() -> None:
+    """Drop the exit handler: for a process that ends with ``os._exit`` (no teardown to wait for)."""
+    atexit.unregister(_grace)
+    _ARMED[0] = False
 
 
 def armed() -> bool:

@@ -29,6 +29,7 @@ orphans.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import math
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from . import gloo_exit
 from . import host_cache as _host_cache
 from . import moments as _moments
 from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
@@ -193,25 +195,14 @@ def _worker(
 def _exit_without_finalizing() -> None:
     """End a rank whose ``fn`` returned: exit handlers and flushed streams, then ``os._exit(0)``.
 
-    Why not a normal interpreter shutdown: gloo's worker threads outlive a collective's ``wait``
-    by a little (the work object, and with it the tensors of the collective, is released on the
-    worker thread after the caller has been told it is done), and a process group that Python
-    code still references is not torn down by ``destroy_process_group``. Where the last reference
-    to such a tensor falls while the interpreter finalizes, the worker thread cannot take the GIL
-    to release the tensor's Python object, the interpreter ends the thread, and C++ aborts the
-    process ("terminate called without an active exception", SIGABRT) after the rank's work and
-    result were complete (gdb: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
-    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Seen in 1 of 3-4 P=2 launches of
-    ``bench/cnn.py`` when the peer spun in the same-host transport (its core busy, so this rank's
-    gloo thread waited for a core until after shutdown had begun). The ``atexit`` handlers still
-    run (multiprocessing's own cleanup of child processes is one), so only the interpreter's
-    final teardown is skipped.
+    Not a normal interpreter shutdown: gloo's worker threads release a collective's tensors a
+    little after its ``wait`` returns, and where that falls into the teardown the process aborts
+    with SIGABRT after its work and result were complete (``sharded_nn.gloo_exit`` tells how;
+    1 in 3-4 P=2 launches of ``bench/cnn.py`` before this). The ``atexit`` handlers still run
+    (multiprocessing's own cleanup of child processes is one); only the teardown is skipped, so
+    ``gloo_exit``'s wait for it is dropped.
     """
-    import atexit
-
-    from . import gloo_exit
-
-    atexit.unregister(gloo_exit._grace)  # its wait is for a teardown that does not happen here
+    gloo_exit.disarm()
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
     with contextlib.suppress(Exception):

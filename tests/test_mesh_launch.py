@@ -301,6 +301,10 @@ def test_gloo_exit_handler_is_registered_once_and_sleeps(monkeypatch):
     assert registered == [gloo_exit._grace] and gloo_exit.armed()
     registered[0]()
     assert slept == [gloo_exit.GRACE_S] and gloo_exit.GRACE_S > 0
+    unregistered = []
+    monkeypatch.setattr(atexit, "unregister", unregistered.append)
+    gloo_exit.disarm()  # what launch's ranks do before os._exit
+    assert unregistered == [gloo_exit._grace] and not gloo_exit.armed()
 
 
 def test_launch_reraises_rank_exception_fast():
