@@ -475,7 +475,7 @@ def test_waiting_rank_spins_for_its_budget_then_sleeps(run):
 
 
 def test_spin_budget_follows_the_cores_and_the_environment(monkeypatch):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = lt.usable_cores()
     monkeypatch.delenv(lt.ENV_SPIN_US, raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # a core per rank: spin

@@ -230,8 +230,12 @@ def spin_seconds() -> float:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     except (ValueError, RuntimeError):
         return 0.0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return _DEFAULT_SPIN_US * 1e-6 if local * torch.get_num_threads() <= cores else 0.0
+    return _DEFAULT_SPIN_US * 1e-6 if local * torch.get_num_threads() <= usable_cores() else 0.0
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 #: Counters of the messages sent by this process, by path (tests and benchmarks read them).
