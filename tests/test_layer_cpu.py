@@ -49,15 +49,24 @@ DEPTHWISE_CASES = [
 
 
 def _check_grouped(c, g, k, s, p, d, size, dim, domain):
-    torch.manual_seed(0)
-    ref = nn.Conv2d(c, c, k, stride=s, padding=p, dilation=d, groups=g).double()
-    torch.manual_seed(1)
-    hw = size if dim == 2 else size[::-1]
-    x = torch.randn(2, c, *hw, dtype=torch.float64)
-    m = mesh(domain)
-    sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
-    stride = (s, s) if isinstance(s, int) else s
-    return check_against_reference(ref, x, m, dims=(dim,), align=stride[dim - 2], sharded=sharded)
+    from sharded_nn.layers import conv as conv_mod
+
+    # These slabs are small enough for grouped weights to run synchronously on the extended slab
+    # (``_sync_cheaper``); the halo-row corrections under test run with that rule off.
+    real = conv_mod._GROUPED_SYNC_MAX_BYTES
+    conv_mod._GROUPED_SYNC_MAX_BYTES = -1
+    try:
+        torch.manual_seed(0)
+        ref = nn.Conv2d(c, c, k, stride=s, padding=p, dilation=d, groups=g).double()
+        torch.manual_seed(1)
+        hw = size if dim == 2 else size[::-1]
+        x = torch.randn(2, c, *hw, dtype=torch.float64)
+        m = mesh(domain)
+        sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
+        stride = (s, s) if isinstance(s, int) else s
+        return check_against_reference(ref, x, m, dims=(dim,), align=stride[dim - 2], sharded=sharded)
+    finally:
+        conv_mod._GROUPED_SYNC_MAX_BYTES = real
 
 
 @pytest.mark.parametrize("domain", [2, 3, 4])
@@ -249,3 +258,48 @@ def test_heavy_weights_run_synchronously_and_exactly(run, world, sizes, between,
     assert all(err <= 1e-10 and calls == 2 for err, calls in light), light
     mixed = run(world, _heavy_weights, 24, 16, size, sizes, dim, between)
     assert all(err <= 1e-10 and calls == 2 for err, calls in mixed), mixed
+
+
+def _grouped_path(size, sizes, dim, max_bytes):
+    """Two grouped 3x3 convolutions (4 channels per group) on slabs of ``size``: exact against
+    torch, and how many went through the overlapped copy-free path (``apply_linear``)."""
+    from sharded_nn.layers import conv as conv_mod
+
+    real_linear, real_max = conv_mod.apply_linear, conv_mod._GROUPED_SYNC_MAX_BYTES
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real_linear(*args, **kwargs)
+
+    conv_mod.apply_linear = counting
+    conv_mod._GROUPED_SYNC_MAX_BYTES = max_bytes
+    try:
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=4), nn.Conv2d(16, 8, 3, padding=1, groups=2)).double()
+        torch.manual_seed(1)
+        x = torch.randn(2, 16, *size, dtype=torch.float64)
+        m = mesh(dist.get_world_size())
+        sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
+        errs = check_against_reference(ref, x, m, dims=(dim,), sizes=sizes, sharded=sharded)
+        return errs["out"], len(calls)
+    finally:
+        conv_mod.apply_linear, conv_mod._GROUPED_SYNC_MAX_BYTES = real_linear, real_max
+
+
+@pytest.mark.parametrize("world, sizes", [(2, (6, 5)), (3, (4, 3, 4))])
+@pytest.mark.parametrize("dim", [2, 3])
+def test_small_grouped_slabs_run_synchronously_and_exactly(run, world, sizes, dim):
+    # Grouped weights with several channels per group on slabs of at most
+    # ``_GROUPED_SYNC_MAX_BYTES`` (their edge rows have no fast kernel): one convolution of the
+    # extended slab on every rank, exact forward and backward; larger slabs keep the overlapped
+    # path. A limit between the smaller and the largest slab's bytes: every rank decides on the
+    # largest slab and takes the same (overlapped) path.
+    size = (sum(sizes), 7) if dim == 2 else (7, sum(sizes))
+    largest = 2 * 16 * max(sizes) * 7 * 8  # float64 bytes of the largest slab of the first layer's input
+    small = run(world, _grouped_path, size, sizes, dim, 1 << 20)
+    assert all(err <= 1e-10 and calls == 0 for err, calls in small), small
+    large = run(world, _grouped_path, size, sizes, dim, -1)
+    assert all(err <= 1e-10 and calls == 2 for err, calls in large), large
+    between = run(world, _grouped_path, size, sizes, dim, largest - 2 * 16 * 7 * 8 // 2)
+    assert all(err <= 1e-10 and calls == 2 for err, calls in between), between

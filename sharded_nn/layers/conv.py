@@ -347,32 +347,54 @@ def _depthwise_row(planes: torch.Tensor, wt: torch.Tensor, stride: int, padding:
 
 
 #: A convolution whose weights take at least this many times the bytes of the largest slab runs
-#: synchronously on the extended slab (see ``_weights_dominate``).
+#: synchronously on the extended slab (see ``_sync_cheaper``).
 _SYNC_WEIGHT_RATIO = 2
 
+#: A grouped 2-d CPU convolution (several input channels per group) whose largest slab holds at
+#: most this many bytes runs synchronously on the extended slab (see ``_sync_cheaper``).
+_GROUPED_SYNC_MAX_BYTES = 1 << 20
 
-def _weights_dominate(weight: torch.Tensor, global_shape, dims, layouts, x: torch.Tensor) -> bool:
+
+def _sync_cheaper(weight: torch.Tensor, groups: int, global_shape, dims, layouts, x: torch.Tensor) -> bool:
     """Whether this convolution is cheaper on one extended copy of the slab than overlapped.
 
-    The overlapped paths (``apply_linear``, ``apply_overlapped``) convolve the edge rows in calls
-    of their own, and each such call's weight gradient is a full-size tensor (zero-filled,
-    written, then added to the weight's gradient) and its weights a sliced copy: costs that
-    follow the weights' size, not the halo's. Deep dense stages have large weights and small
-    slabs (ResNet-50's 3x3 convolutions of 512 channels: 9 MiB of weights on a 128 KiB slab at
-    512x256, P=2), where one convolution of the extended slab (a copy of the slab, one weight
-    gradient, the halo's latency exposed) costs less: two sharded 3x3 convolutions, one thread
-    per rank, thread CPU per step, overlapped against synchronous: 512 channels on 8x8 slabs
-    27.9 against 20.4 ms forward and 89 against 58 ms with the backward, 256 on 16x16 17.5
-    against 15.1 and 49 against 42, 128 on 16x32 8.9 against 8.5 and 27 against 25, 64 on
-    64x128 (weights 0.07x the slab) 23.9 against 25.4 and 73.5 against 73.4; in ResNet-50 at
-    2048x1024 (512 channels on 32x32 slabs, weights 4.5x the slab) within the noise either way.
-    Decided on the largest slab of the agreed layout (the same on every rank, so the ranks take the same path).
+    The overlapped paths (``apply_linear``, ``apply_overlapped``) save the copy of the slab into
+    an extended buffer and hide the halo's latency, and pay for it with calls of their own for
+    the edge rows. Two kinds of convolution pay more than they save:
+
+    - Heavy weights (at least ``_SYNC_WEIGHT_RATIO`` times the bytes of the largest slab): each
+      edge call's weight gradient is a full-size tensor (zero-filled, written, then added to the
+      weight's gradient) and its weights a sliced copy: costs that follow the weights' size, not
+      the halo's. Deep dense stages have large weights and small slabs (ResNet-50's 3x3
+      convolutions of 512 channels: 9 MiB of weights on a 128 KiB slab at 512x256, P=2). Two
+      sharded 3x3 convolutions, one thread per rank, thread CPU per step, overlapped against
+      synchronous: 512 channels on 8x8 slabs 27.9 against 20.4 ms forward and 89 against 58 ms
+      with the backward, 256 on 16x16 17.5 against 15.1 and 49 against 42, 128 on 16x32 8.9
+      against 8.5 and 27 against 25, 64 on 64x128 (weights 0.07x the slab) 23.9 against 25.4
+      and 73.5 against 73.4; in ResNet-50 at 2048x1024 (512 channels on 32x32 slabs, weights
+      4.5x the slab) within the noise either way.
+    - Grouped 2-d weights with several channels per group (RegNet's, ResNeXt's) on slabs of at
+      most ``_GROUPED_SYNC_MAX_BYTES``: their edge rows have no fast kernel (``_grouped_rows``,
+      110-160 us per call whatever its size), which costs more than copying a slab of up to a
+      megabyte. Chains of ten 3x3 convolutions in groups of 8 channels, P=2, one thread per
+      rank, per layer, overlapped against synchronous (session 43): eval 845 against 699 us
+      (256 channels on 16x32 slabs), 673 against 684 (512 on 8x16), 1143 against 1097 and 1255
+      against 1126 (1 MiB slabs), 1870 against 1881 (2 MiB); training 1614 against 1309 (128 on
+      16x32), 1851 against 1408 (512 on 8x16), 3375 against 3294 and 3668 against 3374 (1 MiB),
+      5842 against 6107 (2 MiB). regnetx_002 at 512x256, P=2: eval forward 20.3 against 20.9 ms,
+      training step 76.0 against 79.6 ms.
+
+    Decided on the largest slab of the agreed layout (the same on every rank, so the ranks take
+    the same path).
     """
     shape = list(global_shape)
     for lay, d in zip(layouts, dims):
         shape[d] = max(lay.sizes)
     slab_bytes = math.prod(shape) * x.element_size()
-    return weight.numel() * weight.element_size() >= _SYNC_WEIGHT_RATIO * slab_bytes
+    if weight.numel() * weight.element_size() >= _SYNC_WEIGHT_RATIO * slab_bytes:
+        return True
+    grouped = weight.dim() == 4 and groups > 1 and weight.shape[1] > 1 and x.device.type == "cpu"
+    return grouped and slab_bytes <= _GROUPED_SYNC_MAX_BYTES
 
 
 def _grouped_rows_ok(planes: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
@@ -575,7 +597,7 @@ class _ShardedConvNd(ShardedMixin):
             # A thin, empty or edge-clipped stage (multi-hop halos): synchronous, and ranks left
             # without outputs crop their placeholder row.
             return crop_empty(conv(extend(x, plans[last], rings[last], mode)), plans, rings)
-        if self.overlap and not _weights_dominate(weight, agreed.global_shape(self.dims), self.dims, layouts, x):
+        if self.overlap and not _sync_cheaper(weight, self.groups, agreed.global_shape(self.dims), self.dims, layouts, x):
             window = conf.windows[last_dim - 2]
             # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16
             # that is up to three roundings where one device rounds once, so low-precision convs
