@@ -11,6 +11,7 @@ unfolded matrix product instead (``_grouped_rows``), depthwise one-plane rows wi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -22,7 +23,24 @@ import torch.nn.functional as F
 import sharded_nn as snn
 
 from .harness import mesh
-from .reference import check_against_reference
+from .reference import check_against_reference, compare_on_slabs
+
+@contextlib.contextmanager
+def _overlapped_rules_off():
+    """The overlapped (copy-free) convolution path for every slab, in this rank's process.
+
+    Small slabs run synchronously on the extended slab where that is cheaper (``layers/conv.py:
+    _sync_cheaper``); the tests of the halo-row corrections turn those rules off so that the
+    corrections they check still run."""
+    from sharded_nn.layers import conv as conv_mod
+
+    saved = conv_mod._GROUPED_SYNC_MAX_BYTES, conv_mod._FORWARD_SYNC_MAX_ROWS
+    conv_mod._GROUPED_SYNC_MAX_BYTES = conv_mod._FORWARD_SYNC_MAX_ROWS = -1
+    try:
+        yield
+    finally:
+        conv_mod._GROUPED_SYNC_MAX_BYTES, conv_mod._FORWARD_SYNC_MAX_ROWS = saved
+
 
 # (channels, groups, kernel, stride, padding, dilation, input H x W)
 DEPTHWISE_CASES = [
@@ -49,13 +67,7 @@ DEPTHWISE_CASES = [
 
 
 def _check_grouped(c, g, k, s, p, d, size, dim, domain):
-    from sharded_nn.layers import conv as conv_mod
-
-    # These slabs are small enough for grouped weights to run synchronously on the extended slab
-    # (``_sync_cheaper``); the halo-row corrections under test run with that rule off.
-    real = conv_mod._GROUPED_SYNC_MAX_BYTES
-    conv_mod._GROUPED_SYNC_MAX_BYTES = -1
-    try:
+    with _overlapped_rules_off():
         torch.manual_seed(0)
         ref = nn.Conv2d(c, c, k, stride=s, padding=p, dilation=d, groups=g).double()
         torch.manual_seed(1)
@@ -65,8 +77,6 @@ def _check_grouped(c, g, k, s, p, d, size, dim, domain):
         sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
         stride = (s, s) if isinstance(s, int) else s
         return check_against_reference(ref, x, m, dims=(dim,), align=stride[dim - 2], sharded=sharded)
-    finally:
-        conv_mod._GROUPED_SYNC_MAX_BYTES = real
 
 
 @pytest.mark.parametrize("domain", [2, 3, 4])
@@ -143,7 +153,7 @@ def _conv_kernels(c, k, s):
     x = snn.shard(torch.randn(1, c, 32, 16, generator=torch.Generator().manual_seed(1)), m, dims=(2,), align=s)
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
+    with torch.no_grad(), _overlapped_rules_off():
         model(x)  # warm-up: plans and tap caches
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             y = model(x)
@@ -169,7 +179,7 @@ def _conv_calls(c, k, s, grad):
     x.requires_grad_(grad)
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), _overlapped_rules_off():
         model(x)  # warm-up: plans and tap caches
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             model(x)
@@ -303,3 +313,54 @@ def test_small_grouped_slabs_run_synchronously_and_exactly(run, world, sizes, di
     assert all(err <= 1e-10 and calls == 2 for err, calls in large), large
     between = run(world, _grouped_path, size, sizes, dim, largest - 2 * 16 * 7 * 8 // 2)
     assert all(err <= 1e-10 and calls == 2 for err, calls in between), between
+
+
+def _forward_path(sizes, grad, max_rows):
+    """A 3x3 depthwise, a 3x3 dense and a 7x7 depthwise convolution on slabs of ``sizes`` rows
+    along H, with or without autograd: exact against torch (float64; forward and gradients where
+    ``grad``), and how many went through the overlapped copy-free path (``apply_linear``)."""
+    from sharded_nn.layers import conv as conv_mod
+
+    real_linear, real_rows = conv_mod.apply_linear, conv_mod._FORWARD_SYNC_MAX_ROWS
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real_linear(*args, **kwargs)
+
+    conv_mod.apply_linear = counting
+    conv_mod._FORWARD_SYNC_MAX_ROWS = max_rows
+    try:
+        torch.manual_seed(0)
+        ref = nn.Sequential(
+            nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.Conv2d(6, 8, 3, padding=1), nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        ).double()
+        x = torch.randn(2, 6, sum(sizes), 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        m = mesh(dist.get_world_size())
+        sharded = snn.convert(copy.deepcopy(ref), m)
+        if grad:
+            return compare_on_slabs(ref, sharded, m, x, sizes, replicated=False), len(calls)
+        r = m.get_local_rank("domain")
+        with torch.no_grad():
+            y = snn.gather(sharded(x.narrow(2, sum(sizes[:r]), sizes[r]).contiguous()), m, dims=(2,))
+            y_ref = ref(x)
+        torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-10)
+        return (y - y_ref).abs().max().item(), len(calls)
+    finally:
+        conv_mod.apply_linear, conv_mod._FORWARD_SYNC_MAX_ROWS = real_linear, real_rows
+
+
+@pytest.mark.parametrize("world, sizes", [(2, (6, 5)), (3, (4, 3, 4))])
+def test_thin_slabs_run_synchronously_in_inference(run, world, sizes):
+    # Without autograd, slabs of at most ``_FORWARD_SYNC_MAX_ROWS`` rows: one convolution of the
+    # extended slab on every rank (dense and depthwise weights alike), exact; with autograd, and
+    # for thicker slabs, the overlapped copy-free path. A limit under the largest slab's rows but
+    # not under the others': every rank decides on the largest slab and takes the same path.
+    inference = run(world, _forward_path, sizes, False, 16)
+    assert all(err <= 1e-10 and calls == 0 for err, calls in inference), inference
+    training = run(world, _forward_path, sizes, True, 16)
+    assert all(err <= 1e-10 and calls == 3 for err, calls in training), training
+    thick = run(world, _forward_path, sizes, False, -1)
+    assert all(err <= 1e-10 and calls == 3 for err, calls in thick), thick
+    between = run(world, _forward_path, sizes, False, max(sizes) - 1)
+    assert all(err <= 1e-10 and calls == 3 for err, calls in between), between

@@ -354,8 +354,14 @@ _SYNC_WEIGHT_RATIO = 2
 #: most this many bytes runs synchronously on the extended slab (see ``_sync_cheaper``).
 _GROUPED_SYNC_MAX_BYTES = 1 << 20
 
+#: A 2-d convolution run without autograd (inference) whose slabs along the last sharded dim are
+#: at most this many rows thick runs synchronously on the extended slab (see ``_sync_cheaper``).
+_FORWARD_SYNC_MAX_ROWS = 16
 
-def _sync_cheaper(weight: torch.Tensor, groups: int, global_shape, dims, layouts, x: torch.Tensor) -> bool:
+
+def _sync_cheaper(
+    weight: torch.Tensor, groups: int, global_shape, dims, layouts, x: torch.Tensor, forward_only: bool = False
+) -> bool:
     """Whether this convolution is cheaper on one extended copy of the slab than overlapped.
 
     The overlapped paths (``apply_linear``, ``apply_overlapped``) save the copy of the slab into
@@ -383,9 +389,24 @@ def _sync_cheaper(weight: torch.Tensor, groups: int, global_shape, dims, layouts
       16x32), 1851 against 1408 (512 on 8x16), 3375 against 3294 and 3668 against 3374 (1 MiB),
       5842 against 6107 (2 MiB). regnetx_002 at 512x256, P=2: eval forward 20.3 against 20.9 ms,
       training step 76.0 against 79.6 ms.
+    - Any 2-d weights in a forward without autograd (``forward_only``: inference) on slabs at
+      most ``_FORWARD_SYNC_MAX_ROWS`` rows thick along the last sharded dim: the copy costs the
+      slab's few rows, the edge rows cost calls of their own with fixed costs (a band
+      convolution, multiply-adds, the in-place add). Chains of ten depthwise convolutions, P=2,
+      one thread per rank, eval, per layer, overlapped against synchronous (session 43): 3x3,
+      200 channels on 16x16 slabs 420-454 against 372-389 us, 480 on 16x16 621-634 against 556;
+      5x5, 960 on 8x8 665-677 against 510-561; 7x7, 160 on 16x16 580-608 against 420-425, 320 on
+      8x8 500-524 against 381-389. Thicker slabs keep the overlapped path: 3x3, 72 channels on
+      64x64 939-974 against 1231-1261 us; 5x5, 120 on 64x64 1623-1646 against 1966-2032; 7x7,
+      40 on 128x128 2222-2341 against 2489-2588 (at 32 rows within a few percent either way).
+      Whole models, eval forward at P=2 with the rule against without it, alternated in one
+      launch (median of rounds): 512x256 mobilenetv3_large_100 31.8 against 32.1 ms,
+      efficientnet_b0 47.0 / 48.1, convnext_atto 29.7 / 31.3; 1024x512 73.3 / 75.2, 126.6 /
+      130.4, 88.5 / 93.8. With autograd the same chains and models were within this host's noise
+      either way (training steps 0-5% apart, both signs), so training keeps the overlapped path.
 
     Decided on the largest slab of the agreed layout (the same on every rank, so the ranks take
-    the same path).
+    the same path); ``forward_only`` follows grad mode and ``requires_grad``, agreed facts too.
     """
     shape = list(global_shape)
     for lay, d in zip(layouts, dims):
@@ -394,7 +415,9 @@ def _sync_cheaper(weight: torch.Tensor, groups: int, global_shape, dims, layouts
     if weight.numel() * weight.element_size() >= _SYNC_WEIGHT_RATIO * slab_bytes:
         return True
     grouped = weight.dim() == 4 and groups > 1 and weight.shape[1] > 1 and x.device.type == "cpu"
-    return grouped and slab_bytes <= _GROUPED_SYNC_MAX_BYTES
+    if grouped and slab_bytes <= _GROUPED_SYNC_MAX_BYTES:
+        return True
+    return forward_only and weight.dim() == 4 and max(layouts[-1].sizes) <= _FORWARD_SYNC_MAX_ROWS
 
 
 def _grouped_rows_ok(planes: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
@@ -597,7 +620,12 @@ class _ShardedConvNd(ShardedMixin):
             # A thin, empty or edge-clipped stage (multi-hop halos): synchronous, and ranks left
             # without outputs crop their placeholder row.
             return crop_empty(conv(extend(x, plans[last], rings[last], mode)), plans, rings)
-        if self.overlap and not _sync_cheaper(weight, self.groups, agreed.global_shape(self.dims), self.dims, layouts, x):
+        forward_only = not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        )
+        if self.overlap and not _sync_cheaper(
+            weight, self.groups, agreed.global_shape(self.dims), self.dims, layouts, x, forward_only
+        ):
             window = conf.windows[last_dim - 2]
             # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16
             # that is up to three roundings where one device rounds once, so low-precision convs
