@@ -26,20 +26,36 @@ from .harness import mesh
 from .reference import check_against_reference, compare_on_slabs
 
 @contextlib.contextmanager
+def _conv_rules(**values):
+    """Set path-rule constants of ``layers/conv.py`` (``_SYNC_WEIGHT_RATIO=...``) in this rank's
+    process, and count the calls of the overlapped copy-free path (``apply_linear``); yields the
+    list of calls."""
+    from sharded_nn.layers import conv as conv_mod
+
+    saved = {k: getattr(conv_mod, k) for k in (*values, "apply_linear")}
+    calls: list = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return saved["apply_linear"](*args, **kwargs)
+
+    conv_mod.apply_linear = counting
+    for k, v in values.items():
+        setattr(conv_mod, k, v)
+    try:
+        yield calls
+    finally:
+        for k, v in saved.items():
+            setattr(conv_mod, k, v)
+
+
 def _overlapped_rules_off():
     """The overlapped (copy-free) convolution path for every slab, in this rank's process.
 
     Small slabs run synchronously on the extended slab where that is cheaper (``layers/conv.py:
     _sync_cheaper``); the tests of the halo-row corrections turn those rules off so that the
     corrections they check still run."""
-    from sharded_nn.layers import conv as conv_mod
-
-    saved = conv_mod._GROUPED_SYNC_MAX_BYTES, conv_mod._FORWARD_SYNC_MAX_ROWS
-    conv_mod._GROUPED_SYNC_MAX_BYTES = conv_mod._FORWARD_SYNC_MAX_ROWS = -1
-    try:
-        yield
-    finally:
-        conv_mod._GROUPED_SYNC_MAX_BYTES, conv_mod._FORWARD_SYNC_MAX_ROWS = saved
+    return _conv_rules(_GROUPED_SYNC_MAX_BYTES=-1, _FORWARD_SYNC_MAX_ROWS=-1)
 
 
 # (channels, groups, kernel, stride, padding, dilation, input H x W)
@@ -230,18 +246,7 @@ def test_guard_walk_skips_plain_scalars_but_finds_tagged_sizes():
 def _heavy_weights(c, cin, size, sizes, dim, ratio):
     """A 3x3 convolution of ``cin -> c`` channels on a slab of ``size``: exact against torch,
     and whether its rows went through the overlapped copy-free path (``apply_linear``)."""
-    from sharded_nn.layers import conv as conv_mod
-
-    real_linear, real_ratio = conv_mod.apply_linear, conv_mod._SYNC_WEIGHT_RATIO
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real_linear(*args, **kwargs)
-
-    conv_mod.apply_linear = counting
-    conv_mod._SYNC_WEIGHT_RATIO = ratio
-    try:
+    with _conv_rules(_SYNC_WEIGHT_RATIO=ratio) as calls:
         torch.manual_seed(0)
         ref = nn.Sequential(nn.Conv2d(cin, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=(2, 1), dilation=(2, 1))).double()
         torch.manual_seed(1)
@@ -250,8 +255,6 @@ def _heavy_weights(c, cin, size, sizes, dim, ratio):
         sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
         errs = check_against_reference(ref, x, m, dims=(dim,), sizes=sizes, sharded=sharded)
         return errs["out"], len(calls)
-    finally:
-        conv_mod.apply_linear, conv_mod._SYNC_WEIGHT_RATIO = real_linear, real_ratio
 
 
 @pytest.mark.parametrize("world, sizes, between", [(2, (6, 5), 2.8), (3, (4, 3, 4), 4.5)])
@@ -273,18 +276,7 @@ def test_heavy_weights_run_synchronously_and_exactly(run, world, sizes, between,
 def _grouped_path(size, sizes, dim, max_bytes):
     """Two grouped 3x3 convolutions (4 channels per group) on slabs of ``size``: exact against
     torch, and how many went through the overlapped copy-free path (``apply_linear``)."""
-    from sharded_nn.layers import conv as conv_mod
-
-    real_linear, real_max = conv_mod.apply_linear, conv_mod._GROUPED_SYNC_MAX_BYTES
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real_linear(*args, **kwargs)
-
-    conv_mod.apply_linear = counting
-    conv_mod._GROUPED_SYNC_MAX_BYTES = max_bytes
-    try:
+    with _conv_rules(_GROUPED_SYNC_MAX_BYTES=max_bytes) as calls:
         torch.manual_seed(0)
         ref = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=4), nn.Conv2d(16, 8, 3, padding=1, groups=2)).double()
         torch.manual_seed(1)
@@ -293,8 +285,6 @@ def _grouped_path(size, sizes, dim, max_bytes):
         sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": (dim,)}})
         errs = check_against_reference(ref, x, m, dims=(dim,), sizes=sizes, sharded=sharded)
         return errs["out"], len(calls)
-    finally:
-        conv_mod.apply_linear, conv_mod._GROUPED_SYNC_MAX_BYTES = real_linear, real_max
 
 
 @pytest.mark.parametrize("world, sizes", [(2, (6, 5)), (3, (4, 3, 4))])
@@ -319,18 +309,7 @@ def _forward_path(sizes, grad, max_rows):
     """A 3x3 depthwise, a 3x3 dense and a 7x7 depthwise convolution on slabs of ``sizes`` rows
     along H, with or without autograd: exact against torch (float64; forward and gradients where
     ``grad``), and how many went through the overlapped copy-free path (``apply_linear``)."""
-    from sharded_nn.layers import conv as conv_mod
-
-    real_linear, real_rows = conv_mod.apply_linear, conv_mod._FORWARD_SYNC_MAX_ROWS
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real_linear(*args, **kwargs)
-
-    conv_mod.apply_linear = counting
-    conv_mod._FORWARD_SYNC_MAX_ROWS = max_rows
-    try:
+    with _conv_rules(_FORWARD_SYNC_MAX_ROWS=max_rows) as calls:
         torch.manual_seed(0)
         ref = nn.Sequential(
             nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.Conv2d(6, 8, 3, padding=1), nn.Conv2d(8, 8, 7, padding=3, groups=8)
@@ -346,8 +325,6 @@ def _forward_path(sizes, grad, max_rows):
             y_ref = ref(x)
         torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-10)
         return (y - y_ref).abs().max().item(), len(calls)
-    finally:
-        conv_mod.apply_linear, conv_mod._FORWARD_SYNC_MAX_ROWS = real_linear, real_rows
 
 
 @pytest.mark.parametrize("world, sizes", [(2, (6, 5)), (3, (4, 3, 4))])
