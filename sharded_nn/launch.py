@@ -20,8 +20,8 @@ Failures: a rank that raises writes its exception, traceback and time to a file 
 temporary directory and exits at once (no ``destroy_process_group``, which can block on peers
 stuck in a collective). The parent re-raises the earliest exception with the remote traceback as
 ``__cause__`` and names the other ranks that failed; a rank that died without a Python exception
-(killed by the OS) is reported with its exit code. Rank 0's result travels the same way (a
-pickle file), so tensors of any size survive the process. The processes are stopped whatever
+(killed by the OS) is reported with its exit code. Rank 0's result travels the same way (a file
+written by ``torch.save``), so tensors of any size survive the process. The processes are stopped whatever
 ends the parent's wait (an error, the timeout, Ctrl-C); each rank also asks the kernel to kill it
 when the parent dies (``PR_SET_PDEATHSIG``), so that even a parent killed outright leaves no
 orphans.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import io
 import math
 import multiprocessing as mp
 import os
@@ -168,9 +169,9 @@ def _worker(
         init_worker(rank, world_size, store_port, timeout, device_type)
         out = fn(*args)
         if rank == 0:
-            # Plain pickle bytes in a file: a tensor sent through a multiprocessing queue would be
-            # a handle to this process's shared memory, which dies with it.
-            _write_atomic(_result_file(outdir), pickle.dumps(out))
+            # Bytes in a file: a tensor sent through a multiprocessing queue would be a handle to
+            # this process's shared memory, which dies with it.
+            _write_atomic(_result_file(outdir), _dump_result(out))
         if dist.is_initialized():  # fn may have destroyed it itself
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure, Ctrl-C included, must reach the parent
@@ -190,6 +191,25 @@ def _worker(
                 sys.stderr.flush()
             os._exit(1)
     _exit_without_finalizing()
+
+
+def _dump_result(out: Any) -> bytes:
+    """``out`` as bytes for the parent: ``torch.save``, which writes each tensor storage once.
+
+    Plain ``pickle`` writes a tensor's whole storage once per tensor, so views of one buffer travel
+    once per view: the demo's parameter gradients, split from one flat gathered buffer (150 views
+    of 23 MB), pickled to 3.4 GB in 10 s and took 12 s more to load. ``torch.save`` also keeps
+    the views sharing their storage in the parent, and pickles every other object as ``pickle``
+    would.
+    """
+    buf = io.BytesIO()
+    torch.save(out, buf, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    return buf.getvalue()
+
+
+def _load_result(data: bytes) -> Any:
+    # Written by this launch's own rank 0 (``_dump_result``): any picklable object may come back.
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _exit_without_finalizing() -> None:
@@ -286,7 +306,7 @@ def launch(
         result = _result_file(outdir)
         if not result.exists():
             raise RuntimeError("launch: every rank finished, but rank 0 left no result; this is a bug.")
-        return pickle.loads(result.read_bytes())
+        return _load_result(result.read_bytes())
 
 
 def _start(worker_args: tuple[Any, ...], nprocs: int, huge_pages: bool) -> torch_mp.ProcessContext:

@@ -252,6 +252,23 @@ def test_launch_returns_rank0_result():
     assert _descendants() <= before
 
 
+def _launch_views():
+    flat = torch.arange(3000.0) * (dist.get_rank() + 1)
+    return {"views": list(flat.split(30)), "flat": flat, "other": ("x", 1, {"a": None}), "rank": dist.get_rank()}
+
+
+def test_launch_result_keeps_views_of_one_storage_together():
+    # Rank 0's result reaches the parent with each storage written once: views of one buffer
+    # (gradients split from one flat gathered tensor) come back as views of one storage, not as
+    # a copy of the whole buffer per view (plain pickle: 100 views of 12 KB, 1.2 MB).
+    out = snn.launch(_launch_views, 2, timeout=120, device_type="cpu", threads=1)
+    assert out["rank"] == 0 and out["other"] == ("x", 1, {"a": None})
+    assert torch.equal(torch.cat(out["views"]), torch.arange(3000.0)) and torch.equal(out["flat"], torch.arange(3000.0))
+    ptrs = {v.untyped_storage().data_ptr() for v in out["views"]} | {out["flat"].untyped_storage().data_ptr()}
+    assert len(ptrs) == 1
+    assert out["views"][1].storage_offset() == 30
+
+
 def _launch_atexit(stamp_dir):
     import atexit
 
