@@ -25,6 +25,7 @@ import sharded_nn as snn
 from .harness import mesh
 from .reference import check_against_reference, compare_on_slabs
 
+
 @contextlib.contextmanager
 def _conv_rules(**values):
     """Set path-rule constants of ``layers/conv.py`` (``_SYNC_WEIGHT_RATIO=...``) in this rank's
@@ -278,7 +279,9 @@ def _grouped_path(size, sizes, dim, max_bytes):
     torch, and how many went through the overlapped copy-free path (``apply_linear``)."""
     with _conv_rules(_GROUPED_SYNC_MAX_BYTES=max_bytes) as calls:
         torch.manual_seed(0)
-        ref = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=4), nn.Conv2d(16, 8, 3, padding=1, groups=2)).double()
+        ref = nn.Sequential(
+            nn.Conv2d(16, 16, 3, padding=1, groups=4), nn.Conv2d(16, 8, 3, padding=1, groups=2)
+        ).double()
         torch.manual_seed(1)
         x = torch.randn(2, 16, *size, dtype=torch.float64)
         m = mesh(dist.get_world_size())
@@ -312,7 +315,9 @@ def _forward_path(sizes, grad, max_rows):
     with _conv_rules(_FORWARD_SYNC_MAX_ROWS=max_rows) as calls:
         torch.manual_seed(0)
         ref = nn.Sequential(
-            nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.Conv2d(6, 8, 3, padding=1), nn.Conv2d(8, 8, 7, padding=3, groups=8)
+            nn.Conv2d(6, 6, 3, padding=1, groups=6),
+            nn.Conv2d(6, 8, 3, padding=1),
+            nn.Conv2d(8, 8, 7, padding=3, groups=8),
         ).double()
         x = torch.randn(2, 6, sum(sizes), 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         m = mesh(dist.get_world_size())
