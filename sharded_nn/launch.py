@@ -131,7 +131,7 @@ def _error_file(outdir: str, rank: int) -> Path:
 
 
 def _result_file(outdir: str) -> Path:
-    return Path(outdir) / "result.pickle"
+    return Path(outdir) / "result.pt"  # torch.save (_dump_result)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

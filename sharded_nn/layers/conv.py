@@ -142,6 +142,11 @@ def _selects_reference(x, weight, stride, padding, dilation, groups) -> bool:
     return str(backend).endswith("Slow3d")
 
 
+def _records_graph(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on ``tensors`` records an autograd graph (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _conv3d_on_onednn(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor | None:
     """``F.conv3d`` of a geometry torch would send to its reference kernel, on oneDNN instead.
 
@@ -155,7 +160,7 @@ def _conv3d_on_onednn(x, weight, bias, stride, padding, dilation, groups) -> tor
     neither applies (a single-channel input in training, where both kernels take the same time,
     or no dim with two outputs): the caller keeps torch's convolution.
     """
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    training = _records_graph(x, weight, bias)
     if not training:
         return torch.ops.aten.mkldnn_convolution(x, weight, bias, list(padding), list(stride), list(dilation), groups)
     if x.shape[0] != 1 or x.shape[1] == 1:
@@ -620,11 +625,9 @@ class _ShardedConvNd(ShardedMixin):
             # A thin, empty or edge-clipped stage (multi-hop halos): synchronous, and ranks left
             # without outputs crop their placeholder row.
             return crop_empty(conv(extend(x, plans[last], rings[last], mode)), plans, rings)
-        forward_only = not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-        )
         if self.overlap and not _sync_cheaper(
-            weight, self.groups, agreed.global_shape(self.dims), self.dims, layouts, x, forward_only
+            weight, self.groups, agreed.global_shape(self.dims), self.dims, layouts, x,
+            forward_only=not _records_graph(x, weight, bias),
         ):
             window = conf.windows[last_dim - 2]
             # apply_linear adds halo corrections to rows that are already rounded: in fp16/bf16
