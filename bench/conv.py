@@ -70,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import sharded_nn as snn
 from sharded_nn.demo import PeakRSS
-from sharded_nn.host_memory import DEFAULT_MMAP_THRESHOLD
+from sharded_nn.host_memory import AUTO, parse_mmap_threshold
 
 SPEEDUP_TARGET = 1.8
 MEM_RATIO_TARGET = 0.55
@@ -112,10 +112,6 @@ class RunResult:
         return statistics.median(self.times)
 
 
-
-def _mmap_threshold(text: str) -> int | None:
-    """``--mmap-threshold``: bytes, or ``glibc`` (None: glibc's own dynamic threshold)."""
-    return None if text == "glibc" else int(text)
 
 def build_stack(spatial_dims: int, dtype: torch.dtype) -> nn.Sequential:
     """The single-device model: ``LAYERS`` convs with ReLUs between them, seeded weights."""
@@ -262,7 +258,7 @@ def rank_main(case: Case, dtype_name: str, iters: int, want_profile: bool, varia
 
 def run_case(
     case: Case, dtype_name: str, iters: int, timeout: float, want_profile: bool, extra: bool,
-    mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
+    mmap_threshold: int | str | None = AUTO,
 ) -> dict[str, RunResult]:
     """P=1 then P=2 (and, with ``extra``, plain torch at P=1 and P=2 without overlap).
 
@@ -382,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "--size", type=int, default=None, help="spatial size of every dim (default: 128 for conv3d, 2048 for conv2d)"
     )
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
-    parser.add_argument("--mmap-threshold", type=_mmap_threshold, default=DEFAULT_MMAP_THRESHOLD, help="glibc mmap threshold in the ranks, bytes, or 'glibc' for glibc's own dynamic one (default: sharded_nn.launch's, host_memory.DEFAULT_MMAP_THRESHOLD)")
+    parser.add_argument("--mmap-threshold", type=parse_mmap_threshold, default=AUTO, help="glibc mmap threshold in the ranks: bytes, 'glibc' for glibc's own dynamic one, or 'auto' (default: sharded_nn.launch's; see host_memory.resolve_mmap_threshold)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch (default 1800)")
     parser.add_argument(
         "--profile", action="store_true", help="profile one more iteration per run; print where the time goes"

@@ -19,6 +19,7 @@ argument: the library's policy), ``+cache`` (``sharded_nn.host_cache``, the cach
 ``launch`` installs by default; every other policy runs with torch's own allocator). Example::
 
     python bench/host_alloc.py --cases vit_small:1024:4 unet3d:96 --policies glibc t16 lib
+    python bench/host_alloc.py --cases timm:convnext_atto:1024x512 --policies cache lib+cache
 """
 
 from __future__ import annotations
@@ -84,13 +85,22 @@ def _uses_cache(policy: str) -> bool:
 
 
 def _build(case: str, mesh):
-    """(model, local input) of a case ``vit_small:1024[:depth]``, ``unet3d:96``, ``unet2d:512x896``."""
+    """(model, local input) of a case ``vit_small:1024[:depth]``, ``unet3d:96``, ``unet2d:512x896``,
+    ``timm:<name>:<H>x<W>`` (a timm CNN, ``snn.convert``-ed where there is a mesh)."""
     from sharded_nn.alignment import alignment
     from sharded_nn.zoo import create_model
 
     kind, *rest = case.split(":")
     torch.manual_seed(0)
-    if kind.startswith("vit"):
+    if kind == "timm":
+        import timm
+
+        model = timm.create_model(rest[0], num_classes=10, drop_rate=0.0, drop_path_rate=0.0)
+        h, w = (int(v) for v in rest[1].split("x"))
+        shape, align = (1, 3, h, w), alignment(model, 2, input_shape=(1, 3, h, w))
+        if mesh is not None:
+            model = snn.convert(model, mesh)
+    elif kind.startswith("vit"):
         size = int(rest[0])
         kwargs = {"depth": int(rest[1])} if len(rest) > 1 else {}
         model = create_model(f"{kind}_patch16_224", mesh=mesh, img_size=size, **kwargs).eval()

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 import sharded_nn as snn
 from sharded_nn.demo import PeakRSS
-from sharded_nn.host_memory import DEFAULT_MMAP_THRESHOLD
+from sharded_nn.host_memory import AUTO, parse_mmap_threshold
 from sharded_nn.alignment import alignment
 from sharded_nn.zoo import create_model
 
@@ -77,10 +77,6 @@ class RunResult:
     grads: torch.Tensor
 
 
-
-def _mmap_threshold(text: str) -> int | None:
-    """``--mmap-threshold``: bytes, or ``glibc`` (None: glibc's own dynamic threshold)."""
-    return None if text == "glibc" else int(text)
 
 def build(case: Case, mesh):
     """The plain UNet (``mesh=None``) or the converted one, with the same seeded weights."""
@@ -164,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small sizes (32^3, 128 x 224), one iteration")
     parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--mmap-threshold", type=_mmap_threshold, default=DEFAULT_MMAP_THRESHOLD, help="glibc mmap threshold in the ranks, bytes, or 'glibc' for glibc's own dynamic one (default: sharded_nn.launch's, host_memory.DEFAULT_MMAP_THRESHOLD)")
+    parser.add_argument("--mmap-threshold", type=parse_mmap_threshold, default=AUTO, help="glibc mmap threshold in the ranks: bytes, 'glibc' for glibc's own dynamic one, or 'auto' (default: sharded_nn.launch's; see host_memory.resolve_mmap_threshold)")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"

@@ -56,7 +56,7 @@ import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
 from sharded_nn.demo import PeakRSS  # noqa: E402
-from sharded_nn.host_memory import DEFAULT_MMAP_THRESHOLD  # noqa: E402
+from sharded_nn.host_memory import AUTO, parse_mmap_threshold  # noqa: E402
 from sharded_nn import zoo  # noqa: E402
 from sharded_nn import host_cache  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -67,10 +67,6 @@ SEED = 1234
 PATCH = 16
 
 
-
-def _mmap_threshold(text: str) -> int | None:
-    """``--mmap-threshold``: bytes, or ``glibc`` (None: glibc's own dynamic threshold)."""
-    return None if text == "glibc" else int(text)
 
 def _rows(start: int, stop: int, size: int) -> torch.Tensor:
     """Image rows ``[start, stop)`` of the global (1, 3, size, size) input, the same for every P."""
@@ -209,7 +205,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="launch P=1 and P=2 alternately this many times")
     parser.add_argument("--depth", type=int, default=None, help="override the depth (smoke runs)")
     parser.add_argument("--quick", action="store_true", help="256^2, vit_tiny, depth 2, 1 iteration")
-    parser.add_argument("--mmap-threshold", type=_mmap_threshold, default=DEFAULT_MMAP_THRESHOLD, help="glibc mmap threshold in the ranks, bytes, or 'glibc' for glibc's own dynamic one (default: sharded_nn.launch's, host_memory.DEFAULT_MMAP_THRESHOLD)")
+    parser.add_argument("--mmap-threshold", type=parse_mmap_threshold, default=AUTO, help="glibc mmap threshold in the ranks: bytes, 'glibc' for glibc's own dynamic one, or 'auto' (default: sharded_nn.launch's; see host_memory.resolve_mmap_threshold)")
     args = parser.parse_args()
     if args.quick:
         args.models, args.sizes, args.iters, args.depth = ["vit_tiny_patch16_224"], [256], 1, 2

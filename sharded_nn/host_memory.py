@@ -7,11 +7,25 @@ non-tensor buffers) and processes where the cache is off or could not be built.
 
 Not part of the top-level API. ``import sharded_nn`` turns torch's transparent-huge-page
 allocation on for its own process (:func:`apply_process_defaults`; opt out with
-``SHARDED_NN_HOST_TUNING=0``). ``sharded_nn.launch`` also fixes glibc's mmap threshold at 1 MiB
-(``DEFAULT_MMAP_THRESHOLD``) in the processes it starts (``mmap_threshold=None`` leaves glibc's
-own); under torchrun, :func:`tune_host_allocator` does the same. The import does not: the
-threshold applies to every allocation of the process, and 1 MiB made plain torch code in the same
-process up to 1.5x slower on this VM (page faults of buffers glibc would otherwise reuse).
+``SHARDED_NN_HOST_TUNING=0``). ``sharded_nn.launch`` fixes glibc's mmap threshold at 1 MiB
+(``DEFAULT_MMAP_THRESHOLD``) in the processes it starts where the host cache is off or could not
+be built (``mmap_threshold="auto"``, its default; :func:`resolve_mmap_threshold`); under torchrun,
+:func:`tune_host_allocator` does the same. The import does not: the threshold applies to every
+allocation of the process, and 1 MiB made plain torch code in the same process up to 1.5x slower
+on this VM (page faults of buffers glibc would otherwise reuse).
+
+Where the host cache serves torch's buffers, the fixed threshold no longer bounds any tensor,
+and it cost page faults on every step: oneDNN allocates its own temporaries with ``malloc``
+(reordered activations as large as the activation: 20 MiB in a ``convnext_atto`` 1024x512 1x1
+convolution's backward), and above the threshold each is a fresh mapping faulted in on every
+call. Measured (session 44, ``bench/host_alloc.py --policies cache lib+cache --warmup 3``, fwd+bwd,
+glibc's own threshold against 1 MiB, both with the cache): page faults per step, P=1 / P=2,
+``convnext_atto`` 1024x512 0 / 35 against 28176 / 14105 (step 0.67 / 0.40 s against 0.75 / 0.43),
+``regnetx_002`` 184 / 371 against 6717 / 3149 (0.37 / 0.21 s against 0.40 / 0.25),
+``mobilenetv3_large_100`` 0 / 227 against 16238 / 7621, zoo ``unet2d`` 512x896 14337 / 0 against
+31365 / 15685 (1.64 / 0.87 s against 1.78 / 0.99); resident peaks within 3% (``unet2d`` P=1
+984 against 958 MiB, the largest difference; P=2 over P=1 0.51-0.58x either way), ``vit_small``
+and ``unet3d`` unchanged.
 """
 
 from __future__ import annotations
@@ -49,6 +63,32 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 #: threshold. See the README's torchrun paragraph for fault counts and CPU times.
 DEFAULT_MMAP_THRESHOLD = 1 << 20
 
+#: ``launch(mmap_threshold=AUTO)``: ``DEFAULT_MMAP_THRESHOLD`` in a process without the host cache,
+#: glibc's own threshold in one with it (see the module docstring for the measurements).
+AUTO = "auto"
+
+
+def resolve_mmap_threshold(mmap_threshold: int | str | None, host_cache_installed: bool) -> int | None:
+    """The threshold a process gets for ``launch``'s ``mmap_threshold`` (None: glibc's own).
+
+    Raises:
+        ValueError: for a value that is neither bytes, None nor ``"auto"``.
+    """
+    if mmap_threshold == AUTO:
+        return None if host_cache_installed else DEFAULT_MMAP_THRESHOLD
+    if mmap_threshold is None or (isinstance(mmap_threshold, int) and mmap_threshold > 0):
+        return mmap_threshold
+    raise ValueError(
+        f"mmap_threshold: expected a positive number of bytes, None (glibc's own) or {AUTO!r}, got {mmap_threshold!r}."
+    )
+
+
+def parse_mmap_threshold(text: str) -> int | str | None:
+    """A command line's ``--mmap-threshold``: bytes, ``glibc`` (None: glibc's own) or ``auto``."""
+    if text in ("glibc", AUTO):
+        return None if text == "glibc" else AUTO
+    return int(text)
+
 
 def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold so that freed large CPU tensors go back to the OS at once.
@@ -58,9 +98,9 @@ def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     fragment, so resident memory drifts above what the live tensors need. A fixed threshold (as
     ``MALLOC_MMAP_THRESHOLD_`` would set) keeps a rank's resident memory close to its live
     tensors; buffers at or above it are faulted in afresh on every step. ``launch`` calls this in
-    its ranks with ``DEFAULT_MMAP_THRESHOLD`` (1 MiB; see that constant for the measurements);
-    under torchrun, call it at start-up. Calling it again later is safe: it applies to the
-    allocations that follow.
+    its ranks with ``DEFAULT_MMAP_THRESHOLD`` (1 MiB; see that constant for the measurements)
+    where the host cache is not installed; under torchrun without the cache, call it at
+    start-up. Calling it again later is safe: it applies to the allocations that follow.
 
     Args:
         mmap_threshold: allocations of at least this many bytes are served by ``mmap``.

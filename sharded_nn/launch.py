@@ -54,7 +54,7 @@ import torch.multiprocessing as torch_mp
 from . import gloo_exit
 from . import host_cache as _host_cache
 from . import moments as _moments
-from .host_memory import DEFAULT_MMAP_THRESHOLD, huge_pages_for_children, tune_host_allocator
+from .host_memory import AUTO, huge_pages_for_children, resolve_mmap_threshold, tune_host_allocator
 from .mesh import backend_for, default_device_type
 
 #: Seconds the other ranks get to end by themselves after a failure, and again after SIGTERM.
@@ -148,7 +148,7 @@ def _worker(
     timeout: timedelta,
     device_type: str | None,
     threads: int | None,
-    mmap_threshold: int | None,
+    mmap_threshold: int | str | None,
     host_cache: bool,
     parent_pid: int,
     outdir: str,
@@ -157,13 +157,14 @@ def _worker(
 ) -> None:
     die_with_parent(parent_pid)
     try:
-        if mmap_threshold is not None:
-            tune_host_allocator(mmap_threshold)
         if host_cache:
             _host_cache.install_default()
         else:
             # Also for init_mesh inside fn, which installs the cache on CPU meshes by default.
             os.environ[_host_cache.OPT_OUT_ENV] = "0"
+        threshold = resolve_mmap_threshold(mmap_threshold, _host_cache.installed())
+        if threshold is not None:
+            tune_host_allocator(threshold)
         if threads is not None:
             torch.set_num_threads(threads)
         init_worker(rank, world_size, store_port, timeout, device_type)
@@ -239,7 +240,7 @@ def launch(
     device_type: str | None = None,
     threads: int | None = None,
     huge_pages: bool = True,
-    mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
+    mmap_threshold: int | str | None = AUTO,
     host_cache: bool = True,
 ) -> Any:
     """Run ``fn(*args)`` on ``nprocs`` local processes with a process group; return rank 0's result.
@@ -259,15 +260,18 @@ def launch(
         huge_pages: start the processes with ``THP_MEM_ALLOC_ENABLE=1`` (unless the variable is
             already set), so that torch puts large CPU tensors on transparent huge pages; see
             ``sharded_nn.host_memory``. Under torchrun, export the variable yourself.
-        mmap_threshold: glibc's mmap threshold in bytes, fixed in every process (default
-            ``host_memory.DEFAULT_MMAP_THRESHOLD``, 1 MiB; under torchrun call
-            ``host_memory.tune_host_allocator()`` for the same: freed buffers below it are reused from the heap without page faults,
-            the activations above it go back to the OS, so a rank's resident memory follows its
-            live tensors, at the price of page faults on every step; see that constant for the
-            measurements). ``None`` leaves glibc's own dynamic threshold: it rises to 32 MiB, and freed activations below it stay resident in a fragmenting
-            heap. ``65536``: every freed buffer above 64 KiB goes back to the OS at once, at the
-            cost of page faults and kernel time on every step (a timm RegNet at 1024x512 spent
-            as much time in the kernel as in torch).
+        mmap_threshold: glibc's mmap threshold in bytes, fixed in every process, or None for
+            glibc's own dynamic one (it rises to 32 MiB: freed buffers below it stay in a heap that
+            fragments). ``"auto"`` (default): glibc's own where the host cache is installed (the
+            cache serves every tensor buffer of 256 KiB or more, and a fixed threshold only made
+            oneDNN's activation-sized temporaries fresh mappings, faulted in on every step:
+            ``convnext_atto`` 1024x512 fwd+bwd 28k page faults per step and 10% slower at P=1),
+            else ``host_memory.DEFAULT_MMAP_THRESHOLD`` (1 MiB: activations above it go back to
+            the OS when freed, so a rank's resident memory follows its live tensors, at the price
+            of page faults on every step; under torchrun without the cache call
+            ``host_memory.tune_host_allocator()`` for the same). ``65536``: every freed buffer
+            above 64 KiB goes back to the OS at once, at the cost of page faults and kernel time
+            on every step (a timm RegNet at 1024x512 spent as much time in the kernel as in torch).
         host_cache: make ``sharded_nn.host_cache`` torch's CPU allocator in every process (unless
             ``SHARDED_NN_HOST_CACHE=0``): large buffers are reused by size instead of faulted in
             afresh on every step, and what it holds stays within the peak of the live tensors.
@@ -281,6 +285,7 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}.")
+    resolve_mmap_threshold(mmap_threshold, True)  # a bad value fails here, not in every rank
     collective_timeout = timedelta(seconds=timeout)
     store = rendezvous_store(collective_timeout)
     with tempfile.TemporaryDirectory(prefix="sharded_nn-launch-") as outdir:
