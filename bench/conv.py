@@ -112,7 +112,6 @@ class RunResult:
         return statistics.median(self.times)
 
 
-
 def build_stack(spatial_dims: int, dtype: torch.dtype) -> nn.Sequential:
     """The single-device model: ``LAYERS`` convs with ReLUs between them, seeded weights."""
     conv = {2: nn.Conv2d, 3: nn.Conv3d}[spatial_dims]

@@ -77,7 +77,6 @@ class RunResult:
     grads: torch.Tensor
 
 
-
 def build(case: Case, mesh):
     """The plain UNet (``mesh=None``) or the converted one, with the same seeded weights."""
     torch.manual_seed(SEED)

@@ -67,7 +67,6 @@ SEED = 1234
 PATCH = 16
 
 
-
 def _rows(start: int, stop: int, size: int) -> torch.Tensor:
     """Image rows ``[start, stop)`` of the global (1, 3, size, size) input, the same for every P."""
     parts = []

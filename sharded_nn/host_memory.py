@@ -76,7 +76,9 @@ def resolve_mmap_threshold(mmap_threshold: int | str | None, host_cache_installe
     """
     if mmap_threshold == AUTO:
         return None if host_cache_installed else DEFAULT_MMAP_THRESHOLD
-    if mmap_threshold is None or (isinstance(mmap_threshold, int) and mmap_threshold > 0):
+    if mmap_threshold is None or (
+        isinstance(mmap_threshold, int) and not isinstance(mmap_threshold, bool) and mmap_threshold > 0
+    ):
         return mmap_threshold
     raise ValueError(
         f"mmap_threshold: expected a positive number of bytes, None (glibc's own) or {AUTO!r}, got {mmap_threshold!r}."

@@ -212,7 +212,7 @@ def test_mmap_threshold_values():
     assert parse_mmap_threshold("glibc") is None
     assert parse_mmap_threshold("auto") == "auto"
     assert parse_mmap_threshold("65536") == 65536
-    for bad in ("1MiB", 0, -1, 1.5):
+    for bad in ("1MiB", 0, -1, 1.5, True):
         with pytest.raises(ValueError, match="mmap_threshold"):
             resolve_mmap_threshold(bad, True)
 
