@@ -298,26 +298,37 @@ class HostCache final : public c10::Allocator {
   // is faulted or copied; old contents stay, as with any reused block); only the part they do
   // not cover is faulted in later. Null when no range could be reserved.
   void* join_cached(size_t size, size_t budget) {
-    void* dst = map_raw(size);
+    // The blocks to join, largest first; a block that would take the range past kMaxSegs pieces
+    // (one mremap each, one kernel mapping each) is left in the cache.
+    std::vector<void*> chosen;
+    size_t total = 0, nsegs = 0;
+    for (auto r = free_by_size_.rbegin(); r != free_by_size_.rend() && total < size; ++r) {
+      size_t ns = blocks_.at(r->second).segs.size();
+      if (nsegs + ns > kMaxSegs) {
+        continue;
+      }
+      chosen.push_back(r->second);
+      total += r->first;
+      nsegs += ns;
+    }
+    // The last block would be cut to fit; a rest below the cache's threshold would be unmapped
+    // (and faulted in again by a later step), so the range takes that block whole instead.
+    size_t extent = total > size && total - size < min_bytes_ ? total : size;
+    void* dst = map_raw(extent);
     if (dst == nullptr) {
       return nullptr;
     }
     std::vector<size_t> segs;
     size_t at = 0;
-    while (at < size && !free_by_size_.empty()) {
-      // Largest first; a block that would take the range past kMaxSegs pieces (one mremap
-      // each, one kernel mapping each) is left in the cache.
-      auto it = std::prev(free_by_size_.end());
-      while (segs.size() + blocks_.at(it->second).segs.size() > kMaxSegs && it != free_by_size_.begin()) {
-        --it;
+    for (void* p : chosen) {
+      auto range = free_by_size_.equal_range(blocks_.at(p).size);
+      auto it = range.first;
+      while (it->second != p) {
+        ++it;
       }
-      if (segs.size() + blocks_.at(it->second).segs.size() > kMaxSegs) {
-        break;
-      }
-      void* p = it->second;
       uncache(it);
-      if (blocks_.at(p).size > size - at) {
-        cut(p, size - at);
+      if (blocks_.at(p).size > extent - at) {
+        cut(p, extent - at);
       }
       char* src = static_cast<char*>(p);
       for (size_t len : blocks_.at(p).segs) {
@@ -331,11 +342,11 @@ class HostCache final : public c10::Allocator {
       }
       blocks_.erase(p);
     }
-    if (at < size) {
-      segs.push_back(size - at);
+    if (at < extent) {
+      segs.push_back(extent - at);
     }
-    blocks_.emplace(dst, Block{size, std::move(segs), {}});
-    live_ += size;
+    blocks_.emplace(dst, Block{extent, std::move(segs), {}});
+    live_ += extent;
     peak_live_ = std::max(peak_live_, live_);
     peak_mapped_ = std::max(peak_mapped_, live_ + cached_);  // the uncovered part adds to it
     while (!free_order_.empty() && live_ + cached_ > budget) {
