@@ -149,39 +149,51 @@ def test_at_the_bound_smaller_blocks_are_joined_and_larger_ones_cut() -> None:
     assert steps[-1]["segments"] <= steps[10]["segments"] + 1 <= 16
 
 
+def _steady_steps(step, n: int) -> list[dict]:
+    """Misses, evictions and minor page faults of each of ``n`` calls of ``step()``."""
+    assert host_cache.installed()
+    steps = []
+    for _ in range(n):
+        before, f0 = host_cache.stats(), _minflt()
+        step()
+        faults, after = _minflt() - f0, host_cache.stats()
+        steps.append({k: after[k] - before[k] for k in ("misses", "evictions")} | {"faults": faults})
+    return steps
+
+
+def _assert_steady(steps: list[dict]) -> None:
+    """After two warm-up steps: no new mapping, nothing released, nothing faulted in afresh."""
+    for s in steps[2:]:
+        assert s["misses"] == 0 and s["evictions"] == 0, steps
+        assert s["faults"] < 8, steps
+
+
 def _small_tails() -> list[dict]:
     # A grouped convolution's step on this VM (oneDNN's reordered input, its output, the output
     # reordered back): 424 KiB and 368 KiB live, the first freed, 368 KiB asked again. The
     # freed 424 KiB block is just over the hit tolerance for 368 KiB; cutting it to size left a
     # 56 KiB tail, below the cache's threshold, unmapped, and the next step's 424 KiB request
-    # joined the two smaller blocks with fresh pages: a remap and faults on every step, which
-    # made the convolution 1.45x slower (449 against 310 us). Such a block is handed out whole.
-    assert host_cache.installed()
+    # joined the two smaller blocks with fresh pages: a remap and 14 pages faulted in on every
+    # step, which made the convolution 1.45x slower (449 against 310 us). Such a block is
+    # handed out whole.
     x = torch.ones(106 << 10)  # the input, live throughout
-    steps = []
-    for _ in range(20):
-        before = host_cache.stats()
-        f0 = _minflt()
+
+    def step() -> None:
         a = torch.empty(106 << 10)  # 424 KiB
         b = torch.empty(92 << 10)  # 368 KiB
         a.fill_(1.0)
         del a
         c = torch.empty(92 << 10)
         c.fill_(b.fill_(1.0)[0])
-        del b, c
-        faults = _minflt() - f0
-        after = host_cache.stats()
-        steps.append({k: after[k] - before[k] for k in ("misses", "evictions")} | {"faults": faults})
+
+    steps = _steady_steps(step, 20)
     del x
     return steps
 
 
 @needs_compiler
 def test_a_block_whose_tail_would_be_unmapped_is_handed_out_whole() -> None:
-    steps = snn.launch(_small_tails, 1)
-    for s in steps[2:]:
-        assert s["misses"] == 0 and s["evictions"] == 0, steps
-        assert s["faults"] < 8, steps  # 14 4 KiB pages per step were faulted in afresh
+    _assert_steady(snn.launch(_small_tails, 1))
 
 
 def _joined_rests() -> list[dict]:
@@ -190,28 +202,18 @@ def _joined_rests() -> list[dict]:
     # (under the cache's threshold) was unmapped, and the next step's 1 MiB request found only
     # 0.94 MiB cached: an eviction and 16 pages faulted in afresh every step. The range takes
     # the block whole instead.
-    assert host_cache.installed()
-    steps = []
-    for _ in range(12):
-        before = host_cache.stats()
-        f0 = _minflt()
+    def step() -> None:
         a = torch.empty(MIB).fill_(1.0)  # 4 MiB
         b = torch.empty(MIB // 4).fill_(1.0)  # 1 MiB
         del a, b
-        c = torch.empty(MIB + 230400).fill_(2.0)  # 4.94 MiB
-        del c
-        faults = _minflt() - f0
-        after = host_cache.stats()
-        steps.append({k: after[k] - before[k] for k in ("misses", "evictions")} | {"faults": faults})
-    return steps
+        torch.empty(MIB + 230400).fill_(2.0)  # 4.94 MiB, freed at once
+
+    return _steady_steps(step, 12)
 
 
 @needs_compiler
 def test_a_joined_range_takes_a_block_whole_rather_than_unmap_a_small_rest() -> None:
-    steps = snn.launch(_joined_rests, 1)
-    for s in steps[2:]:
-        assert s["misses"] == 0 and s["evictions"] == 0, steps
-        assert s["faults"] < 8, steps
+    _assert_steady(snn.launch(_joined_rests, 1))
 
 
 def _weights_beside_activations() -> dict:
