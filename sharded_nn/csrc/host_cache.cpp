@@ -212,6 +212,15 @@ class HostCache final : public c10::Allocator {
     free_by_size_.erase(it);
   }
 
+  // The entry of cached block `p` in `free_by_size_` (mu_ held).
+  std::multimap<size_t, void*>::iterator cached_entry(void* p) {
+    auto it = free_by_size_.lower_bound(blocks_.at(p).size);
+    while (it->second != p) {
+      ++it;
+    }
+    return it;
+  }
+
   void cache(void* p) {  // mu_ held; p is in `blocks_`
     Block& b = blocks_.at(p);
     cached_ += b.size;
@@ -294,7 +303,7 @@ class HostCache final : public c10::Allocator {
   }
 
   // Every cached block is smaller than the request (mu_ held): a new address range of `size`
-  // bytes takes the pages of the largest ones, moved there by mremap (page tables move, nothing
+  // bytes (or a little more, see `extent`) takes the pages of the largest ones, moved there by mremap (page tables move, nothing
   // is faulted or copied; old contents stay, as with any reused block); only the part they do
   // not cover is faulted in later. Null when no range could be reserved.
   void* join_cached(size_t size, size_t budget) {
@@ -321,12 +330,7 @@ class HostCache final : public c10::Allocator {
     std::vector<size_t> segs;
     size_t at = 0;
     for (void* p : chosen) {
-      auto range = free_by_size_.equal_range(blocks_.at(p).size);
-      auto it = range.first;
-      while (it->second != p) {
-        ++it;
-      }
-      uncache(it);
+      uncache(cached_entry(p));
       if (blocks_.at(p).size > extent - at) {
         cut(p, extent - at);
       }
@@ -393,18 +397,9 @@ class HostCache final : public c10::Allocator {
 
   void evict_oldest() {  // mu_ held
     void* p = free_order_.front();
-    free_order_.pop_front();
-    auto it = blocks_.find(p);
-    size_t size = it->second.size;
-    auto range = free_by_size_.equal_range(size);
-    for (auto f = range.first; f != range.second; ++f) {
-      if (f->second == p) {
-        free_by_size_.erase(f);
-        break;
-      }
-    }
-    blocks_.erase(it);
-    cached_ -= size;
+    size_t size = blocks_.at(p).size;
+    uncache(cached_entry(p));
+    blocks_.erase(p);
     ++evictions_;
     munmap(p, size);
   }
