@@ -303,9 +303,10 @@ class HostCache final : public c10::Allocator {
   }
 
   // Every cached block is smaller than the request (mu_ held): a new address range of `size`
-  // bytes (or a little more, see `extent`) takes the pages of the largest ones, moved there by mremap (page tables move, nothing
-  // is faulted or copied; old contents stay, as with any reused block); only the part they do
-  // not cover is faulted in later. Null when no range could be reserved.
+  // bytes (or a little more, see `extent`) takes the pages of the largest ones, moved there by
+  // mremap (page tables move, nothing is faulted or copied; old contents stay, as with any
+  // reused block); only the part they do not cover is faulted in later. Null when no range
+  // could be reserved.
   void* join_cached(size_t size, size_t budget) {
     // The blocks to join, largest first; a block that would take the range past kMaxSegs pieces
     // (one mremap each, one kernel mapping each) is left in the cache.
