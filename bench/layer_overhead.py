@@ -36,6 +36,20 @@ computation itself is small enough for it to show.
   converted with the guard and with ``guard=False``, in separate launches alternated
   ``--guard-rounds`` times (two differently converted models in one process do not time alike).
 
+* Chains of deep-stage layers at P=2 (``--chains``, a fourth table): ten ``Conv2d`` + ``ReLU``
+  pairs in eval mode under ``torch.no_grad()`` on the slab sizes of a timm CNN's last stage at
+  1024x512 (each rank 16 x 16): RegNetX-200MF's grouped 3x3 (368 channels in groups of 8),
+  MobileNetV3's depthwise 3x3 (240 channels) and a pointwise 1x1 (64 channels on 32 x 32), per
+  layer. Four configurations, each in launches of its own, alternated ``--chain-rounds`` times:
+  ``plain`` (each rank runs the plain chain on its half at once: the host's cap), ``minimal`` (the
+  same algorithm as the sharded layer written out by hand: each rank's edge rows sent through
+  ``AxisPeers.start_p2p``, the slab copied into an extended buffer while they travel, one
+  convolution on it; its output is checked against the plain model's rows), ``converted``
+  (``snn.convert``, the guard on: what a user runs) and ``guard=False``. Read as: ``minimal -
+  plain`` is what the exchange and the halo rows cost at the least in Python on this transport,
+  ``guard=False - minimal`` what the library's layers add above it (layout agreement, path
+  choice, the halo module's general code), ``converted - guard=False`` the forward guard.
+
 Each figure is the median of ``--iters`` timed calls after ``--warmup`` untimed ones, per rank,
 maximum over ranks; a barrier separates the configurations. Reported: the times in microseconds
 and the ratio sharded / plain. All configurations of one world size run in one launch, side by
@@ -45,6 +59,7 @@ Run it from the repository root::
 
     python bench/layer_overhead.py                # about half a minute
     python bench/layer_overhead.py --iters 50     # quicker, noisier
+    python bench/layer_overhead.py --worlds --chains   # the P=2 chains only, about four minutes
 """
 
 from __future__ import annotations
@@ -194,17 +209,97 @@ def _measure_guard(guard: bool, iters: int, warmup: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--channels", type=int, default=16)
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
-    ap.add_argument("--norms", action="store_true", help="also time BatchNorm2d and GroupNorm in training")
-    ap.add_argument("--guard", action="store_true", help="also time the forward guard's cost per layer and per call")
-    ap.add_argument("--guard-rounds", type=int, default=2, help="--guard: launches of each setting, alternated")
-    args = ap.parse_args()
+#: ``--chains``: (label, channels, groups, kernel, global rows, columns) of each chain's layers.
+_CHAINS = {
+    "grouped": ("grouped 3x3, 368 ch / 8", 368, 46, 3, 32, 16),
+    "depthwise": ("depthwise 3x3, 240 ch", 240, 240, 3, 32, 16),
+    "pointwise": ("pointwise 1x1, 64 ch", 64, 1, 1, 64, 32),
+}
+_CHAIN_CONFIGS = ("plain", "minimal", "converted", "guard=False")
+_CHAIN_LAYERS = 10
+
+
+def _chain(kind: str) -> nn.Sequential:
+    _, c, groups, k, _, _ = _CHAINS[kind]
+    layers: list[nn.Module] = []
+    for _ in range(_CHAIN_LAYERS):
+        layers += [nn.Conv2d(c, c, k, padding=k // 2, groups=groups), nn.ReLU()]
+    return nn.Sequential(*layers).eval()
+
+
+def _minimal_chain(model: nn.Sequential, ring):
+    """The chain's forward written out by hand, as the sharded layer computes it on the
+    synchronous path: edge rows to the neighbours, the slab copied into an extended buffer while
+    they travel, the zero padding at the domain's ends, one convolution on the extended slab."""
+    from torch.nn import functional as F
+
+    r, p = ring.index, ring.size
+    convs = [m for m in model if isinstance(m, nn.Conv2d)]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for conv in convs:
+            h = conv.kernel_size[0] // 2
+            if h == 0:
+                x = torch.relu(conv(x))
+                continue
+            n = x.shape[2]
+            tag = ring.next_tags(2)
+            ops, left, right = [], None, None
+            if r + 1 < p:  # my last rows to the right neighbour; its first rows to me
+                ops.append((x.narrow(2, n - h, h).contiguous(), r + 1, True, tag))
+                right = torch.empty(x.shape[0], x.shape[1], h, x.shape[3])
+                ops.append((right, r + 1, False, tag + 1))
+            if r > 0:
+                ops.append((x.narrow(2, 0, h).contiguous(), r - 1, True, tag + 1))
+                left = torch.empty(x.shape[0], x.shape[1], h, x.shape[3])
+                ops.append((left, r - 1, False, tag))
+            works = ring.start_p2p(ops)
+            ext = torch.empty(x.shape[0], x.shape[1], n + 2 * h, x.shape[3])
+            ext.narrow(2, h, n).copy_(x)
+            if left is None:
+                ext.narrow(2, 0, h).zero_()
+            if right is None:
+                ext.narrow(2, n + h, h).zero_()
+            for w in works:
+                w.wait()
+            if left is not None:
+                ext.narrow(2, 0, h).copy_(left)
+            if right is not None:
+                ext.narrow(2, n + h, h).copy_(right)
+            x = torch.relu(F.conv2d(ext, conv.weight, conv.bias, 1, (0, conv.padding[1]), 1, conv.groups))
+        return x
+
+    return forward
+
+
+def _measure_chain(kind: str, config: str, iters: int, warmup: int) -> float:
+    """Seconds per layer (a convolution and its ReLU) of one chain in one configuration, P=2."""
+    from sharded_nn.comm.peers import axis_peers
+
+    torch.set_num_threads(1)
+    mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    _, c, _, _, h, w = _CHAINS[kind]
+    model = _chain(kind)
+    x = torch.randn(1, c, h, w)
+    x_loc = snn.shard(x, mesh, dims=(2,))
+    if config == "plain":
+        fn = lambda: model(x_loc)  # noqa: E731
+    elif config == "minimal":
+        ring = axis_peers(mesh, snn.domain_axes(mesh)[0])
+        fn = _minimal_chain(model, ring)
+        with torch.no_grad():  # the hand-written path must compute what the model does
+            want = snn.shard(model(x), mesh, dims=(2,))
+            torch.testing.assert_close(fn(x_loc), want, rtol=1e-4, atol=1e-5)
+        fn = (lambda f: lambda: f(x_loc))(fn)
+    else:
+        sharded = snn.convert(copy.deepcopy(model), mesh, guard=config == "converted")
+        fn = lambda: sharded(x_loc)  # noqa: E731
+    with torch.no_grad():
+        return _time({"t": fn}, iters, warmup)["t"] / _CHAIN_LAYERS
+
+
+def _print_layer_table(args) -> None:
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
     print(f"{'P':>2} {'':>8} {'plain':>9} {'sharded':>9} {'ratio':>6} {'scoped':>9} {'ratio':>6}"
@@ -220,7 +315,26 @@ def main() -> None:
                      f"  {r['all_reduce'] * 1e6:20.0f}" if kind == "fwd" else "")
             print(f"{p:>2} {kind:>8} {a * 1e6:9.0f} {b * 1e6:9.0f} {b / a:6.2f} {c * 1e6:9.0f} {c / a:6.2f}"
                   f" {a2 * 1e6:9.0f} {b2 * 1e6:9.0f} {b2 / a2:6.2f}   {g1 * 1e6:14.0f} {g2 * 1e6:8.0f}{extra}")
-    if args.norms:
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--channels", type=int, default=16)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--worlds", type=int, nargs="*", default=[1, 2],
+                    help="world sizes of the first tables (default: 1 2; none: skip them)")
+    ap.add_argument("--norms", action="store_true", help="also time BatchNorm2d and GroupNorm in training")
+    ap.add_argument("--guard", action="store_true", help="also time the forward guard's cost per layer and per call")
+    ap.add_argument("--guard-rounds", type=int, default=2, help="--guard: launches of each setting, alternated")
+    ap.add_argument("--chains", action="store_true",
+                    help="also time chains of deep-stage layers at P=2, with the overhead taken apart")
+    ap.add_argument("--chain-rounds", type=int, default=2, help="--chains: launches of each configuration, alternated")
+    args = ap.parse_args()
+    if args.worlds:
+        _print_layer_table(args)
+    if args.norms and args.worlds:
         print(f"\nConv2d({args.channels}, {args.channels}, 1) + norm in training, fwd+bwd on 1x{args.channels}x"
               f"{args.size}x{args.size} (P=2: each rank's slab), median of {args.iters} calls (us)")
         print(f"{'P':>2} {'norm':>12} {'plain':>9} {'converted':>10} {'ratio':>6}")
@@ -241,6 +355,23 @@ def main() -> None:
         for k, label in (("layer", "per sharded layer"), ("call", "per call of the model's own")):
             a, b = med[True][k] * 1e6, med[False][k] * 1e6
             print(f"{label:>26} {a:7.1f} {b:9.1f} {a - b:6.1f}")
+    if args.chains:
+        got = {(k, c): [] for k in _CHAINS for c in _CHAIN_CONFIGS}
+        for _ in range(args.chain_rounds):
+            for kind in _CHAINS:
+                for config in _CHAIN_CONFIGS:
+                    got[kind, config].append(snn.launch(_measure_chain, 2, kind, config, args.iters, args.warmup,
+                                                        device_type="cpu", threads=1))
+        print(f"\nChains of {_CHAIN_LAYERS} Conv2d + ReLU at P=2, eval, each rank's slab 16x16 (pointwise 32x32), "
+              f"us per layer (separate launches, {args.chain_rounds} each, median)")
+        print(f"{'':>24} {'plain':>7} {'minimal':>8} {'guard=False':>12} {'converted':>10}   {'converted/plain':>15}"
+              f" {'minimal-plain':>14} {'library':>8} {'guard':>6}")
+        for kind, (label, *_) in _CHAINS.items():
+            m = {c: statistics.median(got[kind, c]) * 1e6 for c in _CHAIN_CONFIGS}
+            print(f"{label:>24} {m['plain']:7.0f} {m['minimal']:8.0f} {m['guard=False']:12.0f} {m['converted']:10.0f}"
+                  f"   {m['converted'] / m['plain']:14.2f}x {m['minimal'] - m['plain']:14.0f}"
+                  f" {m['guard=False'] - m['minimal']:8.0f} {m['converted'] - m['guard=False']:6.0f}")
+
 
 if __name__ == "__main__":
     main()
