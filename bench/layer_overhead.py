@@ -231,8 +231,6 @@ def _minimal_chain(model: nn.Sequential, ring):
     """The chain's forward written out by hand, as the sharded layer computes it on the
     synchronous path: edge rows to the neighbours, the slab copied into an extended buffer while
     they travel, the zero padding at the domain's ends, one convolution on the extended slab."""
-    from torch.nn import functional as F
-
     r, p = ring.index, ring.size
     convs = [m for m in model if isinstance(m, nn.Conv2d)]
 
@@ -266,7 +264,7 @@ def _minimal_chain(model: nn.Sequential, ring):
                 ext.narrow(2, 0, h).copy_(left)
             if right is not None:
                 ext.narrow(2, n + h, h).copy_(right)
-            x = torch.relu(F.conv2d(ext, conv.weight, conv.bias, 1, (0, conv.padding[1]), 1, conv.groups))
+            x = torch.relu(nn.functional.conv2d(ext, conv.weight, conv.bias, 1, (0, conv.padding[1]), 1, conv.groups))
         return x
 
     return forward
@@ -287,11 +285,11 @@ def _measure_chain(kind: str, config: str, iters: int, warmup: int) -> float:
         fn = lambda: model(x_loc)  # noqa: E731
     elif config == "minimal":
         ring = axis_peers(mesh, snn.domain_axes(mesh)[0])
-        fn = _minimal_chain(model, ring)
+        forward = _minimal_chain(model, ring)
         with torch.no_grad():  # the hand-written path must compute what the model does
             want = snn.shard(model(x), mesh, dims=(2,))
-            torch.testing.assert_close(fn(x_loc), want, rtol=1e-4, atol=1e-5)
-        fn = (lambda f: lambda: f(x_loc))(fn)
+            torch.testing.assert_close(forward(x_loc), want, rtol=1e-4, atol=1e-5)
+        fn = lambda: forward(x_loc)  # noqa: E731
     else:
         sharded = snn.convert(copy.deepcopy(model), mesh, guard=config == "converted")
         fn = lambda: sharded(x_loc)  # noqa: E731
