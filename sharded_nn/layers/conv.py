@@ -361,7 +361,7 @@ _GROUPED_SYNC_MAX_BYTES = 1 << 20
 
 #: A 2-d convolution run without autograd (inference) whose slabs along the last sharded dim are
 #: at most this many rows thick runs synchronously on the extended slab (see ``_sync_cheaper``).
-_FORWARD_SYNC_MAX_ROWS = 16
+_FORWARD_SYNC_MAX_ROWS = 32
 
 
 def _sync_cheaper(
@@ -401,14 +401,25 @@ def _sync_cheaper(
       one thread per rank, eval, per layer, overlapped against synchronous (session 43): 3x3,
       200 channels on 16x16 slabs 420-454 against 372-389 us, 480 on 16x16 621-634 against 556;
       5x5, 960 on 8x8 665-677 against 510-561; 7x7, 160 on 16x16 580-608 against 420-425, 320 on
-      8x8 500-524 against 381-389. Thicker slabs keep the overlapped path: 3x3, 72 channels on
-      64x64 939-974 against 1231-1261 us; 5x5, 120 on 64x64 1623-1646 against 1966-2032; 7x7,
-      40 on 128x128 2222-2341 against 2489-2588 (at 32 rows within a few percent either way).
-      Whole models, eval forward at P=2 with the rule against without it, alternated in one
-      launch (median of rounds): 512x256 mobilenetv3_large_100 31.8 against 32.1 ms,
+      8x8 500-524 against 381-389. At 32 rows (session 45, the limit raised from 16: slabs
+      32x32) the synchronous path wins or ties: 3x3, 72 channels 531 against 467 us, 240
+      channels 805-851 against 793-834; 5x5, 120 channels 819 against 636, 480 channels 1770
+      against 1500; 7x7, 80 channels 733 against 554, 160 channels 959-1022 against 800
+      (ConvNeXt-atto's third stage at 1024x512); grouped and dense 3x3 within 1%. Thicker slabs
+      keep the overlapped path: at 64 rows the two tie (3x3, 72 channels on 64x64 1028-1044
+      against 1035 us; 5x5, 120 channels 1607-1625 against 1634; 7x7, 80 channels 2011 against
+      2043), and earlier runs favoured it (3x3, 72 channels on 64x64 939-974 against 1231-1261 us;
+      5x5, 120 on 64x64 1623-1646 against 1966-2032; 7x7, 40 on 128x128 2222-2341 against
+      2489-2588). Whole models, eval forward at P=2 with the 16-row rule against without it,
+      alternated in one launch (median of rounds): 512x256 mobilenetv3_large_100 31.8 against 32.1 ms,
       efficientnet_b0 47.0 / 48.1, convnext_atto 29.7 / 31.3; 1024x512 73.3 / 75.2, 126.6 /
-      130.4, 88.5 / 93.8. With autograd the same chains and models were within this host's noise
-      either way (training steps 0-5% apart, both signs), so training keeps the overlapped path.
+      130.4, 88.5 / 93.8. Raising the limit from 16 to 32 rows (session 45, alternated in one
+      launch, eval forward at P=2): 1024x512 convnext_atto 90.0 -> 87.5 ms, regnetx_002 50.2 ->
+      48.8, efficientnet_b0 138.7 -> 135.9, mobilenetv3_large_100 80.5 -> 81.7 and 78.8 -> 79.3;
+      512x256 31.9 -> 31.7, 22.6 -> 22.7, 48.7 -> 48.3, 32.9 -> 32.6; 64 rows gained nothing
+      more (convnext_atto 1024x512 87.9 against 88.4 ms). With autograd the same chains and
+      models were within this host's noise either way (training steps 0-5% apart, both signs),
+      so training keeps the overlapped path.
 
     Decided on the largest slab of the agreed layout (the same on every rank, so the ranks take
     the same path); ``forward_only`` follows grad mode and ``requires_grad``, agreed facts too.
