@@ -419,7 +419,9 @@ def _sync_cheaper(
       512x256 31.9 -> 31.7, 22.6 -> 22.7, 48.7 -> 48.3, 32.9 -> 32.6; 64 rows gained nothing
       more (convnext_atto 1024x512 87.9 against 88.4 ms). With autograd the same chains and
       models were within this host's noise either way (training steps 0-5% apart, both signs),
-      so training keeps the overlapped path.
+      so training keeps the overlapped path; again in session 45, regnetx_002 1024x512 training
+      step at P=2, alternated in one launch: 199.7 ms as is, 202.5 / 205.8 ms with this rule
+      applied with autograd too at 16 / 32 rows, 206.0 ms with the grouped rule at 2 MiB.
 
     Decided on the largest slab of the agreed layout (the same on every rank, so the ranks take
     the same path); ``forward_only`` follows grad mode and ``requires_grad``, agreed facts too.
