@@ -98,7 +98,7 @@ class HostCache final : public c10::Allocator {
       return;
     }
     cached_ += it->second.size;
-    free_by_size_.emplace(it->second.size, p);
+    file_free(it->second.size, p);
     free_order_.push_back(p);
     it->second.lru = std::prev(free_order_.end());
   }
@@ -221,10 +221,17 @@ class HostCache final : public c10::Allocator {
     return it;
   }
 
+  // Files cached block `p` first among the blocks of its size, so that the next request of that
+  // size takes the most recently freed one, whose pages are the likeliest still in the core's
+  // caches (multimap::emplace would file it last, handing out the longest-idle block first).
+  void file_free(size_t size, void* p) {  // mu_ held
+    free_by_size_.emplace_hint(free_by_size_.lower_bound(size), size, p);
+  }
+
   void cache(void* p) {  // mu_ held; p is in `blocks_`
     Block& b = blocks_.at(p);
     cached_ += b.size;
-    free_by_size_.emplace(b.size, p);
+    file_free(b.size, p);
     free_order_.push_back(p);
     b.lru = std::prev(free_order_.end());
   }
