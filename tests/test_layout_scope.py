@@ -188,6 +188,76 @@ def test_entry_facts_changed_alike_is_fine(run):
     assert run(2, _model_changed_alike) == [1, 1]
 
 
+class _PointwiseFirst(nn.Module):
+    """1x1 convolutions first (they agree on nothing), then means over the slab that the guard
+    routes to scoped reductions: the first reduction checks the entry facts, the later ones
+    answer from the scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Conv2d(4, 4, 1)
+        self.c = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h - h.mean((2, 3), keepdim=True)
+        h = self.b(h)
+        h = h * torch.sigmoid(h.mean((2, 3), keepdim=True))
+        return self.c(h) + h.mean((2, 3), keepdim=True)[:, :2]
+
+
+def _pointwise_first(sizes, case=None):
+    m = mesh(len(sizes))
+    r = m.get_local_rank("domain")
+    torch.manual_seed(0)
+    ref = _PointwiseFirst().double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = _rand((2, 3, sum(sizes), 5)).requires_grad_()
+    y = ref(x)
+    g = _rand(y.shape, 1)
+    (y * g).sum().backward()
+    xl = x.detach().narrow(2, sum(sizes[:r]), sizes[r]).clone().requires_grad_()
+    gl = g.narrow(2, sum(sizes[:r]), sizes[r])
+    if case is not None:  # one rank calls the model differently: every rank raises alike
+        ctx = torch.no_grad() if case == "no_grad" and r == 1 else contextlib.nullcontext()
+        if case == "eval mode" and r == 1:
+            model.eval()
+        try:
+            with ctx:
+                model(xl)
+        except Exception as e:  # noqa: BLE001 - report whatever was raised
+            return type(e).__name__, str(e)
+        return "no error", None
+    with count_traffic() as fwd:
+        y_loc = model(xl)
+    torch.testing.assert_close(torch.cat(_all_gather(y_loc), 2), y.detach(), atol=1e-10, rtol=1e-10)
+    with count_traffic() as bwd:
+        (y_loc * gl).sum().backward()
+    torch.testing.assert_close(torch.cat(_all_gather(xl.grad), 2), x.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, m)
+    for pname, p in ref.named_parameters():
+        torch.testing.assert_close(grads[pname], p.grad, atol=1e-10, rtol=1e-10)
+    return fwd.calls.get("metadata", 0), bwd.calls.get("metadata", 0)
+
+
+@pytest.mark.parametrize("sizes", [(5, 3), (2, 6, 3)], ids=str)
+def test_pointwise_first_model_agrees_once_per_forward(run, sizes):
+    # Three routed means; before session 46 each one gathered the layout again (the entry facts
+    # stayed unchecked, so the scope answered nothing): three metadata all-gathers per forward.
+    assert run(len(sizes), _pointwise_first, sizes) == [(1, 0)] * len(sizes)
+
+
+@pytest.mark.parametrize("case", ["no_grad", "eval mode"])
+def test_pointwise_first_model_entry_misuse_raises_alike(run, case):
+    # (An input of another dtype on one rank fails there in torch's own 1x1 convolution, before
+    # any collective: that rank raises at once and the others at the transport's timeout.)
+    res = run(2, _pointwise_first, (5, 3), case)
+    assert res[0][0] == "ShardingError", res
+    assert res[1] == res[0], res
+    assert "disagree" in res[0][1] and "at its entry" in res[0][1], res[0][1]
+
+
 class _TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()

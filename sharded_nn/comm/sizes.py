@@ -95,6 +95,7 @@ def gather_layouts(
         ShardingError: when ranks disagree on unsharded dims or on the decomposition, when a slab
             is empty, or when there are more sharded dims than domain axes.
     """
+    entry: dict[str, tuple[int, ...]] = {}
     if scoped:
         hit = scope_lookup(mesh, dims, shape)
         if hit is not None:
@@ -102,6 +103,11 @@ def gather_layouts(
                 for lay, d in zip(hit, dims):
                     lay.require_nonempty(f"{what} along dim {d}")
             return hit
+        # The scope's first agreement checks the model's entry facts (as ``agree`` does), so that
+        # later scoped calls can answer from it: a model whose first sharded layers are all
+        # pointwise (no agreement of their own) reaches its first reduction with the facts
+        # unchecked, and every scoped reduction of its forward gathered the layout again.
+        entry = scope_take_entry()
     else:
         scope_forget()  # the caller declares no layout it derives from this one: forget the scope
     meta = _layout_meta(mesh)
@@ -117,21 +123,40 @@ def gather_layouts(
     # group orders its ranks. Rows have a fixed width so that ranks holding tensors of different
     # ndims still gather (and then all raise the same error).
     n_axes = len(axes)
-    width = 1 + n_axes + _MAX_NDIM
+    # The entry facts (the same names on every rank: the same code made them) after the shape.
+    facts = [v for vals in entry.values() for v in vals]
+    width = 1 + n_axes + _MAX_NDIM + len(facts)
     row = (len(shape), *meta.coords, *shape)
     if dist.get_world_size(meta.group) == 1:
         rows: tuple[tuple[int, ...], ...] = (row,)
     else:
-        mine = torch.tensor(row + (-1,) * (width - len(row)), dtype=torch.int64)
+        mine = torch.tensor(row + (-1,) * (width - len(facts) - len(row)) + tuple(facts), dtype=torch.int64)
         # One Python list of every rank's row; the (small) tensor is on the CPU, so reading it
         # is no device sync.
         flat = all_gather_stacked(mine, meta.group).view(-1).tolist()
         starts = range(0, len(flat), width)
         rows = tuple(tuple(flat[a : a + 1 + n_axes + flat[a]]) for a in starts)
+        if facts:
+            _check_entry([flat[a + width - len(facts) : a + width] for a in starts], entry, what)
     out = _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what, allow_empty)
     if scoped:
         scope_declare(mesh, dims, len(shape), out)
     return out
+
+
+def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: str) -> None:
+    """Raise on every rank where the ranks' entry facts (``got``, by rank) differ."""
+    i = 0
+    for name, vals in entry.items():
+        by_rank = [tuple(g[i : i + len(vals)]) for g in got]
+        if len(set(by_rank)) != 1:
+            shown = [v if len(v) > 1 else v[0] for v in by_rank]
+            raise ShardingError(
+                f"{what}: the domain ranks disagree on the model's {name} at its entry: {shown} (by rank). "
+                "Every rank must call the converted model alike: the same grad mode and autocast, inputs of "
+                "the same dtypes, and the same parameters (dtype, requires_grad) and train/eval modes."
+            )
+        i += len(vals)
 
 
 #: Layouts by gathered rows (bounded: shapes change from call to call in some models). A plain
