@@ -484,14 +484,14 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
             from .forward_guard import install
 
             # One pair of root hooks runs both the scope and the guard (scope first).
-            install(model, mesh, root_dims, set(done), plan_none, scope=ScopeHooks(root_dims) if scope else None)
+            install(model, mesh, root_dims, set(done), plan_none, scope=ScopeHooks(root_dims, mesh) if scope else None)
         else:
             if not guard:
                 from .forward_guard import uninstall
 
                 uninstall(model)
             if scope:
-                enable_layout_scope(model, root_dims)
+                enable_layout_scope(model, root_dims, mesh=mesh)
     return model
 
 

@@ -270,7 +270,7 @@ class _TwoInputs(nn.Module):
 
 
 def _two_inputs(sizes, cond_sizes):
-    """Two slab inputs with different layouts: nothing is derived, every layer agrees; exact."""
+    """Two slab inputs of one layout: agreed together at the entry, then derived; exact."""
     m = mesh(len(sizes))
     r = m.get_local_rank("domain")
     torch.manual_seed(0)
@@ -285,8 +285,86 @@ def _two_inputs(sizes, cond_sizes):
     return t.calls.get("metadata")
 
 
-def test_two_slab_inputs_agree_per_layer(run):
-    assert run(3, _two_inputs, (3, 5, 2), None) == [3, 3, 3]
+def test_two_slab_inputs_agree_once_at_the_entry(run):
+    # Both inputs' layouts in one all-gather at the model's entry (with the entry facts); every
+    # layer derives. Before session 46 such a forward derived nothing: three agreements.
+    assert run(3, _two_inputs, (3, 5, 2), None) == [1, 1, 1]
+
+
+class _TwoFields(nn.Module):
+    """Two slab inputs of different lengths (so different layouts), pooled apart and summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+        self.b = nn.Conv2d(2, 3, 3, padding=1)
+        self.c = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x, cond):
+        return self.c(self.a(x)).mean((2, 3)) + self.b(cond).mean((2, 3))
+
+
+def _two_fields(sizes, cond_sizes, cond_width=(5, 5, 5)):
+    m = mesh(len(sizes))
+    r = m.get_local_rank("domain")
+    torch.manual_seed(0)
+    ref = _TwoFields().double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x, cond = _rand((1, 2, sum(sizes), 5)), _rand((1, 2, sum(cond_sizes), cond_width[0]), 1)
+    xl = x.narrow(2, sum(sizes[:r]), sizes[r])
+    cl = cond.narrow(2, sum(cond_sizes[:r]), cond_sizes[r])
+    if cond_width[r] != cond_width[0]:  # one rank's second input has another unsharded size
+        cl = _rand((1, 2, cond_sizes[r], cond_width[r]), 2)
+    try:
+        with count_traffic() as t:
+            y = model(xl, cl)
+    except Exception as e:  # noqa: BLE001 - report whatever was raised
+        return type(e).__name__, str(e)
+    torch.testing.assert_close(y, ref(x, cond), atol=1e-10, rtol=1e-10)
+    return t.calls.get("metadata")
+
+
+def test_two_slab_inputs_of_different_layouts_are_exact(run):
+    # Both layouts remembered at the entry: each layer answers from the one its input names
+    # unambiguously at every rank's coordinate, or agrees.
+    got = run(3, _two_fields, (3, 5, 2), (4, 2, 6))
+    assert got[0] == got[1] == got[2] and 1 <= got[0] <= 4, got
+
+
+def test_an_input_without_a_layout_raises_alike_where_a_layer_takes_it(run):
+    # One rank's second input has another width: no layout at the entry, so nothing is
+    # remembered and the layer that takes it agrees and raises on every rank, as before.
+    res = run(3, _two_fields, (3, 5, 2), (4, 2, 6), (5, 6, 5))
+    assert res[0][0] == "ShardingError" and res[1] == res[0] == res[2], res
+
+
+def _two_inputs_misuse():
+    """One rank in no_grad: the entry agreement of the two inputs raises on every rank, and the
+    next forward (the scope closed by the root's always-called hook) runs and is exact."""
+    m = mesh(2)
+    r = m.get_local_rank("domain")
+    torch.manual_seed(0)
+    ref = _TwoInputs().double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x, cond = _rand((1, 2, 8, 5)), _rand((1, 2, 8, 5), 1)
+    xl, cl = x.narrow(2, 4 * r, 4), cond.narrow(2, 4 * r, 4)
+    try:
+        with torch.no_grad() if r == 1 else contextlib.nullcontext():
+            model(xl, cl)
+        err = ("no error", "")
+    except Exception as e:  # noqa: BLE001 - report whatever was raised
+        err = (type(e).__name__, str(e))
+    with count_traffic() as t:
+        y = model(xl, cl)
+    torch.testing.assert_close(torch.cat(_all_gather(y), 2), ref(x, cond), atol=1e-10, rtol=1e-10)
+    return err, t.calls.get("metadata")
+
+
+def test_two_slab_inputs_entry_misuse_raises_alike(run):
+    res = run(2, _two_inputs_misuse)
+    assert res[0][0][0] == "ShardingError" and res[0][0] == res[1][0], res
+    assert "disagree" in res[0][0][1] and "at its entry" in res[0][0][1], res
+    assert res[0][1] == res[1][1] == 1, res
 
 
 def _single_layer():

@@ -159,6 +159,54 @@ def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: 
         i += len(vals)
 
 
+def agree_entry_inputs(shapes: Sequence[Sequence[int]], mesh: DeviceMesh, dims: Sequence[int]) -> bool:
+    """Agree at a model's entry on the layouts of its slab inputs of local ``shapes``, in one all-gather.
+
+    For a forward with several slab inputs (a field and its coordinates or conditioning):
+    their local shapes travel together with the scope's unchecked entry facts (which must agree,
+    else a ``ShardingError`` on every rank, as at a layer's agreement), and each input's layout
+    is remembered in the scope, so that the layers derive theirs as they do from one input.
+    Returns False, and remembers nothing, when some input has no layout along ``dims`` (its
+    unsharded sizes differ between ranks: a tensor input that is not a slab); the caller then
+    lets every layer agree. Every rank decides from the same gathered rows.
+    """
+    entry = scope_take_entry()
+    meta = _layout_meta(mesh)
+    n_axes = len(meta.axes)
+    dims = tuple(dims)
+    if len(dims) > n_axes or any(len(s) > _MAX_NDIM for s in shapes):
+        return False
+    facts = [v for vals in entry.values() for v in vals]
+    part = 1 + _MAX_NDIM  # per input: its ndim, its shape padded with -1
+    row = [*facts, *meta.coords]
+    for shape in shapes:
+        row += [len(shape), *shape, *(-1,) * (_MAX_NDIM - len(shape))]
+    if dist.get_world_size(meta.group) == 1:
+        flat = row
+    else:
+        flat = all_gather_stacked(torch.tensor(row, dtype=torch.int64), meta.group).view(-1).tolist()
+    width = len(row)
+    starts = range(0, len(flat), width)
+    what = "the model's inputs at its entry"
+    if facts:
+        _check_entry([flat[a : a + len(facts)] for a in starts], entry, what)
+    base = len(facts) + n_axes
+    layouts = []
+    for k in range(len(shapes)):
+        at = base + k * part
+        rows = tuple(
+            (flat[a + at], *flat[a + len(facts) : a + base], *flat[a + at + 1 : a + at + 1 + flat[a + at]])
+            for a in starts
+        )
+        try:
+            layouts.append(_layouts(rows, n_axes, meta.axis_sizes, dims, what, allow_empty=True))
+        except ShardingError:
+            return False
+    for shape, lays in zip(shapes, layouts):
+        scope_declare(mesh, dims, len(shape), lays)
+    return True
+
+
 #: Layouts by gathered rows (bounded: shapes change from call to call in some models). A plain
 #: dict, not ``functools.lru_cache``: Dynamo warns on (and cannot trace into) ``lru_cache``
 #: wrappers, and under ``torch.compile`` the cache is bypassed (see ``_layouts``).
@@ -403,37 +451,58 @@ class ScopeHooks:
 
     Args:
         dims: the sharded dims of the model's tensor inputs.
+        mesh: the model's mesh. With it, a forward with several slab inputs agrees on all their
+            layouts at its entry in one all-gather (``agree_entry_inputs``) and then derives as
+            with one; without it (or where an input has no layout) such a forward derives
+            nothing and every layer agrees.
     """
 
-    def __init__(self, dims: Sequence[int] | None = None) -> None:
+    def __init__(self, dims: Sequence[int] | None = None, mesh: DeviceMesh | None = None) -> None:
         self.dims = tuple(dims) if dims else (2,)
+        self.mesh = mesh
 
     def enter(self, module: torch.nn.Module, args, kwargs) -> None:
         if torch.compiler.is_compiling():
             return
-        facts, slabs = entry_facts(module, args, kwargs, self.dims) if _SCOPE.depth == 0 else ({}, 1)
-        layout_scope(facts, derive=slabs <= 1).__enter__()
+        if _SCOPE.depth > 0:
+            layout_scope({}).__enter__()
+            return
+        facts, slabs = entry_facts(module, args, kwargs, self.dims)
+        if slabs <= 1:
+            layout_scope(facts).__enter__()
+            return
+        first, last = min(self.dims), max(self.dims)
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > first]
+        if self.mesh is None or first < 0 or any(t.dim() <= last for t in inputs):
+            layout_scope(facts, derive=False).__enter__()
+            return
+        layout_scope(facts).__enter__()
+        if not agree_entry_inputs([tuple(t.shape) for t in inputs], self.mesh, self.dims):
+            _SCOPE.off = True  # (remembered nothing: every layer agrees, as without the mesh)
 
     def leave(self, module: torch.nn.Module, args, kwargs, output) -> None:
         if not torch.compiler.is_compiling() and _SCOPE.depth > 0:
             layout_scope().__exit__(None, None, None)
 
 
-def enable_layout_scope(model: torch.nn.Module, dims: Sequence[int] | None = None) -> torch.nn.Module:
+def enable_layout_scope(
+    model: torch.nn.Module, dims: Sequence[int] | None = None, *, mesh: DeviceMesh | None = None
+) -> torch.nn.Module:
     """Run every forward of ``model`` inside a ``layout_scope`` (hooks on the root module).
 
     The first sharded layer agrees on the model's input together with the model's entry facts
     (``entry_facts``: an input, parameter or mode that differs between ranks raises on every
     rank, as before, in that one all-gather); later layers derive their layouts. A forward with
-    more than one tensor input that may be a slab derives nothing (each input's layout would
-    need its own agreement): every layer agrees. ``dims``: the sharded dims of the model's
+    more than one tensor input that may be a slab agrees on all their layouts at its entry, in
+    one all-gather with the entry facts, when ``mesh`` (the model's) is given; without it such a
+    forward derives nothing (every layer agrees). ``dims``: the sharded dims of the model's
     input (default ``(2,)``). ``convert`` installs the same hooks (``layout_scope=True``, inside
     the forward guard's root hooks when the guard is on). Returns ``model``. Idempotent.
     """
     guard = model.__dict__.get("_snn_guard")
     if model.__dict__.get("_snn_layout_scope_handles") or getattr(guard, "scope", None) is not None:
         return model  # installed already (by convert: inside the forward guard's root hooks)
-    hooks = ScopeHooks(dims)
+    hooks = ScopeHooks(dims, mesh)
     # prepend: the entry facts are read before other root hooks (a forward guard's mode) run.
     model.__dict__["_snn_layout_scope_handles"] = (
         model.register_forward_pre_hook(hooks.enter, with_kwargs=True, prepend=True),
