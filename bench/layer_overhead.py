@@ -50,6 +50,15 @@ computation itself is small enough for it to show.
   ``guard=False - minimal`` what the library's layers add above it (layout agreement, path
   choice, the halo module's general code), ``converted - guard=False`` the forward guard.
 
+* Phases of a chain layer at P=2 (``--phases``, a fifth table): the depthwise and grouped chains
+  above, the ``minimal`` forward and the converted model (guard on, and ``guard=False`` in a
+  launch of its own) alternated forward by forward in one process, each call of the convolution
+  kernel, of the transport's start of an exchange (``AxisPeers.start_p2p``) and of its waits
+  timestamped: per layer, the kernel, the start, the wait and the rest (the Python and torch
+  calls around them: halo buffers and copies, the layer's decisions, the guard, the ReLU). The
+  same kernel call on the same inputs costs more inside the library's layer than in the
+  hand-written chain: the code around it has evicted its lines (session 46, README Status).
+
 Each figure is the median of ``--iters`` timed calls after ``--warmup`` untimed ones, per rank,
 maximum over ranks; a barrier separates the configurations. Reported: the times in microseconds
 and the ratio sharded / plain. All configurations of one world size run in one launch, side by
@@ -60,6 +69,7 @@ Run it from the repository root::
     python bench/layer_overhead.py                # about half a minute
     python bench/layer_overhead.py --iters 50     # quicker, noisier
     python bench/layer_overhead.py --worlds --chains   # the P=2 chains only, about four minutes
+    python bench/layer_overhead.py --worlds --phases   # a chain layer's phases, about a minute
 """
 
 from __future__ import annotations
@@ -297,6 +307,81 @@ def _measure_chain(kind: str, config: str, iters: int, warmup: int) -> float:
         return _time({"t": fn}, iters, warmup)["t"] / _CHAIN_LAYERS
 
 
+_PHASE_KINDS = ("depthwise", "grouped")
+
+
+def _measure_phases(kind: str, guard: bool, iters: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Per layer (seconds, median over forwards) of the minimal and the converted chain, alternated:
+    total, kernel, exchange start, exchange wait."""
+    import torch.nn.functional as F
+
+    import sharded_nn.layers.conv as conv_mod
+    from sharded_nn.comm import local_transport
+    from sharded_nn.comm.peers import AxisPeers, axis_peers
+
+    torch.set_num_threads(1)
+    mesh = snn.init_mesh(domain=dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    _, c, _, _, h, w = _CHAINS[kind]
+    model = _chain(kind)
+    x_loc = snn.shard(torch.randn(1, c, h, w), mesh, dims=(2,))
+    ring = axis_peers(mesh, snn.domain_axes(mesh)[0])
+    minimal = _minimal_chain(model, ring)
+    sharded = snn.convert(copy.deepcopy(model), mesh, guard=guard)
+    spent = {"kernel": 0.0, "start": 0.0, "wait": 0.0}
+    clock = time.perf_counter
+
+    def timed(fn, phase):
+        def call(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[phase] += clock() - t0
+
+        return call
+
+    # (A collective's wait waits on its parts: the transport's works, timed once each.)
+    saved = (F.conv2d, conv_mod._CONV_FN[2], AxisPeers.start_p2p, local_transport._Work.wait)
+    F.conv2d = conv_mod._CONV_FN[2] = timed(saved[0], "kernel")
+    AxisPeers.start_p2p = timed(saved[2], "start")
+    local_transport._Work.wait = timed(saved[3], "wait")
+    rows: dict[str, dict[str, list[float]]] = {n: {k: [] for k in ("total", *spent)} for n in ("minimal", "library")}
+    try:
+        with torch.no_grad():
+            for i in range(warmup + iters):
+                for name, fn in (("minimal", lambda: minimal(x_loc)), ("library", lambda: sharded(x_loc))):
+                    for k in spent:
+                        spent[k] = 0.0
+                    t0 = clock()
+                    fn()
+                    total = clock() - t0
+                    if i >= warmup:
+                        rows[name]["total"].append(total / _CHAIN_LAYERS)
+                        for k, v in spent.items():
+                            rows[name][k].append(v / _CHAIN_LAYERS)
+    finally:
+        F.conv2d, conv_mod._CONV_FN[2], AxisPeers.start_p2p, local_transport._Work.wait = saved
+    return {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
+
+
+def _print_phases(args) -> None:
+    print(f"\nPhases of a chain layer at P=2 ({_CHAIN_LAYERS} Conv2d + ReLU, eval, 16x16 slabs), rank 0, "
+          f"median of {args.iters} forwards, us per layer; the hand-written chain and the converted one "
+          "alternated in one process")
+    print(f"{'':>24} {'':>22} {'total':>7} {'kernel':>7} {'start':>7} {'wait':>7} {'rest':>7}")
+    for kind in _PHASE_KINDS:
+        for guard in (False, True):
+            r = snn.launch(_measure_phases, 2, kind, guard, args.iters, args.warmup, device_type="cpu",
+                           threads=1)
+            for name in ("minimal", "library"):
+                m = {k: v * 1e6 for k, v in r[name].items()}
+                rest = m["total"] - m["kernel"] - m["start"] - m["wait"]
+                label = "minimal" if name == "minimal" else ("converted" if guard else "guard=False")
+                print(f"{_CHAINS[kind][0]:>24} {label:>22} {m['total']:7.0f} {m['kernel']:7.0f} {m['start']:7.0f}"
+                      f" {m['wait']:7.0f} {rest:7.0f}")
+
+
 def _print_layer_table(args) -> None:
     print(f"Conv2d({args.channels}, {args.channels}, 3, padding=1) on 1x{args.channels}x{args.size}x{args.size}, "
           f"1 thread per rank, median of {args.iters} calls (us)")
@@ -329,6 +414,8 @@ def main() -> None:
     ap.add_argument("--chains", action="store_true",
                     help="also time chains of deep-stage layers at P=2, with the overhead taken apart")
     ap.add_argument("--chain-rounds", type=int, default=2, help="--chains: launches of each configuration, alternated")
+    ap.add_argument("--phases", action="store_true",
+                    help="also take a chain layer apart at P=2: kernel, exchange start and wait, the rest")
     args = ap.parse_args()
     if args.worlds:
         _print_layer_table(args)
@@ -369,6 +456,9 @@ def main() -> None:
             print(f"{label:>24} {m['plain']:7.0f} {m['minimal']:8.0f} {m['guard=False']:12.0f} {m['converted']:10.0f}"
                   f"   {m['converted'] / m['plain']:14.2f}x {m['minimal'] - m['plain']:14.0f}"
                   f" {m['guard=False'] - m['minimal']:8.0f} {m['converted'] - m['guard=False']:6.0f}")
+
+    if args.phases:
+        _print_phases(args)
 
 
 if __name__ == "__main__":
