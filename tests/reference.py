@@ -58,6 +58,13 @@ def check_against_reference(
     else:
         start = sum(sizes[: mesh.get_local_rank("domain")])
         x_local = x.detach().narrow(dims[0], start, sizes[mesh.get_local_rank("domain")]).clone()
+    if not any(m.training and any(True for _ in m.buffers(recurse=False)) for m in model.modules()):
+        # The inference forward too (no autograd: layers take their no-grad paths, e.g. thin
+        # slabs convolved on one extended copy), where a second forward changes no state (no
+        # module with buffers in training mode: a BatchNorm would update its statistics again).
+        with torch.no_grad():
+            y_inf = snn.gather(model(x_local), mesh, dims=dims)
+        torch.testing.assert_close(y_inf, y.detach(), atol=atol, rtol=rtol, msg=lambda m: f"no_grad forward: {m}")
     x_local.requires_grad_()
     y_local = model(x_local)
     y_full = snn.gather(y_local, mesh, dims=dims)
