@@ -61,8 +61,9 @@ def check_against_reference(
     if not any(m.training and any(True for _ in m.buffers(recurse=False)) for m in model.modules()):
         # The inference forward too (no autograd: layers take their no-grad paths, e.g. thin
         # slabs convolved on one extended copy), where a second forward changes no state (no
-        # module with buffers in training mode: a BatchNorm would update its statistics again).
-        with torch.no_grad():
+        # module with buffers in training mode: a BatchNorm would update its statistics again),
+        # and the global random state restored after it (the forward below draws as it would).
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             y_inf = snn.gather(model(x_local), mesh, dims=dims)
         torch.testing.assert_close(y_inf, y.detach(), atol=atol, rtol=rtol, msg=lambda m: f"no_grad forward: {m}")
     x_local.requires_grad_()
