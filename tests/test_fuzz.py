@@ -2,9 +2,10 @@
 
 Each example draws one layer config (convolution, transposed convolution, max/avg pool,
 upsample or norm), a world size (1-4) with random uneven aligned slab sizes on a 1-D domain, or
-a 2x2 mesh with balanced aligned slabs on two dims, and compares the converted layer against the
-torch layer on the full tensor, forward and backward (input and parameter gradients after the
-domain sum), in float64 (``tests/reference.py``).
+a 2x2 mesh with balanced aligned slabs on two dims, training or eval mode (norms then on random
+running statistics), and compares the converted layer against the torch layer on the full
+tensor, forward and backward (input and parameter gradients after the domain sum), and the
+forward under ``no_grad`` where it changes no state, in float64 (``tests/reference.py``).
 
 The configs respect the layers' documented preconditions: every slab starts at a multiple of the
 layer's stride (its alignment) and is at least one window plus one stride wide, so that no halo
@@ -83,6 +84,14 @@ def _case(cfg: dict):
     with torch.no_grad():  # non-trivial affine parameters (norms start at weight 1, bias 0)
         for p in ref.parameters():
             p.add_(0.3 * torch.randn_like(p))
+        if cfg.get("eval"):  # inference: norms on non-trivial running statistics
+            for name, b in ref.named_buffers():
+                if name.endswith("running_mean"):
+                    b.copy_(0.5 * torch.randn_like(b))
+                elif name.endswith("running_var"):
+                    b.copy_(0.5 + torch.rand_like(b))
+    if cfg.get("eval"):
+        ref.eval()
     x = torch.randn(cfg["batch"], cfg["cin"], *cfg["spatial"], dtype=torch.float64,
                     generator=torch.Generator().manual_seed(cfg["seed"] + 1))
     dims = (2,) if isinstance(domain, int) else (2, 3)
@@ -102,7 +111,7 @@ def configs(draw, kinds=KINDS):
     domain = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
     nd = 2 if isinstance(domain, tuple) else draw(st.sampled_from([1, 2]))
     cfg = dict(kind=kind, nd=nd, domain=domain, seed=draw(st.integers(0, 2**16)), batch=draw(st.integers(1, 2)),
-               bias=draw(st.booleans()), cin=2, cout=3, groups=1, align=1, sizes=None)
+               bias=draw(st.booleans()), cin=2, cout=3, groups=1, align=1, sizes=None, eval=draw(st.booleans()))
     span, stride, min_slab = 1, 1, 1  # window extent, alignment, smallest slab
     if kind in ("conv", "conv_transpose"):
         k, d = draw(st.integers(1, 4)), draw(st.integers(1, 2))
