@@ -10,9 +10,10 @@ faults of a 1024x512 ``resnet50`` forward cost a quarter of its time) or from he
 fragment and keep resident memory above the live tensors (``host_memory`` has the measurements).
 The cache (``csrc/host_cache.cpp``, installed with ``c10::SetCPUAllocator``) keeps each freed
 buffer of ``MIN_BYTES`` or more as a whole mapping and hands it to the next request of nearly the
-same size (at most an eighth larger); among blocks of the fitting size, the most recently freed
-first, whose lines are the likeliest still in the core's caches (the longest-idle first cost P=2
-eval forwards about 2%: README, Getting started). What it holds is bounded: before mapping a new block it
+same size (at most an eighth larger); among blocks of the fitting size, up to 4 MiB the most
+recently freed first, whose lines are the likeliest still in the core's caches (the longest-idle
+first cost P=2 eval forwards 2-6%), larger ones the longest-idle first (README, Getting
+started). What it holds is bounded: before mapping a new block it
 releases the longest-unused cached ones until the mapped total is within the peak of the live
 large buffers (this one counted) plus a sixteenth, so resident memory follows the live tensors as
 with a low mmap threshold. The slack is also at most an eighth of the bytes that come and go (the
