@@ -144,6 +144,13 @@ def gather_layouts(
     return out
 
 
+#: What a rank whose model entry facts differ is told (here and at a layer's agreement).
+ENTRY_HINT = (
+    "Every rank must call the converted model alike: the same grad mode and autocast, inputs of the same "
+    "dtypes, and the same parameters (dtype, requires_grad) and train/eval modes."
+)
+
+
 def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: str) -> None:
     """Raise on every rank where the ranks' entry facts (``got``, by rank) differ."""
     i = 0
@@ -153,8 +160,7 @@ def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: 
             shown = [v if len(v) > 1 else v[0] for v in by_rank]
             raise ShardingError(
                 f"{what}: the domain ranks disagree on the model's {name} at its entry: {shown} (by rank). "
-                "Every rank must call the converted model alike: the same grad mode and autocast, inputs of "
-                "the same dtypes, and the same parameters (dtype, requires_grad) and train/eval modes."
+                + ENTRY_HINT
             )
         i += len(vals)
 
@@ -401,8 +407,8 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
     modules (about 0.3 ms for a 300-module timm CNN).
 
     Returns:
-        ``(facts, slabs)``: the named facts, and the number of root tensor inputs that may be
-        slabs (more than ``min(dims)`` dims).
+        ``(facts, slabs)``: the named facts, and the root tensor inputs that may be slabs (more
+        than ``min(dims)`` dims).
     """
     first = min(dims) if dims and min(dims) >= 0 else 0
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
@@ -439,7 +445,7 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
         "model inputs (dtype, requires_grad, ndim, unsharded sizes)": (_digest(inputs),),
         "module state (parameter dtypes and requires_grad, buffer dtypes, training flags)": (_digest(state),),
     }
-    return facts, sum(t.dim() > first for t in tensors)
+    return facts, [t for t in tensors if t.dim() > first]
 
 
 class ScopeHooks:
@@ -468,16 +474,14 @@ class ScopeHooks:
             layout_scope({}).__enter__()
             return
         facts, slabs = entry_facts(module, args, kwargs, self.dims)
-        if slabs <= 1:
+        if len(slabs) <= 1:
             layout_scope(facts).__enter__()
             return
-        first, last = min(self.dims), max(self.dims)
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > first]
-        if self.mesh is None or first < 0 or any(t.dim() <= last for t in inputs):
+        if self.mesh is None or min(self.dims) < 0 or any(t.dim() <= max(self.dims) for t in slabs):
             layout_scope(facts, derive=False).__enter__()
             return
         layout_scope(facts).__enter__()
-        if not agree_entry_inputs([tuple(t.shape) for t in inputs], self.mesh, self.dims):
+        if not agree_entry_inputs([tuple(t.shape) for t in slabs], self.mesh, self.dims):
             _SCOPE.off = True  # (remembered nothing: every layer agrees, as without the mesh)
 
     def leave(self, module: torch.nn.Module, args, kwargs, output) -> None:

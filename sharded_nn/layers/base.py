@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
-from ..comm.sizes import scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry
+from ..comm.sizes import ENTRY_HINT, scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import axis_index, axis_size, default_dims, device_code, device_name, domain_axes
@@ -283,11 +283,7 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
             if name == "requires_grad":
                 hint = " Every rank must run the same backward: set requires_grad alike on every rank."
             elif name.startswith("the model's"):
-                hint = (
-                    " Every rank must call the converted model alike: the same grad mode and autocast, "
-                    "inputs of the same dtypes, and the same parameters (dtype, requires_grad) and "
-                    "train/eval modes."
-                )
+                hint = " " + ENTRY_HINT
             else:
                 hint = " Every rank must call the layer alike."
             raise ShardingError(f"{what}: the domain ranks disagree on {name}: {shown} (by rank).{hint}")
