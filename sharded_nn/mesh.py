@@ -135,7 +135,9 @@ def data_axis(mesh: DeviceMesh) -> str | None:
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
-    return mesh.size(mesh._get_mesh_dim_by_name(axis))
+    """The number of ranks along ``axis`` (remembered per mesh: torch's lookup by name is several
+    calls, and layers and collectives ask on every call)."""
+    return mesh_cached(mesh, ("axis_size", axis), lambda: mesh.size(mesh._get_mesh_dim_by_name(axis)))
 
 
 #: Device types by code: the type of a rank's tensors travels in agreements as a small integer
@@ -164,7 +166,9 @@ def axis_index(mesh: DeviceMesh, axis: str) -> int:
 
 
 def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
-    return mesh.get_group(axis)
+    """The process group along ``axis`` through this rank (remembered per mesh:
+    ``DeviceMesh.get_group`` costs about thirty Python calls, and every routed reduction asks)."""
+    return mesh_cached(mesh, ("axis_group", axis), lambda: mesh.get_group(axis))
 
 
 def axis_global_ranks(mesh: DeviceMesh, axis: str) -> tuple[int, ...]:

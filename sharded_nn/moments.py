@@ -29,13 +29,13 @@ torch path runs. Both give the same results to rounding.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 
 import torch
 
 from . import native
+from .env import getenv
 
 #: ``0`` keeps the torch-only statistics.
 OPT_OUT_ENV = "SHARDED_NN_NATIVE_MOMENTS"
@@ -53,7 +53,7 @@ _BN_DX = {torch.float32: "snn_bn_input_grad_f32", torch.float64: "snn_bn_input_g
 
 def wanted() -> bool:
     """False when ``SHARDED_NN_NATIVE_MOMENTS=0`` asks for the torch-only statistics."""
-    return os.environ.get(OPT_OUT_ENV, "1") != "0"
+    return getenv(OPT_OUT_ENV, "1") != "0"
 
 
 def build() -> Path:

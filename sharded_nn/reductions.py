@@ -97,7 +97,8 @@ def _declare_output(mesh, nd: int, dims: tuple[int, ...], sharded_dims: tuple[in
 
 
 def _reduce_sum(t: torch.Tensor, mesh: DeviceMesh, axes: list[str]) -> torch.Tensor:
-    return all_reduce_sum(t, group_over(mesh, axes)) if axes else t
+    # ``t`` is always a partial sum made here for the purpose (owned: reduced in place without grad).
+    return all_reduce_sum(t, group_over(mesh, axes), owned=True) if axes else t
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -144,7 +145,12 @@ def mean(
     # The count comes from the agreed global layout: an exact Python int on every rank.
     count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
     total = _reduce_sum(x.sum(dims, keepdim=keepdim, dtype=accumulation_dtype(x.dtype)), mesh, axes)
-    return (total / count).to(x.dtype)
+    if total.requires_grad:
+        return (total / count).to(x.dtype)
+    # No graph (``no_grad``, or an input that needs no gradient): ``total`` is this call's own
+    # buffer, divided in place (the same rounding as the division above).
+    total.div_(count)
+    return total if total.dtype == x.dtype else total.to(x.dtype)
 
 
 def max(  # noqa: A001 - mirrors torch.amax

@@ -379,3 +379,43 @@ def _single_layer():
 
 def test_single_layer_agrees_per_call(run):
     assert run(2, _single_layer) == [2, 2]
+
+
+def _scope_answers(seqs):
+    """Declares each sequence of layouts in a fresh scope; returns, per sequence, what the scope
+    answers for this rank's local sizes of every declared layout and what the all-pairs rule
+    says it must (a layout is answered where no other declared one has the same local sizes at
+    any coordinate)."""
+    from sharded_nn.comm.sizes import layout_scope, scope_declare, scope_lookup
+    from sharded_nn.layout import Layout
+
+    m = mesh(3)
+    r = m.get_local_rank("domain")
+    out = []
+    for seq in seqs:
+        with layout_scope():
+            for sizes in seq:
+                scope_declare(m, (2,), 4, [Layout(sizes)])
+            got = [scope_lookup(m, (2,), (1, 1, s[r], 1)) for s in seq]
+        known = list(dict.fromkeys(seq))
+        want = [
+            (Layout(s),) if not any(o != s and any(o[c] == s[c] for c in range(3)) for o in known)
+            and not any(o != s and o[r] == s[r] for o in known) else None
+            for s in seq
+        ]
+        # (a lookup by local size returns the layout answered for it, whichever declared one it is)
+        got = [g if g is None or g[0].sizes == s else "other" for g, s in zip(got, seq)]
+        out.append((got, want))
+    return out
+
+
+def test_scope_answers_only_layouts_every_rank_can_tell_apart(run):
+    seqs = [
+        [(4, 4, 4), (2, 2, 2), (4, 4, 4)],  # distinct everywhere: both answered
+        [(4, 4, 4), (4, 3, 5), (2, 2, 2)],  # the first two share rank 0's size: neither answered
+        [(1, 2, 3), (3, 2, 1), (2, 3, 1), (5, 5, 5)],  # pairwise clashes at some coordinate
+        [(3, 3, 2), (2, 2, 3), (3, 2, 3), (1, 1, 1), (3, 3, 2)],  # a later clash undoes an answer
+    ]
+    for rank in run(3, _scope_answers, seqs):
+        for got, want in rank:
+            assert got == want, (got, want)

@@ -67,12 +67,17 @@ def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return out
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``x`` over ``group``; the backward sums the (partial) gradients over the group too."""
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, *, owned: bool = False) -> torch.Tensor:
+    """Sum ``x`` over ``group``; the backward sums the (partial) gradients over the group too.
+
+    ``owned=True``: ``x`` is a temporary of the caller's (a partial sum it just computed), which
+    may receive the result in place where no graph is recorded: one copy and one allocation
+    less (a squeeze-excite's pooled sums under ``no_grad``, sixteen per efficientnet_b0 forward).
+    """
     if not (x.requires_grad and torch.is_grad_enabled()):
         # No graph to record: skip the autograd Function's per-call cost (statistics of a
         # forward under no_grad, the backward's own all-reduces).
-        y = x.detach().clone()
+        y = x.detach() if owned else x.detach().clone()
         if _size(group) > 1:
             _all_reduce(y, group)
         return y

@@ -98,6 +98,7 @@ import torch
 import torch.distributed as dist
 
 from .. import gloo_exit
+from ..env import getenv
 
 __all__ = [
     "TransportError",
@@ -171,18 +172,21 @@ class TransportError(RuntimeError):
 
 def enabled() -> bool:
     """Whether the same-host transport may be used now (``SHARDED_NN_TRANSPORT``, platform, compile)."""
-    mode = os.environ.get(ENV, "local")
+    mode = getenv(ENV, "local")
     if mode == "gloo":
         return False
     if mode not in ("local", ""):
         raise ValueError(f"{ENV}={mode!r}: expected 'local' (the default) or 'gloo' (turn the transport off).")
     # Abstract-namespace Unix sockets are Linux's; dynamo cannot trace socket calls.
-    return sys.platform.startswith("linux") and not torch.compiler.is_compiling()
+    return _LINUX and not torch.compiler.is_compiling()
+
+
+_LINUX = sys.platform.startswith("linux")
 
 
 def max_bytes() -> int:
     """Largest payload (bytes) that travels through this transport; larger ones use gloo."""
-    raw = os.environ.get(ENV_MAX_BYTES)
+    raw = getenv(ENV_MAX_BYTES)
     if not raw:
         return _DEFAULT_MAX_BYTES
     try:
@@ -193,7 +197,7 @@ def max_bytes() -> int:
 
 def shm_max_bytes() -> int:
     """Largest point-to-point payload (bytes) that travels through shared memory (0: none)."""
-    raw = os.environ.get(ENV_SHM_MAX_BYTES)
+    raw = getenv(ENV_SHM_MAX_BYTES)
     if not raw:
         return _DEFAULT_SHM_MAX_BYTES
     try:
@@ -248,7 +252,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def direct_enabled() -> bool:
     """Whether large payloads may be read straight from the sender's memory (``ENV_DIRECT``)."""
-    raw = os.environ.get(ENV_DIRECT, "1")
+    raw = getenv(ENV_DIRECT, "1")
     if raw not in ("0", "1", ""):
         raise ValueError(f"{ENV_DIRECT}={raw!r}: expected 1 (direct reads where allowed, the default) or 0 (never).")
     return raw != "0"
@@ -313,25 +317,30 @@ class _Group:
     all_local: bool | None = None  # every member on this host (decided at the first collective)
 
 
-_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, _Group] = weakref.WeakKeyDictionary()
+#: id(group) -> (weak reference to the group, its facts). Probed on every routed message: a plain
+#: dict and an identity test, not a ``WeakKeyDictionary`` (a Python-level ``get`` per probe). A
+#: dead group's entry stays; a new group that reuses its id fails the test and replaces it.
+_GROUPS: dict[int, tuple[weakref.ref, _Group]] = {}
 
 
 def _group(group: dist.ProcessGroup | None) -> _Group:
     if group is None:
         group = dist.group.WORLD
-    g = _GROUPS.get(group)
-    if g is None:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        gloo = dist.get_backend(group) == "gloo"
-        timeout = 1800.0
-        if gloo:
-            try:
-                timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            except (AttributeError, RuntimeError):
-                pass
-        name = f"{group.group_name}|{ranks}".encode()
-        gid = int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
-        g = _GROUPS[group] = _Group(gid, ranks, ranks.index(dist.get_rank()), timeout, gloo)
+    e = _GROUPS.get(id(group))
+    if e is not None and e[0]() is group:
+        return e[1]
+    ranks = tuple(dist.get_process_group_ranks(group))
+    gloo = dist.get_backend(group) == "gloo"
+    timeout = 1800.0
+    if gloo:
+        try:
+            timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            pass
+    name = f"{group.group_name}|{ranks}".encode()
+    gid = int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
+    g = _Group(gid, ranks, ranks.index(dist.get_rank()), timeout, gloo)
+    _GROUPS[id(group)] = (weakref.ref(group), g)
     return g
 
 
@@ -442,12 +451,18 @@ def _probe_peer(pid: int, addr: int, token: bytes) -> bool:
 # Works: what the call sites wait on (the subset of ``dist.Work`` they use).
 
 
+def _label(what: str | tuple) -> str:
+    """A work's description for messages. Hot paths pass ``(format, *args)``, formatted only
+    here (an f-string per message is a measurable share of a small exchange's Python)."""
+    return what if isinstance(what, str) else what[0].format(*what[1:])
+
+
 class _Work:
     """A transport operation in flight; ``wait()`` drives the transport until it completes."""
 
     __slots__ = ("done", "timeout", "what", "peer", "tr")
 
-    def __init__(self, timeout: float, what: str, peer: int, tr: _Transport | None = None) -> None:
+    def __init__(self, timeout: float, what: str | tuple, peer: int, tr: _Transport | None = None) -> None:
         self.done, self.timeout, self.what, self.peer = False, timeout, what, peer
         # The transport that carries it (looked up again where not given).
         self.tr = tr
@@ -474,7 +489,7 @@ class _Recv(_Work):
         tensor: torch.Tensor | None,
         key: tuple,
         timeout: float,
-        what: str,
+        what: str | tuple,
         peer: int,
         tr: _Transport | None = None,
         dst: memoryview | None = None,
@@ -489,7 +504,7 @@ class _Recv(_Work):
     def check(self, n: int) -> None:
         if n != len(self.dst):
             raise TransportError(
-                f"sharded_nn transport: a message of {n} bytes from rank {self.peer} ({self.what}) "
+                f"sharded_nn transport: a message of {n} bytes from rank {self.peer} ({_label(self.what)}) "
                 f"arrived for a receive buffer of {len(self.dst)} bytes. The ranks disagree on the tensor's "
                 f"shape or dtype, or on {ENV_MAX_BYTES} / {ENV_SHM_MAX_BYTES}; make them agree (or set {ENV}=gloo)."
             )
@@ -689,12 +704,13 @@ class _Transport:
 
     # ----- sending
 
-    def send(self, peer: int, gid: int, tag: int, t: torch.Tensor, work: _Work) -> None:
+    def send(self, peer: int, gid: int, tag: int, t: torch.Tensor, work: _Work, limit: int | None = None) -> None:
+        """Send ``t``; ``limit``: ``max_bytes()`` when the caller has read it already."""
         c = self.conn(peer, work.timeout)
         if c.error is not None:
             return  # ``work.wait()`` raises; meanwhile the caller still serves its other peers
-        n = _nbytes(t)
-        if n > max_bytes():
+        n = t.numel() * t.element_size()
+        if n > (max_bytes() if limit is None else limit):
             off = self._arena_space(c, n)  # (also announces both large-message paths; None when direct)
             if c.direct and direct_enabled():
                 # The peer copies the payload out of ``t`` itself (one copy, no arena pages):
@@ -943,7 +959,7 @@ class _Transport:
 
     def _check(self, c: _Conn, work: _Work) -> None:
         if c.error is not None:
-            raise TransportError(f"{c.error} [{work.what}]")
+            raise TransportError(f"{c.error} [{_label(work.what)}]")
 
     # ----- the progress loop
 
@@ -992,7 +1008,7 @@ class _Transport:
                     del self.posted[work.key]
         raise TransportError(
             f"sharded_nn transport: rank {self.rank} waited {timeout:.0f} s (the process group's timeout) "
-            f"for {work.what} with rank {work.peer}. Rank {work.peer} is stuck, failed, or runs a different "
+            f"for {_label(work.what)} with rank {work.peer}. Rank {work.peer} is stuck, failed, or runs a different "
             f"sequence of exchanges/collectives (all ranks must make the same calls in the same order); "
             f"check its log, or set {ENV}=gloo to bypass the transport."
         )
@@ -1141,20 +1157,21 @@ def start_p2p(group: dist.ProcessGroup, ops: Sequence[tuple[torch.Tensor, int, b
     g = _group(group)
     tr = _transport()
     works: list[_Work] = []
+    limit = max_bytes()
     with tr.lock:
         for t, peer, send, tag in ops:
             if send:
-                w = _Work(g.timeout, f"send of tag {tag}", peer, tr)
-                tr.send(peer, g.gid, tag, t, w)
+                w = _Work(g.timeout, ("send of tag {}", tag), peer, tr)
+                tr.send(peer, g.gid, tag, t, w, limit)
             else:
-                w = _Recv(t, (g.gid, peer, tag), g.timeout, f"the receive of tag {tag}", peer, tr)
+                w = _Recv(t, (g.gid, peer, tag), g.timeout, ("the receive of tag {}", tag), peer, tr)
                 tr.post_recv(w)
             works.append(w)
     return works
 
 
 def _exchange_all(
-    g: _Group, send: memoryview, recv: Sequence[memoryview | None], what: str, keep: object
+    g: _Group, send: memoryview, recv: Sequence[memoryview | None], what: tuple, keep: object
 ) -> list[_Work]:
     """Send the bytes ``send`` to every other member and receive each member's into ``recv[i]``.
 
@@ -1169,7 +1186,7 @@ def _exchange_all(
     g.seq = (g.seq + 1) & ((1 << 62) - 1)
     tr = _transport()
     parts: list[_Work] = []
-    label = f"{what} (call {-tag})"
+    label = (what[0] + " (call {})", *what[1:], -tag)
     with tr.lock:
         me = g.index
         n = len(g.ranks)
@@ -1199,7 +1216,7 @@ def start_all_reduce(y: torch.Tensor, g: _Group, op: str = "sum") -> _Collective
     mine = y if me < 2 else y.clone()
     bufs = [mine if i == me else torch.empty_like(y) for i in range(n)]
     recv = [None if i == me else _bytes_of(b) for i, b in enumerate(bufs)]
-    parts = _exchange_all(g, _bytes_of(y), recv, f"an all_reduce ({op}) of {_nbytes(y)} bytes", (y, bufs))
+    parts = _exchange_all(g, _bytes_of(y), recv, ("an all_reduce ({}) of {} bytes", op, _nbytes(y)), (y, bufs))
     fn = torch.add if op == "sum" else torch.maximum
 
     def finish() -> None:
@@ -1218,5 +1235,5 @@ def start_all_gather(out: torch.Tensor, x: torch.Tensor, g: _Group) -> _Collecti
     chunks = [whole[i * nb : (i + 1) * nb] for i in range(len(g.ranks))]
     if nb:
         ctypes.memmove(out.data_ptr() + g.index * nb, x.data_ptr(), nb)
-    parts = _exchange_all(g, chunks[g.index], chunks, f"an all_gather of {nb} bytes", out)
+    parts = _exchange_all(g, chunks[g.index], chunks, ("an all_gather of {} bytes", nb), out)
     return _Collective(parts, lambda: None)

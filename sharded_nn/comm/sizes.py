@@ -331,6 +331,9 @@ class _Scope:
         self.sizes: dict[tuple, set[tuple[tuple[int, ...], ...]]] = {}
         # Per key: this rank's local sizes along the dims -> the unambiguous layout they name.
         self.answers: dict[tuple, dict[tuple[int, ...], tuple[Layout, ...]]] = {}
+        # Per key: (coordinate, local sizes there) -> the first remembered layout with them (the
+        # test for layouts that some rank cannot tell apart, see ``scope_declare``).
+        self.owners: dict[tuple, dict[tuple, tuple[Layout, ...]]] = {}
         # The model-entry facts (``entry_facts``) not yet checked across ranks: they travel with
         # the next agreement (``scope_take_entry``); until then the scope answers nothing.
         self.entry: dict[str, tuple[int, ...]] | None = None
@@ -341,6 +344,7 @@ class _Scope:
         self.layouts.clear()
         self.sizes.clear()
         self.answers.clear()
+        self.owners.clear()
 
 
 _SCOPE = _Scope()
@@ -581,17 +585,23 @@ def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Seq
     meta = _layout_meta(mesh)
     # dims[k] is sharded by the k-th domain axis: local sizes at every coordinate of those axes.
     mine = meta.coords[: len(dims)]
-    grid = scope_coords(mesh, len(dims))
-
-    def at(lays: tuple[Layout, ...], c: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(lay.sizes[i] for lay, i in zip(lays, c))
-
-    answers: dict[tuple[int, ...], tuple[Layout, ...]] = {}
-    for lays in known:
-        clash = any(other is not lays and any(at(other, c) == at(lays, c) for c in grid) for other in known)
-        if not clash:
-            answers[at(lays, mine)] = lays
-    _SCOPE.answers[key] = answers
+    # A layout is answered only where no other remembered one gives the same local sizes at any
+    # coordinate: the rank there could not tell them apart, and every rank must hit or miss
+    # alike. Kept up to date one declaration at a time (each new layout is looked up at every
+    # coordinate; rebuilding the answers from all pairs cost a converted CNN about 1,300 Python
+    # calls per forward).
+    owners = _SCOPE.owners.setdefault(key, {})
+    answers = _SCOPE.answers.setdefault(key, {})
+    clash = False
+    for c in scope_coords(mesh, len(dims)):
+        first = owners.setdefault((c, tuple(s[i] for s, i in zip(sizes, c))), layouts)
+        if first is not layouts:
+            clash = True
+            theirs = tuple(lay.sizes[i] for lay, i in zip(first, mine))
+            if answers.get(theirs) is first:
+                del answers[theirs]
+    if not clash:
+        answers[tuple(s[i] for s, i in zip(sizes, mine))] = layouts
 
 
 def scope_forget() -> None:

@@ -22,6 +22,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import ShardingError
+from ..forward_guard import guard_active
+from ..mesh import one_rank
 from ..registry import register
 
 __all__ = ["GuardedAsIs", "register_guarded", "register_loaded"]
@@ -44,9 +46,6 @@ class GuardedAsIs:
         return new
 
     def forward(self, *args, **kwargs):  # noqa: D102
-        from ..forward_guard import guard_active
-        from ..mesh import one_rank
-
         # A one-rank domain holds whole tensors: pooling the slab is pooling the sample, with
         # or without the guard (which then has nothing to do and installs no entry methods).
         if not guard_active() and not one_rank(self.mesh):
