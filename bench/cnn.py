@@ -43,6 +43,20 @@ library's cost.
 
 ``--transport gloo`` sets ``SHARDED_NN_TRANSPORT=gloo`` in the P=2 ranks (every message through
 gloo); ``both`` runs P=2 once with each and prints a row per variant.
+
+Two environments (``--env``):
+
+* ``launch`` (the default): P=1 and P=2 both run under ``snn.launch``, so plain timm at P=1 gets
+  sharded_nn's host allocator too (the host cache, ``sharded_nn.host_cache``) and the ratio is the
+  domain split's alone.
+* ``user``: the way a user measures (and the way issue 16 measured): P=1 is plain timm in a
+  fresh ``python`` process in the user's default environment (one thread, no allocator
+  variables, sharded_nn's process tuning off: a process that never imported it), P=2 is ours
+  under ``python -m torch.distributed.run --standalone --nproc_per_node 2`` in that same
+  environment, with what the library sets for itself (``init_mesh`` installs the host cache on
+  CPU meshes) and nothing else. Errors are P=2 against that P=1 (no float64 run); no ``--cap``.
+  The ratio then includes what plain timm pays for its allocator (page faults on fresh buffers,
+  the more the larger the activations) that our ranks do not.
 """
 
 from __future__ import annotations
@@ -182,6 +196,42 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def _worker(args) -> None:
+    """One process of ``--env user``: plain timm at P=1, or one rank of ours under torchrun.
+
+    Prints ``RESULT`` and the measurement as JSON (rank 0), for ``bench.torchrun_env.run_result``.
+    """
+    import json
+
+    torch.set_num_threads(1)
+    h, w = (int(v) for v in args.sizes[0].split("x"))
+    sharded = args.worker == "sharded"
+    if sharded:
+        dist.init_process_group(backend="gloo")  # as a user's torchrun script does (CPU)
+    out = rank_main(args.models[0], h, w, args.iters, sharded, torch.float32, "local", args.min_seconds)
+    rank = dist.get_rank() if sharded else 0
+    if sharded:
+        # Torn down in order on every rank (README: ending a torchrun script).
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        print("RESULT " + json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()}))
+
+
+def _measure_user(name: str, size: str, args) -> tuple[dict, dict]:
+    """``--env user``: (plain timm at P=1 in a fresh process, ours at P=2 under torchrun)."""
+    from bench.torchrun_env import run_result, user_env
+
+    base = user_env()
+    common = [str(Path(__file__).resolve()), "--models", name, "--sizes", size, "--iters", str(args.iters),
+              "--min-seconds", str(args.min_seconds)]
+    plain = run_result([sys.executable, *common, "--worker", "plain"], base | {"SHARDED_NN_HOST_TUNING": "0"})
+    ours = run_result([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       *common, "--worker", "sharded"], base)
+    as_tensors = lambda r: {k: torch.tensor(v, dtype=torch.float64) if isinstance(v, list) else v for k, v in r.items()}  # noqa: E731
+    return as_tensors(plain), as_tensors(ours)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
@@ -201,12 +251,30 @@ def main(argv: list[str] | None = None) -> int:
         "--cap", action="store_true",
         help="also time the host's cap: two processes each running plain timm on its own slab at once, no messages",
     )
+    parser.add_argument(
+        "--env", choices=("launch", "user"), default="launch",
+        help="launch: P=1 and P=2 under snn.launch (the split alone); user: plain timm in a fresh default process "
+        "against ours under torchrun (see the module docstring)",
+    )
+    parser.add_argument("--worker", choices=("plain", "sharded"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.env == "user" and (args.cap or args.transport != "local"):
+        parser.error("--env user measures the default transport only, without --cap")
     rows = []
-    ref_tag = "P=1" if args.no_f64 else "float64"
+    ref_tag = "P=1" if args.no_f64 or args.env == "user" else "float64"
     for size in args.sizes:
         h, w = (int(v) for v in size.split("x"))
         for name in args.models:
+            if args.env == "user":
+                ref, got = _measure_user(name, size, args)
+                err = f"P=2 {_rel(got['logits'], ref['logits']):.1e}/{_rel(got['grad'], ref['grad']):.1e}"
+                rows.append((name, size, ref, got, err, None))
+                print(f"{name} {size}: fwd {ref['fwd']:.3f}/{got['fwd']:.3f} s, fwd+bwd {ref['step']:.3f}/{got['step']:.3f} s, "
+                      f"rel. err vs P=1 (logits/grad) {err}", flush=True)  # fmt: skip
+                continue
             ref = snn.launch(
                 rank_main, 1, name, h, w, args.iters, False, torch.float32, "local", args.min_seconds, threads=1,
                 timeout=args.timeout,
@@ -248,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"fwd+bwd {ref['step']:.3f}/{run['step']:.3f} s, "
                       f"rel. err vs {ref_tag} (logits/grad) {err}{capped}", flush=True)  # fmt: skip
     cap_head = " host cap fwd / fwd+bwd |" if args.cap else ""
+    if args.env == "user":
+        print("\nP=1: plain timm in a fresh process, default environment; P=2: ours under torchrun, default environment")
     print(f"\n| model | size | fwd P=1 (s) | fwd P=2 (s) | speedup | fwd+bwd P=1 (s) | fwd+bwd P=2 (s) | speedup | "
           f"rel. error vs {ref_tag} (logits/grad) | target |{cap_head}")  # fmt: skip
     print("| --- " * (11 if args.cap else 10) + "|")

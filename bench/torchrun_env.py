@@ -99,7 +99,18 @@ def _full_input(cb, case):
     return x
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> dict:
+def user_env() -> dict[str, str]:
+    """The user's default environment: nothing of ours, no allocator variables, one thread.
+
+    Plain torch runs in it with ``SHARDED_NN_HOST_TUNING=0`` added (a process that never imported
+    sharded_nn), ours under torchrun as it is (what the library sets for itself is all it gets).
+    """
+    drop = ("THP_MEM_ALLOC_ENABLE", "SHARDED_NN_HOST_TUNING", "SHARDED_NN_HOST_CACHE", "MALLOC_MMAP_THRESHOLD_")
+    return {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1"}
+
+
+def run_result(cmd: list[str], env: dict[str, str]) -> dict:
+    """Run ``cmd`` (from the repository root) and return the JSON its ``RESULT`` line carries."""
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=_ROOT)
     if out.returncode:
         raise RuntimeError(f"bench: {' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -119,19 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.case[0], args.side, args.iters, args.worker == "plain")
         return 0
 
-    # The user's default environment: nothing of ours, no allocator variables, one thread.
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("THP_MEM_ALLOC_ENABLE", "SHARDED_NN_HOST_TUNING", "SHARDED_NN_HOST_CACHE", "MALLOC_MMAP_THRESHOLD_")}
-    base["OMP_NUM_THREADS"] = "1"
+    base = user_env()
     script = str(Path(__file__).resolve())
     rows = []
     for name in args.case or sorted(CASES):
         side = max(8, int(CASES[name][1] * args.size_scale))
         common = [script, "--case", name, "--side", str(side), "--iters", str(args.iters)]
-        plain = _run([sys.executable, *common, "--worker", "plain"], base | {"SHARDED_NN_HOST_TUNING": "0"})
-        tuned = _run([sys.executable, *common, "--worker", "plain"],
+        plain = run_result([sys.executable, *common, "--worker", "plain"], base | {"SHARDED_NN_HOST_TUNING": "0"})
+        tuned = run_result([sys.executable, *common, "--worker", "plain"],
                      base | {"SHARDED_NN_HOST_TUNING": "0", "THP_MEM_ALLOC_ENABLE": "1"})
-        ours = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        ours = run_result([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                      *common, "--worker", "sharded"], base)
         diff = abs(ours["loss"] - plain["loss"]) / max(abs(plain["loss"]), 1e-30)
         rows.append((name, side, plain, tuned, ours, diff))
