@@ -43,12 +43,17 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by th
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.*
+from bench.user_env import launcher  # noqa: E402
 from sharded_nn.demo import PeakRSS  # noqa: E402
 from sharded_nn import functional as snf  # noqa: E402
 
@@ -119,11 +124,17 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[16384, 32768], help="global sequence lengths")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--causal", action="store_true", help="causal attention in the zigzag layout")
+    parser.add_argument(
+        "--env", choices=("launch", "user"), default="launch",
+        help="launch: P=1 and P=2 under snn.launch (the split alone); user: P=1 plain torch in a fresh default "
+        "process, P=2 under torchrun in the default environment (bench/user_env.py)",
+    )
     args = parser.parse_args()
+    launch = launcher(args.env)
     rows = []
     for seq in args.seq:
-        r1 = snn.launch(_worker, 1, seq, args.iters, args.causal, threads=1, device_type="cpu", timeout=3600)
-        r2 = snn.launch(_worker, 2, seq, args.iters, args.causal, threads=1, device_type="cpu", timeout=3600)
+        r1 = launch(_worker, 1, seq, args.iters, args.causal, threads=1, device_type="cpu", timeout=3600)
+        r2 = launch(_worker, 2, seq, args.iters, args.causal, threads=1, device_type="cpu", timeout=3600)
         ok = abs(r1["out_sum"] - r2["out_sum"]) <= 1e-3 * (1 + abs(r1["out_sum"])) and abs(
             r1["dq_sum"] - r2["dq_sum"]
         ) <= 1e-3 * (1 + abs(r1["dq_sum"]))

@@ -36,12 +36,17 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by th
 import argparse  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.*
+from bench.user_env import launcher  # noqa: E402
 from sharded_nn.zoo.transolver import Transolver  # noqa: E402
 from sharded_nn.demo import PeakRSS  # noqa: E402
 
@@ -131,11 +136,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--mlp-ratio", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="65,536 points, 2 iterations")
+    parser.add_argument(
+        "--env", choices=("launch", "user"), default="launch",
+        help="launch: P=1 and P=2 under snn.launch (the split alone); user: P=1 plain torch in a fresh default "
+        "process, P=2 under torchrun in the default environment (bench/user_env.py)",
+    )
     args = parser.parse_args()
+    launch = launcher(args.env)
     if args.quick:
         args.points, args.iters = 65_536, 2
-    r1 = snn.launch(_worker, 1, args.points, args.iters, args.mlp_ratio, threads=1, device_type="cpu", timeout=7200)
-    r2 = snn.launch(_worker, 2, args.points, args.iters, args.mlp_ratio, threads=1, device_type="cpu", timeout=7200)
+    r1 = launch(_worker, 1, args.points, args.iters, args.mlp_ratio, threads=1, device_type="cpu", timeout=7200)
+    r2 = launch(_worker, 2, args.points, args.iters, args.mlp_ratio, threads=1, device_type="cpu", timeout=7200)
     ok = _same(r1["out_sum"], r2["out_sum"]) and _same(r1["dx_sum"], r2["dx_sum"])
     print(f"Transolver, {args.points} points, hidden 128, 4 layers, 8 heads, 32 slices, mlp_ratio {args.mlp_ratio}, "
           "float32, 1 thread per rank")  # fmt: skip

@@ -40,11 +40,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import sharded_nn as snn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.*
+from bench.user_env import launcher  # noqa: E402
 from sharded_nn.demo import PeakRSS
 from sharded_nn.host_memory import AUTO, parse_mmap_threshold
 from sharded_nn.alignment import alignment
@@ -160,7 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (32^3, 128 x 224), one iteration")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--mmap-threshold", type=parse_mmap_threshold, default=AUTO, help="glibc mmap threshold in the ranks: bytes, 'glibc' for glibc's own dynamic one, or 'auto' (default: sharded_nn.launch's; see host_memory.resolve_mmap_threshold)")
+    parser.add_argument(
+        "--env", choices=("launch", "user"), default="launch",
+        help="launch: P=1 and P=2 under snn.launch (the split alone); user: P=1 plain torch in a fresh default "
+        "process, P=2 under torchrun in the default environment (bench/user_env.py)",
+    )
     args = parser.parse_args(argv)
+    launch = launcher(args.env)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
     if args.quick:
@@ -170,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in cases if args.case in ("all", c.name)]
     lines = []
     for case in cases:
-        r1 = snn.launch(rank_main, 1, case, iters, timeout=args.timeout, threads=1, mmap_threshold=args.mmap_threshold)
-        r2 = snn.launch(rank_main, 2, case, iters, timeout=args.timeout, threads=1, mmap_threshold=args.mmap_threshold)
+        r1 = launch(rank_main, 1, case, iters, timeout=args.timeout, threads=1, mmap_threshold=args.mmap_threshold)
+        r2 = launch(rank_main, 2, case, iters, timeout=args.timeout, threads=1, mmap_threshold=args.mmap_threshold)
         shape = "x".join(map(str, case.global_shape))
         out_err = ((r2.out - r1.out).abs().max() / r1.out.abs().max()).item()
         grad_err = ((r2.grads - r1.grads).norm() / r1.grads.norm()).item()

@@ -50,11 +50,15 @@ import ctypes  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import sharded_nn as snn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.*
+from bench.user_env import launcher  # noqa: E402
 from sharded_nn.demo import PeakRSS  # noqa: E402
 from sharded_nn.host_memory import AUTO, parse_mmap_threshold  # noqa: E402
 from sharded_nn import zoo  # noqa: E402
@@ -205,7 +209,13 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=None, help="override the depth (smoke runs)")
     parser.add_argument("--quick", action="store_true", help="256^2, vit_tiny, depth 2, 1 iteration")
     parser.add_argument("--mmap-threshold", type=parse_mmap_threshold, default=AUTO, help="glibc mmap threshold in the ranks: bytes, 'glibc' for glibc's own dynamic one, or 'auto' (default: sharded_nn.launch's; see host_memory.resolve_mmap_threshold)")
+    parser.add_argument(
+        "--env", choices=("launch", "user"), default="launch",
+        help="launch: P=1 and P=2 under snn.launch (the split alone); user: P=1 plain torch in a fresh default "
+        "process, P=2 under torchrun in the default environment (bench/user_env.py)",
+    )
     args = parser.parse_args()
+    launch = launcher(args.env)
     if args.quick:
         args.models, args.sizes, args.iters, args.depth = ["vit_tiny_patch16_224"], [256], 1, 2
     rows = []
@@ -215,7 +225,7 @@ def main() -> None:
             for rep in range(args.repeat):
                 for p in (1, 2):
                     t0 = time.perf_counter()
-                    runs[p].append(snn.launch(
+                    runs[p].append(launch(
                         _worker, p, name, size, args.iters, args.depth, args.warmup,
                         threads=1, device_type="cpu", timeout=7200, mmap_threshold=args.mmap_threshold,
                     ))
