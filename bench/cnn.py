@@ -196,40 +196,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _worker(args) -> None:
-    """One process of ``--env user``: plain timm at P=1, or one rank of ours under torchrun.
-
-    Prints ``RESULT`` and the measurement as JSON (rank 0), for ``bench.torchrun_env.run_result``.
-    """
-    import json
-
-    torch.set_num_threads(1)
-    h, w = (int(v) for v in args.sizes[0].split("x"))
-    sharded = args.worker == "sharded"
-    if sharded:
-        dist.init_process_group(backend="gloo")  # as a user's torchrun script does (CPU)
-    out = rank_main(args.models[0], h, w, args.iters, sharded, torch.float32, "local", args.min_seconds)
-    rank = dist.get_rank() if sharded else 0
-    if sharded:
-        # Torn down in order on every rank (README: ending a torchrun script).
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0:
-        print("RESULT " + json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()}))
-
-
-def _measure_user(name: str, size: str, args) -> tuple[dict, dict]:
+def _measure_user(name: str, h: int, w: int, args) -> tuple[dict, dict]:
     """``--env user``: (plain timm at P=1 in a fresh process, ours at P=2 under torchrun)."""
-    from bench.torchrun_env import run_result, user_env
+    from bench.user_env import launch_as_user
 
-    base = user_env()
-    common = [str(Path(__file__).resolve()), "--models", name, "--sizes", size, "--iters", str(args.iters),
-              "--min-seconds", str(args.min_seconds)]
-    plain = run_result([sys.executable, *common, "--worker", "plain"], base | {"SHARDED_NN_HOST_TUNING": "0"})
-    ours = run_result([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                       *common, "--worker", "sharded"], base)
-    as_tensors = lambda r: {k: torch.tensor(v, dtype=torch.float64) if isinstance(v, list) else v for k, v in r.items()}  # noqa: E731
-    return as_tensors(plain), as_tensors(ours)
+    one = launch_as_user(rank_main, 1, name, h, w, args.iters, False, torch.float32, "local", args.min_seconds,
+                         timeout=args.timeout)  # fmt: skip
+    two = launch_as_user(rank_main, 2, name, h, w, args.iters, True, torch.float32, "local", args.min_seconds,
+                         timeout=args.timeout)  # fmt: skip
+    return one, two
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         help="launch: P=1 and P=2 under snn.launch (the split alone); user: plain timm in a fresh default process "
         "against ours under torchrun (see the module docstring)",
     )
-    parser.add_argument("--worker", choices=("plain", "sharded"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return 0
     if args.env == "user" and (args.cap or args.transport != "local"):
         parser.error("--env user measures the default transport only, without --cap")
     rows = []
@@ -269,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         h, w = (int(v) for v in size.split("x"))
         for name in args.models:
             if args.env == "user":
-                ref, got = _measure_user(name, size, args)
+                ref, got = _measure_user(name, h, w, args)
                 err = f"P=2 {_rel(got['logits'], ref['logits']):.1e}/{_rel(got['grad'], ref['grad']):.1e}"
                 rows.append((name, size, ref, got, err, None))
                 print(f"{name} {size}: fwd {ref['fwd']:.3f}/{got['fwd']:.3f} s, fwd+bwd {ref['step']:.3f}/{got['step']:.3f} s, "

@@ -109,8 +109,7 @@ def user_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1"}
 
 
-def run_result(cmd: list[str], env: dict[str, str]) -> dict:
-    """Run ``cmd`` (from the repository root) and return the JSON its ``RESULT`` line carries."""
+def _run(cmd: list[str], env: dict[str, str]) -> dict:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=_ROOT)
     if out.returncode:
         raise RuntimeError(f"bench: {' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -136,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.case or sorted(CASES):
         side = max(8, int(CASES[name][1] * args.size_scale))
         common = [script, "--case", name, "--side", str(side), "--iters", str(args.iters)]
-        plain = run_result([sys.executable, *common, "--worker", "plain"], base | {"SHARDED_NN_HOST_TUNING": "0"})
-        tuned = run_result([sys.executable, *common, "--worker", "plain"],
+        plain = _run([sys.executable, *common, "--worker", "plain"], base | {"SHARDED_NN_HOST_TUNING": "0"})
+        tuned = _run([sys.executable, *common, "--worker", "plain"],
                      base | {"SHARDED_NN_HOST_TUNING": "0", "THP_MEM_ALLOC_ENABLE": "1"})
-        ours = run_result([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        ours = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                      *common, "--worker", "sharded"], base)
         diff = abs(ours["loss"] - plain["loss"]) / max(abs(plain["loss"]), 1e-30)
         rows.append((name, side, plain, tuned, ours, diff))
