@@ -18,7 +18,7 @@ What is measured (DESIGN.md section 7):
   all R x iters iterations, and the spread of the per-launch ratios is printed), so that a slow
   phase of the machine does not land on one side only.
 * Memory: each rank's peak resident size (``VmHWM``, reset by ``sharded_nn.demo.PeakRSS``)
-  during one untimed steady-state step after the warm-up, minus its value just before that step
+  during one untimed steady-state step after the timed ones, minus its value just before that step
   (weights are replicated and not counted; the host cache is emptied first, so the step maps its
   buffers afresh), maximum over ranks; ratio P=2 / P=1. Until session 23 the baseline was taken
   before the first call, which added the library code that call pages in (about 13 MiB of
@@ -158,15 +158,6 @@ def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1
                 alloc = track.mib()
             else:
                 step()
-        # The memory of a steady-state step, on its own untimed step after the warm-up: the
-        # library code a first call pages in (about 13 MiB of file-backed pages, the same at
-        # every P, shared between ranks) is resident by then, as in any run longer than one
-        # step. PeakRSS returns the host cache's blocks to the OS first, so this step maps its
-        # buffers afresh and its whole peak counts (the timed steps after it run warm).
-        peak = PeakRSS()  # also resets VmHWM: spawn children inherit the parent's ru_maxrss
-        barrier()
-        step()
-        peak_mib = peak.mib()
         times = []
         for _ in range(iters):
             barrier()
@@ -174,6 +165,17 @@ def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1
             out = step()
             barrier()
             times.append(time.perf_counter() - t0)
+        # The memory of a steady-state step, on its own untimed step after the timed ones: the
+        # library code a first call pages in (about 13 MiB of file-backed pages, the same at
+        # every P, shared between ranks) is resident by then, as in any run longer than one
+        # step. PeakRSS returns the host cache's blocks to the OS first, so this step maps its
+        # buffers afresh and its whole peak counts. After the timed steps, not before (until
+        # session 47): steps right after the cache is emptied ran about 1.5% slower at P=2
+        # (vit_tiny 1024^2 fwd+bwd 2.74-2.78 against 2.70 s), which no training loop pays.
+        peak = PeakRSS()  # also resets VmHWM: spawn children inherit the parent's ru_maxrss
+        barrier()
+        step()
+        peak_mib = peak.mib()
         t = torch.tensor(times, dtype=torch.float64)
         mem = torch.tensor([peak_mib, -1.0 if alloc is None else alloc], dtype=torch.float64)
         if group is not None:
