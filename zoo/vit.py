@@ -355,9 +355,11 @@ def prefix_self_attention(
     if attention == "ring":
         if dropout_p > 0:
             drop.update(replicated_positions=positions[:num_prefix])
+        # One split, not two slices: its backward concatenates the two query gradients, where
+        # each slice's backward zero-fills a gradient the size of ``q`` and the two are added.
+        q_prefix, q_patch = q.split([num_prefix, q.shape[2] - num_prefix], 2)
         return ring_attention(
-            q[:, :, num_prefix:], k, v, mesh, False, scale, replicated_q=q[:, :, :num_prefix],
-            concat_replicated=True, **drop,
+            q_patch, k, v, mesh, False, scale, replicated_q=q_prefix, concat_replicated=True, **drop,
         )
     out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
     prefix_drop = None
