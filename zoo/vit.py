@@ -352,16 +352,16 @@ def prefix_self_attention(
         k_pos = None if positions is None else positions[num_prefix:]
     if dropout_p > 0:
         drop.update(q_positions=positions[num_prefix:], k_positions=k_pos)
+    # One split, not two slices: its backward concatenates the two query gradients, where each
+    # slice's backward zero-fills a gradient the size of ``q`` and the two are added.
+    q_prefix, q_patch = q.split([num_prefix, q.shape[2] - num_prefix], 2)
     if attention == "ring":
         if dropout_p > 0:
             drop.update(replicated_positions=positions[:num_prefix])
-        # One split, not two slices: its backward concatenates the two query gradients, where
-        # each slice's backward zero-fills a gradient the size of ``q`` and the two are added.
-        q_prefix, q_patch = q.split([num_prefix, q.shape[2] - num_prefix], 2)
         return ring_attention(
             q_patch, k, v, mesh, False, scale, replicated_q=q_prefix, concat_replicated=True, **drop,
         )
-    out_patch = fn(q[:, :, num_prefix:], k, v, mesh, False, scale, **drop)
+    out_patch = fn(q_patch, k, v, mesh, False, scale, **drop)
     prefix_drop = None
     if dropout_p > 0:
         dev = q.device
@@ -369,7 +369,7 @@ def prefix_self_attention(
             dropout_p, dropout_seed, torch.arange(q.shape[0], device=dev), torch.arange(q.shape[1], device=dev),
             positions[:num_prefix].to(dev), k_pos.to(dev),
         )
-    out_prefix = replicated_query_attention(q[:, :, :num_prefix], k, v, mesh, scale, drop=prefix_drop)
+    out_prefix = replicated_query_attention(q_prefix, k, v, mesh, scale, drop=prefix_drop)
     return _tokens_major(out_prefix, out_patch)
 
 
