@@ -709,7 +709,7 @@ class _Transport:
         c = self.conn(peer, work.timeout)
         if c.error is not None:
             return  # ``work.wait()`` raises; meanwhile the caller still serves its other peers
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         if n > (max_bytes() if limit is None else limit):
             off = self._arena_space(c, n)  # (also announces both large-message paths; None when direct)
             if c.direct and direct_enabled():
