@@ -72,6 +72,8 @@ _MIN_CHUNK_NUMEL = 1 << 18
 # hops. Key/value blocks and gradient accumulators are in flight at the same time, hence
 # distinct tags; successive hops of one stream wait for the previous hop and reuse its tags.
 _FWD_KV, _BWD_KV, _BWD_DKV = 0, 3, 6
+#: Byte alignment of torch's CPU allocations: a chunk sent uncopied must start on it (``_travel``).
+_ALIGN = 64
 _RING_TAGS = 8
 
 
@@ -488,7 +490,7 @@ def _accumulate(acc: torch.Tensor | None, seg: _Segment, val: torch.Tensor, shap
     if acc is None:
         if _whole(seg, shape[2]):
             return val.to(dtype)
-        acc = torch.zeros(shape, dtype=dtype, device=val.device)
+        acc = _token_major_zeros(shape, dtype, val.device)
     _sl(acc, seg).add_(val)
     return acc
 
@@ -512,16 +514,35 @@ def _kv_heads(t, c: _Chunk):
 
 
 def _unit_shapes(plan: _Plan, src: int, c: _Chunk, k, v, with_pad: bool):
-    """Shapes of chunk ``c`` of the key/value block of rank ``src`` (and of its padding flags)."""
+    """Wire shapes of chunk ``c`` of the key/value block of rank ``src`` (and of its padding
+    flags): token-major, ``(B, L, H, D)`` (see ``_wire``)."""
     n, b, h = plan.k_lens[src], c.b1 - c.b0, c.h1 - c.h0
-    shapes = [(b, h, n, k.shape[3]), (b, h, n, v.shape[3])]
+    shapes = [(b, n, h, k.shape[3]), (b, n, h, v.shape[3])]
     if with_pad:
         shapes.append((b, n))
     return shapes
 
 
 def _unit(k, v, pad, c: _Chunk) -> list[torch.Tensor]:
-    return [_kv_heads(k, c), _kv_heads(v, c)] + ([pad[c.b0 : c.b1]] if pad is not None else [])
+    """Chunk ``c`` of this rank's block in wire form (K and V as token-major views)."""
+    return [_wire(_kv_heads(k, c)), _wire(_kv_heads(v, c))] + ([pad[c.b0 : c.b1]] if pad is not None else [])
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A ``(B, H, L, D)`` key/value (gradient) view as the ``(B, L, H, D)`` tensor that travels.
+
+    Why token-major: the kernels' key/value gradients come out stored that way (the CPU flash
+    kernel's, the CUDA kernels'), and so do keys and values projected per token (one row of
+    ``H * D`` values per token): as a contiguous ``(B, L, H, D)`` tensor they travel without a
+    copy. The receiver computes on ``_wire(received)``, the same transpose back.
+    """
+    return t.transpose(1, 2)
+
+
+def _token_major_zeros(shape, dtype, device) -> torch.Tensor:
+    """Zeros of ``(B, H, L, D)`` ``shape`` stored token-major, so that they travel uncopied."""
+    b, h, n, d = shape
+    return torch.zeros((b, n, h, d), dtype=dtype, device=device).transpose(1, 2)
 
 
 class _ChunkBuffers:
@@ -576,11 +597,15 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
     """
     ring, me, p = plan.ring, plan.ring.index, plan.ring.size
     unit = _unit(k, v, pad, c)
+    pooled = [False] * len(unit)
     if p > 1:
-        # The first hop sends contiguous copies anyway; computing on them too gives the owner's
-        # blocks the same memory layout as the received ones, so that replicated queries get the
-        # same bits on every rank.
-        unit = [bufs.copy_of(t) for t in unit]
+        # What travels must be contiguous (in wire form); the owner computes on the same
+        # layout as the receivers (a copy where its own is another, or is less aligned than an
+        # allocation: BLAS may take another path), so that replicated queries get the same bits
+        # on every rank. Under torch.compile (no addresses to check) it always copies.
+        compiling = torch.compiler.is_compiling()
+        pooled = [compiling or not (t.is_contiguous() and t.data_ptr() % _ALIGN == 0) for t in unit]
+        unit = [bufs.copy_of(t) if copy else t for t, copy in zip(unit, pooled)]
     for step in range(p):
         src = (me - step) % p
         hop = None
@@ -588,13 +613,13 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
             shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, pad is not None)
             out = [bufs.take(s, t.dtype, t.device) for s, t in zip(shapes, unit)]
             hop = ring_pass(ring, unit, shapes, tag=tag, out=out)
-        yield step, src, unit[0], unit[1], (unit[2] if pad is not None else None)
+        yield step, src, _wire(unit[0]), _wire(unit[1]), (unit[2] if pad is not None else None)
         received = hop.wait() if hop is not None else []
         # This step's chunk has been sent (the hop completed) and computed on (the caller
-        # resumed): its buffers serve the next chunk. With one rank ``unit`` is the caller's k, v.
+        # resumed): its pooled buffers serve the next chunk (not the caller's own k, v).
         if p > 1 and not (keep_first and step == 0):
-            bufs.give(unit)
-        unit = received
+            bufs.give([t for t, mine in zip(unit, pooled) if mine])
+        unit, pooled = received, [True] * len(received)
 
 
 def _merge_whole(out, lse, o_b, l_b) -> None:
@@ -609,14 +634,51 @@ def _merge_whole(out, lse, o_b, l_b) -> None:
     torch.logaddexp(lse, l_b, out=lse)
 
 
-def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb, vb, mb, rq_c, acc):
+def _rows_before(first: torch.Tensor, rest: torch.Tensor) -> torch.Tensor | None:
+    """One ``(B, H, L1 + L2, D)`` view of two ``(B, H, L, D)`` tensors when ``first``'s tokens
+    lie right before ``rest``'s in one storage with the same strides, else None.
+
+    Why: a ViT's prefix and patch queries are two parts of one projection (``q.split``); seen as
+    one tensor again, the replicated queries' backward joins the patch queries' kernel call.
+    """
+    if first.dtype != rest.dtype or first.device != rest.device or first.dim() != 4 or rest.dim() != 4:
+        return None
+    if first.shape[:2] != rest.shape[:2] or first.shape[3] != rest.shape[3]:
+        return None
+    if first.untyped_storage().data_ptr() != rest.untyped_storage().data_ptr():
+        return None
+    st = rest.stride()
+    for d in (0, 1, 3):  # the stride of a dim of size 1 says nothing
+        if rest.shape[d] > 1 and first.stride(d) != st[d]:
+            return None
+    if first.shape[2] > 1 and first.stride(2) != st[2]:
+        return None
+    if rest.storage_offset() != first.storage_offset() + first.shape[2] * st[2]:
+        return None
+    shape = (rest.shape[0], rest.shape[1], first.shape[2] + rest.shape[2], rest.shape[3])
+    return rest.as_strided(shape, st, first.storage_offset())
+
+
+def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb, vb, mb, rq_c, acc, joint=None):
     """Backward of chunk ``c`` of this rank's queries against the key/value block of ``src``.
 
     Returns ``(dqc, dkc, dvc)``: the query gradient accumulated into ``dqc`` (taken as is when
     None and whole) and this rank's share of the block's key/value gradients (fresh tensors).
     ``rq_c``: the replicated queries' (q, output gradient, output, lse, gradient share) of the
-    chunk, or None; their share of the gradient is accumulated in place.
+    chunk, or None; their share of the gradient is accumulated in place. ``joint``: the
+    replicated and local queries' (q, output gradient, output, lse) as single tensors, the
+    replicated rows first (only without causality and dropout: one whole block pair); one kernel
+    call then serves both, instead of a second call whose key/value gradients are added.
     """
+    if joint is not None:
+        drq = rq_c[4]
+        lr = drq.shape[2]
+        q_j, do_j, o_j, l_j = joint
+        dq_j, dk_b, dv_b = block_backward(do_j, q_j, kb, vb, o_j, l_j, mb, plan.scale, False)
+        drq.add_(dq_j[:, :, :lr])
+        whole = _Segment(0, 0, qc.shape[2])
+        dqc = _accumulate(dqc, whole, dq_j[:, :, lr:], qc.shape, acc)
+        return dqc, dk_b.to(acc), dv_b.to(acc)
     dkc = dvc = None
     for qs, ks, diag in _pairs(plan, src):
         # The same block mask as in forward, regenerated from the seed and positions.
@@ -638,8 +700,8 @@ def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb
         dkc = _accumulate(dkc, whole, dk_b, kb.shape, acc)
         dvc = _accumulate(dvc, whole, dv_b, vb.shape, acc)
     if dkc is None:  # a block wholly in this rank's causal future
-        dkc = torch.zeros(kb.shape, dtype=acc, device=kb.device)
-        dvc = torch.zeros(vb.shape, dtype=acc, device=kb.device)
+        dkc = _token_major_zeros(kb.shape, acc, kb.device)
+        dvc = _token_major_zeros(vb.shape, acc, kb.device)
     return dqc, dkc, dvc
 
 
@@ -680,6 +742,9 @@ class _RingAttention(torch.autograd.Function):
                 torch.empty((p, *rq.shape[:3], v.shape[3]), dtype=acc, device=q.device),
                 torch.empty((p, *rq.shape[:3]), dtype=acc, device=q.device),
             )
+        # Replicated queries contiguous for the forward kernels, so that they see the same layout
+        # on every rank (bit-identical results); backward takes the caller's view (``joint``).
+        rqc = None if rq is None else rq.contiguous()
         bufs = _ChunkBuffers(2 * (3 if pad is not None else 2))
         # Without causality or padding no row's lse is ever -inf: blocks merge by weight in one
         # pass (``_merge_whole``). The first block is still copied into the output rather than
@@ -693,7 +758,7 @@ class _RingAttention(torch.autograd.Function):
             for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
                 if rq is not None:
                     rbd = None if drop is None else drop.rq_block(c, g, src, q.device)
-                    o_r, l_r = block_forward(_q_heads(rq, c, g), kb, vb, mb, plan.scale, False, rbd)
+                    o_r, l_r = block_forward(_q_heads(rqc, c, g), kb, vb, mb, plan.scale, False, rbd)
                     _q_heads(rq_parts[0][src], c, g).copy_(o_r)
                     _q_heads(rq_parts[1][src], c, g).copy_(l_r)
                     del o_r, l_r
@@ -762,6 +827,15 @@ class _RingAttention(torch.autograd.Function):
             # This rank's share of the replicated queries' gradient: its partial output
             # gradient against every key (the shares sum to the gradient, DESIGN.md section 3).
             drq = torch.zeros(rq.shape, dtype=acc, device=q.device)
+        # Replicated queries stored right before the local ones (a ViT's split projection) share
+        # the local queries' kernel calls (the output and its gradient are stored that way by
+        # this function), where each block pair is one whole pair.
+        q_joint = None
+        if rq is not None and not plan.causal and ctx.drop is None:
+            q_joint = _rows_before(rq, q)
+        if q_joint is not None:
+            o_joint, do_joint = buf.transpose(1, 2), dbuf.transpose(1, 2)
+            l_joint = torch.cat([rq_lse, lse], 2)
         # The dK/dV accumulator of a block starts on the rank right of its owner and collects one
         # share per rank on its way round, P - 1 hops, the last one into the owner's hands
         # (``home``); the owner's own share never travels. ``travel``: the hop of the accumulator
@@ -777,6 +851,11 @@ class _RingAttention(torch.autograd.Function):
             if rq is None:
                 return None
             return tuple(_q_heads(t, c, g) for t in (rq, drq_out, rq_out, rq_lse, drq))
+
+        def joint_args(c: _Chunk):
+            if q_joint is None:
+                return None
+            return tuple(_q_heads(t, c, g) for t in (q_joint, do_joint, o_joint, l_joint))
 
         def own_share(c: _Chunk, dkc: torch.Tensor, dvc: torch.Tensor) -> None:
             nonlocal dk, dv
@@ -795,8 +874,8 @@ class _RingAttention(torch.autograd.Function):
             if home is not None:
                 # The other ranks' shares of one of this rank's chunks, back home.
                 got = home[0].wait()
-                _kv_heads(dk, home[1]).add_(got[0])
-                _kv_heads(dv, home[1]).add_(got[1])
+                _kv_heads(dk, home[1]).add_(_wire(got[0]))
+                _kv_heads(dv, home[1]).add_(_wire(got[1]))
                 home = None
 
         bufs = _ChunkBuffers(2 * (3 if pad is not None else 2))
@@ -812,14 +891,16 @@ class _RingAttention(torch.autograd.Function):
                     deferred = (c, qc, lc, doc, oc, kb, vb, mb)
                     del kb, vb, mb
                     continue
-                dqc, dkc, dvc = _block_grads(ctx, plan, c, src, qc, lc, doc, oc, dqc, kb, vb, mb, rq_args(c), acc)
+                dqc, dkc, dvc = _block_grads(
+                    ctx, plan, c, src, qc, lc, doc, oc, dqc, kb, vb, mb, rq_args(c), acc, joint_args(c)
+                )
                 if travel is not None:
                     # The shares of this block from the ranks that held it before (it travelled
                     # while this rank computed its own share).
                     got = travel.wait()
                     travel = None
-                    dkc += got[0]
-                    dvc += got[1]
+                    dkc += _wire(got[0])
+                    dvc += _wire(got[1])
                     del got
                 wait_home()  # before its tags are reused by the next dK/dV hop
                 if step == 0:
@@ -828,7 +909,7 @@ class _RingAttention(torch.autograd.Function):
                     # To the right neighbour, which holds block ``src`` next (or owns it, at the
                     # last step); from the left neighbour comes the accumulator of block src - 1.
                     shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, False)
-                    hop = ring_pass(ring, [dkc, dvc], shapes, tag=ctx.tag + _BWD_DKV)
+                    hop = ring_pass(ring, [_wire(dkc), _wire(dvc)], shapes, tag=ctx.tag + _BWD_DKV)
                     if step == p - 1:
                         home = (hop, c)
                     else:
@@ -838,7 +919,8 @@ class _RingAttention(torch.autograd.Function):
                 c, qc, lc, doc, oc, kb, vb, mb = deferred
                 deferred = None
                 dqc, dkc, dvc = _block_grads(
-                    ctx, plan, c, plan.ring.index, qc, lc, doc, oc, dqc, kb, vb, mb, rq_args(c), acc
+                    ctx, plan, c, plan.ring.index, qc, lc, doc, oc, dqc, kb, vb, mb, rq_args(c), acc,
+                    joint_args(c),
                 )
                 own_share(c, dkc, dvc)
                 del kb, vb, mb, dkc, dvc
@@ -947,8 +1029,7 @@ def ring_attention(
         return _one_rank_attention(q, k, v, plan, replicated_q, concat_replicated)
     # Reserved by every rank in program order, also for its backward (see comm/peers.py).
     tag = plan.ring.next_tags(_RING_TAGS)
-    # Replicated queries contiguous, so that their kernels see the same layout on every rank.
-    rq = None if replicated_q is None else replicated_q.contiguous()
+    rq = replicated_q
     buf, lse = _RingAttention.apply(q, k, v, pad, plan, tag, drop, rq)
     lr = plan.rq_len
     if rq is not None and concat_replicated:

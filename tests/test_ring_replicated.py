@@ -38,7 +38,9 @@ def _reference(q, k, v, pad, p_drop):
     return torch.matmul(probs, v)
 
 
-def _check(world, cfg: Cfg, pieces, p_drop):
+def _check(world, cfg: Cfg, pieces, p_drop, joint=False):
+    """``joint``: the replicated and local queries are the two parts of one token-major tensor
+    (a ViT's ``q.split``), which backward computes in joint kernel calls."""
     m = mesh(world)
     old = snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL
     snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL = pieces, 1
@@ -52,6 +54,15 @@ def _check(world, cfg: Cfg, pieces, p_drop):
         ref.backward(torch.cat([grad_r, grad], 2))
         local = [_local(cfg, m, t, 2).requires_grad_() for t in (q, k, v)]
         rq_local = rq.clone().requires_grad_()
+        args, seen = list(local), []
+        if joint:
+            both = torch.cat([rq, local[0].detach()], 2).transpose(1, 2).contiguous().transpose(1, 2)
+            both.requires_grad_()
+            rq_split, args[0] = both.split([N_REP, local[0].shape[2]], 2)
+            real = snf._rows_before
+            spy = lambda a, b: seen.append(real(a, b)) or seen[-1]  # noqa: E731
+        else:
+            rq_split = rq_local
         pad_local = _local(cfg, m, pad, 1) if pad is not None else None
         opts = {}
         if p_drop:
@@ -61,11 +72,21 @@ def _check(world, cfg: Cfg, pieces, p_drop):
             pos = torch.arange(start, start + sizes[ring.index])
             opts = dict(dropout_p=p_drop, dropout_seed=SEED, q_positions=pos, k_positions=pos,
                         replicated_positions=torch.arange(N_REP))
-        out, out_r = snf.ring_attention(*local, m, key_padding_mask=pad_local, replicated_q=rq_local, **opts)
+        out, out_r = snf.ring_attention(*args, m, key_padding_mask=pad_local, replicated_q=rq_split, **opts)
         # The replicated output's gradient is shared out over the ranks (uneven shares).
         rank, p = dist.get_rank(), dist.get_world_size()
         share = (rank + 1) / (p * (p + 1) / 2)
-        torch.autograd.backward([out, out_r], [_local(cfg, m, grad, 2), grad_r * share])
+        if joint:
+            snf._rows_before = spy
+        try:
+            torch.autograd.backward([out, out_r], [_local(cfg, m, grad, 2), grad_r * share])
+        finally:
+            if joint:
+                snf._rows_before = real
+        if joint:
+            # Joint calls are taken wherever they can be (a single-rank domain has no ring).
+            assert p == 1 or (seen == [] if p_drop else len(seen) == 1 and seen[0] is not None), seen
+            rq_local.grad, local[0].grad = both.grad.split([N_REP, local[0].shape[2]], 2)
         tol = dict(atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(_unshard(cfg, m, out.detach(), 2), ref[:, :, N_REP:].detach(), **tol)
         torch.testing.assert_close(out_r.detach(), ref[:, :, :N_REP].detach(), **tol)
@@ -97,6 +118,16 @@ def test_replicated_queries_exact(run, world, case):
     cfg, pieces, p_drop = CASES[case]
     cfg = Cfg(**{**cfg.__dict__, "sizes": UNEVEN[world], "length": sum(UNEVEN[world])})
     assert run(world, _check, world, cfg, pieces, p_drop) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_replicated_queries_stored_before_local_ones(run, world, case):
+    """Replicated and local queries split from one tensor: backward runs them in joint kernel
+    calls (not with dropout); the same exact results on uneven slabs."""
+    cfg, pieces, p_drop = CASES[case]
+    cfg = Cfg(**{**cfg.__dict__, "sizes": UNEVEN[world], "length": sum(UNEVEN[world])})
+    assert run(world, _check, world, cfg, pieces, p_drop, True) == [True] * world
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

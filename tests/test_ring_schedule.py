@@ -80,7 +80,7 @@ def test_ring_backward_hides_its_last_hop_and_copies_nothing(run, world, pieces,
         assert res["clones"] == 0, (rank, res["clones"])
 
 
-def _chunk_allocations(pieces: int, lens: tuple[int, ...]) -> dict:
+def _chunk_allocations(pieces: int, lens: tuple[int, ...], projected: bool = False) -> dict:
     """Fresh travelling-chunk buffers against chunk buffers used, in one ring-attention forward
     and backward on this rank, and the results against plain attention on the whole sequence."""
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -89,6 +89,12 @@ def _chunk_allocations(pieces: int, lens: tuple[int, ...]) -> dict:
     full = [torch.randn(1, 6, sum(lens), 8, dtype=torch.float64, generator=g) for _ in range(3)]
     start = sum(lens[:rank])
     q, k, v = (t[:, :, start : start + lens[rank]].clone().requires_grad_() for t in full)
+    qkv = None
+    if projected:
+        # Views of one (B, L, 3, H, D) projection, as a ViT's attention makes them: a piece of
+        # k or v is not contiguous in the token-major wire form, and is copied to travel.
+        qkv = torch.stack([q, k, v]).detach().permute(1, 3, 0, 2, 4).contiguous().requires_grad_()
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     counts = {"taken": 0, "fresh": 0}
 
     class Counting(snf._ChunkBuffers):
@@ -111,19 +117,23 @@ def _chunk_allocations(pieces: int, lens: tuple[int, ...]) -> dict:
     ref_out.backward(torch.ones_like(ref_out))
     sl = slice(start, start + lens[rank])
     errs = [(out - ref_out[:, :, sl]).abs().max().item()]
-    errs += [(a.grad - b.grad[:, :, sl]).abs().max().item() for a, b in zip((q, k, v), ref)]
+    grads = (q.grad, k.grad, v.grad) if qkv is None else qkv.grad.permute(2, 0, 3, 1, 4).unbind(0)
+    errs += [(a - b.grad[:, :, sl]).abs().max().item() for a, b in zip(grads, ref)]
     return {**counts, "err": max(errs)}
 
 
 @pytest.mark.parametrize("world,lens", [(2, (7, 5)), (3, (4, 4, 4)), (3, (5, 7, 6))])
-def test_ring_chunks_reuse_their_buffers(run, world, lens):
+@pytest.mark.parametrize("projected", [False, True])
+def test_ring_chunks_reuse_their_buffers(run, world, lens, projected):
     pieces = 6  # one head per piece: six chunks, each travelling round the whole ring
-    for rank, res in enumerate(run(world, _chunk_allocations, pieces, lens)):
+    for rank, res in enumerate(run(world, _chunk_allocations, pieces, lens, projected)):
         assert res["err"] < 1e-12, (rank, res)
-        # Every chunk takes a contiguous copy of its own block and a receive buffer per hop, in
-        # forward and again in backward; before the pool each of them was a fresh allocation.
-        # (k and v: 2 copies and 2 (P - 1) receive buffers per chunk and pass).
-        assert res["taken"] == 2 * pieces * 2 * world, (rank, res)
+        # Every chunk takes a receive buffer per hop, in forward and again in backward, and a
+        # copy of its own block where that is not contiguous in wire form (views of one
+        # projection); before the pool each of them was a fresh allocation. (k and v: 2 (P - 1)
+        # receive buffers per chunk and pass, and 2 copies.) One head of a (B, H, L, D) tensor
+        # travels as it is.
+        assert res["taken"] == 2 * pieces * 2 * (world - 1 + projected), (rank, res)
         if len(set(lens)) == 1 or world == 2:
             # All chunks of a pass have the same shapes: only the first chunk of each pass
             # allocates (k and v: a copy and a first receive buffer), plus, in backward, one hop
