@@ -459,8 +459,7 @@ class ShardedViTAttention(_AttentionOptions, Attention):
         self._check_masks(type(self).__name__, attn_mask, is_causal)
         b, n, _ = x.shape
         gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        q, k, v = self._project(x)
         q, k = self.q_norm(q), self.k_norm(k)
         x = self._attend(q, k, v)
         x = x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
@@ -468,6 +467,26 @@ class ShardedViTAttention(_AttentionOptions, Attention):
         if gate is not None:
             x = x * gate
         return self.proj_drop(self.proj(x))
+
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` of ``x`` as ``(B, H, N, D)`` views, each of its own token-major tensor.
+
+        Why not timm's one ``qkv`` projection: its q, k, v are views with a token stride of
+        ``3 * H * D``, so ring attention copies k and v to send them (in forward and again in
+        backward), and backward stacks the three gradients into one tensor and copies that to the
+        projection's layout (vit_tiny 1024^2 at P=2: about 2 ms per layer on a 2-core host). The
+        same weights in three projections give three dense tensors that travel as they are,
+        whose gradients go straight into three matrix products. Another ``qkv`` module than
+        ``nn.Linear`` (a user's adapter) keeps timm's way.
+        """
+        b, n, _ = x.shape
+        heads = (b, n, self.num_heads, self.head_dim)
+        if type(self.qkv) is not nn.Linear:
+            return self.qkv(x).reshape(b, n, 3, *heads[2:]).permute(2, 0, 3, 1, 4).unbind(0)
+        weights = self.qkv.weight.unflatten(0, (3, -1)).unbind(0)
+        biases = (None,) * 3 if self.qkv.bias is None else self.qkv.bias.unflatten(0, (3, -1)).unbind(0)
+        return tuple(F.linear(x, w, bias).view(heads).transpose(1, 2) for w, bias in zip(weights, biases))
 
 
 class ShardedEvaAttention(_AttentionOptions, EvaAttention):
