@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import sharded_nn as snn
 import sharded_nn.zoo  # noqa: F401 - registers the sharded ViT classes with convert
@@ -88,11 +89,13 @@ def _grid_local(t, mesh, dims):
     return loc.flatten(1, 2), loc.shape[1:3]
 
 
-def _check_family(domain, family: str, attention: str = "ring") -> dict[str, float]:
+def _check_family(domain, family: str, attention: str = "ring", edit=None) -> dict[str, float]:
     name, kwargs = {**FAMILIES, **ULYSSES}[family]
     mesh = make_mesh(domain)
     dims = _dims(domain)
     ref, (h_img, w_img) = _build(name, kwargs)
+    if edit is not None:
+        edit(ref)
     model = snn.convert(copy.deepcopy(ref), mesh, plan={"": {"attention": attention}})
     npt = ref.num_prefix_tokens
     patch = ref.patch_embed.patch_size[0]
@@ -148,6 +151,33 @@ def test_family_matches_timm(run, family, domain):
     results = run(world_of(domain), _check_family, domain, family)
     assert len(results) == world_of(domain)
     assert all(max(r.values()) < 1e-10 for r in results)
+
+
+class _LowRankQKV(nn.Module):
+    """A user's adapter in place of an attention's ``qkv`` Linear (LoRA-like): not an
+    ``nn.Linear``, so the sharded attention keeps timm's one projection for it."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        gen = torch.Generator().manual_seed(4)
+        self.down = nn.Parameter(torch.randn(rank, base.in_features, generator=gen, dtype=base.weight.dtype) * 0.2)
+        self.up = nn.Parameter(torch.randn(base.out_features, rank, generator=gen, dtype=base.weight.dtype) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.down.t() @ self.up.t()
+
+
+def _with_adapter(model) -> None:
+    model.blocks[0].attn.qkv = _LowRankQKV(model.blocks[0].attn.qkv)
+
+
+@pytest.mark.parametrize("domain", [2, 3], ids=str)
+def test_attention_with_another_qkv_module_matches_timm(run, domain):
+    """The sharded attention projects q, k, v with three products of the qkv weights; another
+    qkv module (an adapter) is called as timm calls it: both against timm, forward and backward."""
+    res = run(world_of(domain), _check_family, domain, "vit", "ring", _with_adapter)
+    assert all(max(r.values()) < 1e-9 for r in res)
 
 
 @pytest.mark.parametrize("domain", [2, (2, 2)], ids=str)
