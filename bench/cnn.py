@@ -54,7 +54,8 @@ Two environments (``--env``):
   variables, sharded_nn's process tuning off: a process that never imported it), P=2 is ours
   under ``python -m torch.distributed.run --standalone --nproc_per_node 2`` in that same
   environment, with what the library sets for itself (``init_mesh`` installs the host cache on
-  CPU meshes) and nothing else. Errors are P=2 against that P=1 (no float64 run); no ``--cap``.
+  CPU meshes) and nothing else. Errors are P=2 against that P=1 (no float64 run). ``--cap``'s
+  two processes then run in P=1's environment (plain allocator), under torchrun.
   The ratio then includes what plain timm pays for its allocator (page faults on fresh buffers,
   the more the larger the activations) that our ranks do not.
 """
@@ -196,15 +197,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _measure_user(name: str, h: int, w: int, args) -> tuple[dict, dict]:
-    """``--env user``: (plain timm at P=1 in a fresh process, ours at P=2 under torchrun)."""
+def _measure_user(name: str, h: int, w: int, args) -> tuple[dict, dict, dict | None]:
+    """``--env user``: (plain timm at P=1 in a fresh process, ours at P=2 under torchrun, and with
+    ``--cap`` the host's cap: plain timm on each rank's slab at once, in P=1's environment)."""
     from bench.user_env import launch_as_user
 
     one = launch_as_user(rank_main, 1, name, h, w, args.iters, False, torch.float32, "local", args.min_seconds,
                          timeout=args.timeout)  # fmt: skip
     two = launch_as_user(rank_main, 2, name, h, w, args.iters, True, torch.float32, "local", args.min_seconds,
                          timeout=args.timeout)  # fmt: skip
-    return one, two
+    cap = None
+    if args.cap:
+        cap = launch_as_user(rank_main, 2, name, h, w, args.iters, True, torch.float32, "local", args.min_seconds,
+                             True, timeout=args.timeout, plain=True)  # fmt: skip
+    return one, two, cap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,17 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         "against ours under torchrun (see the module docstring)",
     )
     args = parser.parse_args(argv)
-    if args.env == "user" and (args.cap or args.transport != "local"):
-        parser.error("--env user measures the default transport only, without --cap")
+    if args.env == "user" and args.transport != "local":
+        parser.error("--env user measures the default transport only")
     rows = []
     ref_tag = "P=1" if args.no_f64 or args.env == "user" else "float64"
     for size in args.sizes:
         h, w = (int(v) for v in size.split("x"))
         for name in args.models:
             if args.env == "user":
-                ref, got = _measure_user(name, h, w, args)
+                ref, got, cap = _measure_user(name, h, w, args)
                 err = f"P=2 {_rel(got['logits'], ref['logits']):.1e}/{_rel(got['grad'], ref['grad']):.1e}"
-                rows.append((name, size, ref, got, err, None))
+                rows.append((name, size, ref, got, err, cap))
                 print(f"{name} {size}: fwd {ref['fwd']:.3f}/{got['fwd']:.3f} s, fwd+bwd {ref['step']:.3f}/{got['step']:.3f} s, "
                       f"rel. err vs P=1 (logits/grad) {err}", flush=True)  # fmt: skip
                 continue

@@ -58,9 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_as_user(fn, nprocs: int, *args, timeout: float = 7200.0):
+def launch_as_user(fn, nprocs: int, *args, timeout: float = 7200.0, plain: bool = False):
     """``fn(*args)`` on ``nprocs`` processes as a user runs them (see the module docstring);
-    rank 0's result."""
+    rank 0's result. ``plain``: every process gets P=1's environment (sharded_nn's process tuning
+    and host cache off), also under torchrun (independent plain processes running at once)."""
     import torch
 
     from bench.torchrun_env import user_env
@@ -73,8 +74,10 @@ def launch_as_user(fn, nprocs: int, *args, timeout: float = 7200.0):
         # ``__main__.X``, which only the child's ``_Unpickler`` maps to the bench module.
         call.write_bytes(pickle.dumps((module, fn.__name__)) + pickle.dumps(args))
         me = [str(Path(__file__).resolve()), str(call), str(out)]
+        if plain or nprocs == 1:
+            env |= {"SHARDED_NN_HOST_TUNING": "0", "SHARDED_NN_HOST_CACHE": "0"}
         if nprocs == 1:
-            env |= {"SHARDED_NN_HOST_TUNING": "0", "SHARDED_NN_HOST_CACHE": "0", "MASTER_ADDR": "127.0.0.1",
+            env |= {"MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                     "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
             cmd = [sys.executable, *me]
@@ -96,8 +99,8 @@ def launcher(env: str):
     if env != "user":
         raise ValueError(f"--env: expected 'launch' or 'user', got {env!r}.")
 
-    def launch(fn, nprocs: int, *args, timeout: float = 7200.0, **_launch_options):
-        return launch_as_user(fn, nprocs, *args, timeout=timeout)
+    def launch(fn, nprocs: int, *args, timeout: float = 7200.0, plain: bool = False, **_launch_options):
+        return launch_as_user(fn, nprocs, *args, timeout=timeout, plain=plain)
 
     return launch
 

@@ -29,6 +29,13 @@ What is measured (DESIGN.md section 7):
   ranks. It counts the tensors a step holds, and not what resident size adds to them (library
   code paged in by a first call, allocator slack), which is a fixed few tens of MiB per process
   and dominates the small forward-only peaks.
+* Host ceiling (``--ceiling``): one more launch per repeat runs P=1's plain timm step on two
+  processes at once, each on the whole image and without communication (with ``--env user`` both
+  in P=1's environment). ``host ceiling`` = 2 T1 / T1(two at once): the speedup a P=2 run that
+  split the work perfectly and paid nothing for it would reach on this host, where two busy
+  processes slow each other down (shared caches, memory bandwidth, clock); ``of ceiling`` =
+  speedup / host ceiling. (Session 48: two plain vit_tiny 1024^2 training steps at once took
+  about 5% longer each than one alone, so the ceiling there is about 1.9x.)
 * Consistency: the P=2 logits (replicated) and the global sum of the image gradient must match
   P=1 (relative 1e-3: float32 with different summation orders).
 
@@ -116,14 +123,16 @@ class _MallinfoPeak(TorchDispatchMode):
         return None if self._fn is None else (self.peak - self.base) / 2**20
 
 
-def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1) -> dict:
+def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1, independent: bool = False) -> dict:
+    """One launch's measurements. ``independent``: every rank runs plain timm on the whole image
+    at the same time as the others, without talking to them (the host's ceiling, ``--ceiling``)."""
     p = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = snn.init_mesh(device_type="cpu") if p > 1 else None
+    mesh = snn.init_mesh(device_type="cpu") if p > 1 and not independent else None
     kwargs = {} if depth is None else {"depth": depth}
     torch.manual_seed(0)
     model = zoo.create_model(name, mesh=mesh, img_size=size, **kwargs).eval()
     if mesh is None:
-        group, lo, hi = None, 0, size
+        group, lo, hi = (dist.group.WORLD if p > 1 else None), 0, size
     else:
         group = snn.domain_group(mesh)
         sl = snn.local_slices((1, 3, size, size), mesh, dims=(2,), align=PATCH)[2]
@@ -145,6 +154,7 @@ def _worker(name: str, size: int, iters: int, depth: int | None, warmup: int = 1
         out = model(xi)
         loss = (out * weight).sum()
         # Logits are replicated: each rank back-propagates its 1/P share (DESIGN.md section 3).
+        # (Independent ranks hold whole models: ``mesh`` is None and nothing is shared.)
         (snn.losses.share(loss, mesh) if mesh is not None else loss).backward()
         return out.detach(), xi.grad
 
@@ -212,6 +222,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="256^2, vit_tiny, depth 2, 1 iteration")
     parser.add_argument("--mmap-threshold", type=parse_mmap_threshold, default=AUTO, help="glibc mmap threshold in the ranks: bytes, 'glibc' for glibc's own dynamic one, or 'auto' (default: sharded_nn.launch's; see host_memory.resolve_mmap_threshold)")
     parser.add_argument(
+        "--ceiling", action="store_true",
+        help="also launch P=1's plain timm on 2 processes at once, each on the whole image (no communication): "
+        "the host's ceiling for P=2, 2 T1 / T1(2 at once)",
+    )
+    parser.add_argument(
         "--env", choices=("launch", "user"), default="launch",
         help="launch: P=1 and P=2 under snn.launch (the split alone); user: P=1 plain torch in a fresh default "
         "process, P=2 under torchrun in the default environment (bench/user_env.py)",
@@ -223,16 +238,22 @@ def main() -> None:
     rows = []
     for name in args.models:
         for size in args.sizes:
-            runs: dict[int, list[dict]] = {1: [], 2: []}
+            runs: dict[int | str, list[dict]] = {1: [], 2: [], "ceiling": []}
+            kinds = (1, 2, "ceiling") if args.ceiling else (1, 2)
             for rep in range(args.repeat):
-                for p in (1, 2):
+                for kind in kinds:
                     t0 = time.perf_counter()
-                    runs[p].append(launch(
-                        _worker, p, name, size, args.iters, args.depth, args.warmup,
-                        threads=1, device_type="cpu", timeout=7200, mmap_threshold=args.mmap_threshold,
+                    # The ceiling's ranks run as P=1 does (plain torch, in the user's environment
+                    # the allocator of a process that never imported sharded_nn).
+                    p, extra = (2, {"plain": True}) if kind == "ceiling" else (kind, {})
+                    if args.env == "launch":
+                        extra = {}  # launch's ranks all run in one environment anyway
+                    runs[kind].append(launch(
+                        _worker, p, name, size, args.iters, args.depth, args.warmup, kind == "ceiling",
+                        threads=1, device_type="cpu", timeout=7200, mmap_threshold=args.mmap_threshold, **extra,
                     ))
-                    print(f"[{name} {size}^2 P={p} launch {rep + 1}/{args.repeat}: {time.perf_counter() - t0:.0f} s]",
-                          file=sys.stderr, flush=True)
+                    print(f"[{name} {size}^2 {kind if kind == 'ceiling' else f'P={kind}'} launch {rep + 1}/{args.repeat}: "
+                          f"{time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
             for mode in ("forward", "fwd+bwd"):
                 one, two = [r[mode] for r in runs[1]], [r[mode] for r in runs[2]]
                 a, b = one[0], two[0]
@@ -245,22 +266,27 @@ def main() -> None:
                 mem1, mem2 = max(r["mem"] for r in one), max(r["mem"] for r in two)
                 al1 = None if any(r["alloc"] is None for r in one) else max(r["alloc"] for r in one)
                 al2 = None if any(r["alloc"] is None for r in two) else max(r["alloc"] for r in two)
-                rows.append((name, size, mode, t1, t2, per_launch, mem1, mem2, al1, al2, ok))
+                both = [t for r in runs["ceiling"] for t in r[mode]["times"]]
+                ceiling = 2 * t1 / statistics.median(both) if both else None
+                rows.append((name, size, mode, t1, t2, per_launch, mem1, mem2, al1, al2, ok, ceiling))
     print("timm ViT, batch 1, float32, eval, 1 thread per rank: plain timm at P=1 vs sharded (ring) at P=2")
+    ceil_head, ceil_rule = (" host ceiling | of ceiling |", " --- | --- |") if args.ceiling else ("", "")
     print(
-        "| model | size | mode | T1 (s) | T2 (s) | speedup | mem P=1 (MiB) | mem P=2 (MiB) | mem ratio | "
-        "alloc P=1 (MiB) | alloc P=2 (MiB) | alloc ratio | P1 == P2 |"
+        "| model | size | mode | T1 (s) | T2 (s) | speedup |" + ceil_head + " mem P=1 (MiB) | mem P=2 (MiB) | "
+        "mem ratio | alloc P=1 (MiB) | alloc P=2 (MiB) | alloc ratio | P1 == P2 |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, size, mode, t1, t2, per_launch, mem1, mem2, al1, al2, ok in rows:
+    print("| --- | --- | --- | --- | --- | --- |" + ceil_rule + " --- | --- | --- | --- | --- | --- | --- |")
+    for name, size, mode, t1, t2, per_launch, mem1, mem2, al1, al2, ok, ceiling in rows:
         speedup, ratio = t1 / t2, mem2 / max(mem1, 1e-9)
         sp = "PASS" if speedup >= SPEEDUP_TARGET else "MISS"
         mr = "PASS" if ratio <= MEM_RATIO_TARGET else "MISS"
         spread = "" if len(per_launch) < 2 else f" ({min(per_launch):.2f}-{max(per_launch):.2f})"
         al = "n/a" if al1 is None else f"{al1:.0f}"
         bl = "n/a" if al2 is None else f"{al2:.0f}"
+        # Not written as "N.NNx": the report's parser takes a row's first such number as its speedup.
+        ceil = "" if ceiling is None else f" {ceiling:.2f} | {100 * speedup / ceiling:.0f}% |"
         print(
-            f"| {name} | {size}^2 | {mode} | {t1:.3f} | {t2:.3f} | {speedup:.2f}x{spread} {sp} | "
+            f"| {name} | {size}^2 | {mode} | {t1:.3f} | {t2:.3f} | {speedup:.2f}x{spread} {sp} |{ceil} "
             f"{mem1:.0f} | {mem2:.0f} | {ratio:.2f}x {mr} | {al} | {bl} | {_ratio(al1, al2)} | {'yes' if ok else 'NO'} |"
         )
 

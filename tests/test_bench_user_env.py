@@ -47,3 +47,6 @@ def test_user_environment_ranks_get_what_a_user_gets(monkeypatch):
     assert two["world"] == 2 and two["threads"] == 1 and two["mmap"] is None, two
     # The ranks have the cache, or say why they could not build it (no C++ compiler, not Linux).
     assert two["host_cache"] or two["why_not"], two
+    # ``plain``: every rank as P=1 (the host's ceiling: plain processes running at once).
+    both = launch_as_user(probe, 2, timeout=300, plain=True)
+    assert both["world"] == 2 and not both["host_cache"] and both["threads"] == 1 and both["mmap"] is None, both
