@@ -112,7 +112,14 @@ def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+        if not libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)):
+            return False
+        # The threshold decides only how the heap grows: a request that free heap memory can
+        # serve is served from it. What the process freed before this call (the heap grows
+        # under glibc's raised threshold while torch is imported: up to ~100 MiB free at its
+        # top in some launched ranks) would serve large buffers for good, so it goes back now.
+        libc.malloc_trim(0)
+        return True
     except (OSError, AttributeError):
         return False
 

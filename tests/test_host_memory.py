@@ -157,6 +157,40 @@ def test_launch_reuses_small_buffers_from_the_heap():
     assert reused * 4 < fixed, (reused, fixed)
 
 
+def _refaults_after_late_tuning() -> int:
+    """``_refault_count`` after ``tune_host_allocator(64 KiB)`` in a process whose heap grew first.
+
+    glibc raises its threshold when a mapped block is freed; blocks below the raised threshold
+    then come from the heap, which keeps them when freed (as importing torch leaves it in some
+    ranks: ~100 MiB free at the heap's top).
+    """
+    import ctypes
+
+    from sharded_nn.host_memory import tune_host_allocator
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    libc.free(libc.malloc(16 << 20))  # mapped, freed: glibc's threshold rises to 16 MiB
+    grown = [libc.malloc(6 << 20) for _ in range(3)]  # now from the heap, which grows
+    for ptr in grown:
+        ctypes.memset(ptr, 1, 6 << 20)
+    for ptr in reversed(grown):
+        libc.free(ptr)  # 18 MiB free at the top of the heap, kept (the trim threshold rose to 32 MiB)
+    assert tune_host_allocator(1 << 16)
+    return _refault_count()
+
+
+def test_late_tuning_returns_what_the_heap_kept():
+    # Without the trim in tune_host_allocator the 512 KiB buffers came from the free heap and
+    # were never faulted in again (20-60 faults, intermittently in launched ranks).
+    import sharded_nn as snn
+
+    faults = snn.launch(_refaults_after_late_tuning, 1, mmap_threshold=None, host_cache=False)
+    assert faults >= 20 * 32, faults
+
+
 def _malloc_refaults() -> tuple[bool, int]:
     """(host cache installed, minor page faults of the last three of five malloc/touch/free rounds
     of a 20 MiB buffer): what oneDNN does with its activation-sized temporaries. (glibc's own
