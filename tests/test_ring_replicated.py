@@ -38,12 +38,26 @@ def _reference(q, k, v, pad, p_drop):
     return torch.matmul(probs, v)
 
 
-def _check(world, cfg: Cfg, pieces, p_drop, joint=False):
+def _token_major(t: torch.Tensor, misaligned: bool) -> torch.Tensor:
+    """``t`` (B, H, L, D) stored token-major, as a projection per token gives it; ``misaligned``:
+    starting one element into its allocation (not on a 64-byte boundary)."""
+    b, h, n, d = t.shape
+    flat = torch.empty(b * n * h * d + int(misaligned), dtype=t.dtype)
+    out = flat[int(misaligned) :].view(b, n, h, d)
+    out.copy_(t.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+def _check(world, cfg: Cfg, pieces, p_drop, joint=False, token_major=False):
     """``joint``: the replicated and local queries are the two parts of one token-major tensor
-    (a ViT's ``q.split``), which backward computes in joint kernel calls."""
+    (a ViT's ``q.split``), which backward computes in joint kernel calls. ``token_major``: k and
+    v stored token-major (they travel uncopied where aligned), misaligned on odd ranks (copied):
+    the replicated output must still be bit-identical."""
     m = mesh(world)
-    old = snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL
+    old = snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL, snf._ChunkBuffers.copy_of
     snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL = pieces, 1
+    copies = []
+    snf._ChunkBuffers.copy_of = lambda self, t: copies.append(t.shape) or old[2](self, t)
     try:
         q, k, v, pad, grad = cfg.tensors()
         g = torch.Generator().manual_seed(3)
@@ -52,7 +66,10 @@ def _check(world, cfg: Cfg, pieces, p_drop, joint=False):
         leaves = [t.clone().requires_grad_() for t in (rq, q, k, v)]
         ref = _reference(torch.cat(leaves[:2], 2), leaves[2], leaves[3], pad, p_drop)
         ref.backward(torch.cat([grad_r, grad], 2))
-        local = [_local(cfg, m, t, 2).requires_grad_() for t in (q, k, v)]
+        local = [_local(cfg, m, t, 2) for t in (q, k, v)]
+        if token_major:
+            local[1:] = [_token_major(t, dist.get_rank() % 2 == 1) for t in local[1:]]
+        local = [t.requires_grad_() for t in local]
         rq_local = rq.clone().requires_grad_()
         args, seen = list(local), []
         if joint:
@@ -99,8 +116,11 @@ def _check(world, cfg: Cfg, pieces, p_drop, joint=False):
         every = [torch.empty_like(out_r) for _ in range(p)]
         dist.all_gather(every, out_r.detach().contiguous())
         assert all(torch.equal(e, every[0]) for e in every)
+        if token_major and pieces == 1 and dist.get_world_size() > 1:
+            # Whole blocks of token-major k, v: copied to travel only where misaligned (odd ranks).
+            assert bool(copies) == (dist.get_rank() % 2 == 1), copies
     finally:
-        snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL = old
+        snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL, snf._ChunkBuffers.copy_of = old
     return True
 
 
@@ -118,6 +138,16 @@ def test_replicated_queries_exact(run, world, case):
     cfg, pieces, p_drop = CASES[case]
     cfg = Cfg(**{**cfg.__dict__, "sizes": UNEVEN[world], "length": sum(UNEVEN[world])})
     assert run(world, _check, world, cfg, pieces, p_drop) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", [0, 1])
+def test_replicated_queries_with_token_major_keys(run, world, case):
+    """Keys and values stored token-major travel uncopied (where aligned; odd ranks' are not and
+    are copied): exact results, and the replicated output bit-identical on every rank."""
+    cfg, pieces, p_drop = CASES[case]
+    cfg = Cfg(**{**cfg.__dict__, "sizes": UNEVEN[world], "length": sum(UNEVEN[world])})
+    assert run(world, _check, world, cfg, pieces, p_drop, True, True) == [True] * world
 
 
 @pytest.mark.parametrize("world", [2, 3])
