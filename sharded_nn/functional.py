@@ -541,8 +541,12 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 def _token_major_zeros(shape, dtype, device) -> torch.Tensor:
     """Zeros of ``(B, H, L, D)`` ``shape`` stored token-major, so that they travel uncopied."""
+    return _token_major_empty(shape, dtype, device).zero_()
+
+
+def _token_major_empty(shape, dtype, device) -> torch.Tensor:
     b, h, n, d = shape
-    return torch.zeros((b, n, h, d), dtype=dtype, device=device).transpose(1, 2)
+    return torch.empty((b, n, h, d), dtype=dtype, device=device).transpose(1, 2)
 
 
 class _ChunkBuffers:
@@ -822,7 +826,9 @@ class _RingAttention(torch.autograd.Function):
                 rq_lse = rq_lse.masked_fill(torch.isneginf(rq_lse), float("inf"))
         dq = dk = dv = drq = None
         if len(plan.chunks) > 1:
-            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            # Token-major, as the kernels' gradients and a per-token projection's input
+            # gradient are: no copy on either side.
+            dq = _token_major_zeros(q.shape, acc, q.device)
         if rq is not None:
             # This rank's share of the replicated queries' gradient: its partial output
             # gradient against every key (the shares sum to the gradient, DESIGN.md section 3).
@@ -864,8 +870,8 @@ class _RingAttention(torch.autograd.Function):
                 return
             if dk is None:
                 # The other ranks' shares arrive with the last hop of each chunk and are added.
-                dk = torch.empty(k.shape, dtype=acc, device=q.device)
-                dv = torch.empty(v.shape, dtype=acc, device=q.device)
+                dk = _token_major_empty(k.shape, acc, q.device)
+                dv = _token_major_empty(v.shape, acc, q.device)
             _kv_heads(dk, c).copy_(dkc)
             _kv_heads(dv, c).copy_(dvc)
 

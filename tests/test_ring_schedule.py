@@ -143,3 +143,33 @@ def test_ring_chunks_reuse_their_buffers(run, world, lens, projected):
             # Uneven slabs at P > 2: a hop's shape differs from the buffers given back before it
             # at some steps; reuse is partial (32 of 72 fresh on rank 0 for these sizes).
             assert res["fresh"] < res["taken"] // 2, (rank, res)
+
+
+def _gradient_layouts(pieces: int) -> list[bool]:
+    """Whether the gradients ring attention returns for q, k, v (per-token projections: token-major
+    views) are token-major too, with the K/V cut into ``pieces``."""
+    m = mesh(2)
+    g = torch.Generator().manual_seed(6)
+    rank = dist.get_rank()
+    leaves = [torch.randn(1, 5 + 2 * rank, 6, 8, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    seen = []
+    for t in (q, k, v):
+        t.register_hook(lambda grad: seen.append(grad.transpose(1, 2).is_contiguous()))
+    old = snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL
+    snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL = pieces, 1
+    try:
+        out = snf.ring_attention(q, k, v, m)
+        out.backward(torch.ones_like(out))
+    finally:
+        snf._RING_CHUNKS, snf._MIN_CHUNK_NUMEL = old
+    return seen
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_ring_gradients_come_back_token_major(run, pieces):
+    # Token-major like the kernels' own gradients, so that a per-token projection's backward
+    # reads them without a copy (with several pieces the gradients are assembled in buffers of
+    # their own, which were head-major until session 48).
+    for seen in run(2, _gradient_layouts, pieces):
+        assert seen == [True, True, True], seen
