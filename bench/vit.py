@@ -256,7 +256,7 @@ def main() -> None:
                           f"{time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
             for mode in ("forward", "fwd+bwd"):
                 one, two = [r[mode] for r in runs[1]], [r[mode] for r in runs[2]]
-                a, b = one[0], two[0]
+                a = one[0]
                 ok = all(_close(y["logits"], a["logits"]) for y in two)
                 if mode == "fwd+bwd":
                     ok = ok and all(abs(a["gsum"] - y["gsum"]) <= 1e-3 * (1 + abs(a["gsum"])) for y in two)

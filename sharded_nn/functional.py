@@ -147,9 +147,9 @@ def _runs(n: int, parts: int) -> list[tuple[int, int]]:
 def _chunks(batch: int, kv_heads: int, target: int) -> tuple[_Chunk, ...]:
     """About ``target`` pieces of (B, Hkv), each one batch item or all heads of several.
 
-    Either way a piece of a contiguous (B, Hkv, L, D) tensor is contiguous, so pieces travel and
-    land in place without copies. With fewer than ``target`` (batch, head) pairs, the pieces
-    are single heads.
+    Pieces travel token-major (``_wire``): a piece of whole batch items of a token-major K/V
+    goes as it is; a piece of some heads is copied to travel (received ones land in place).
+    With fewer than ``target`` (batch, head) pairs, the pieces are single heads.
     """
     if target <= 1:
         return (_Chunk(0, batch, 0, kv_heads),)

@@ -468,7 +468,6 @@ class ShardedViTAttention(_AttentionOptions, Attention):
             x = x * gate
         return self.proj_drop(self.proj(x))
 
-
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v`` of ``x`` as ``(B, H, N, D)`` views, each of its own token-major tensor.
 
