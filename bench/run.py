@@ -231,20 +231,26 @@ def plot(zoo: list[dict], benches: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    fig, (ax_s, ax_e) = plt.subplots(1, 2, figsize=(9, 3.4))
-    series = [(f"{r['model']} {r['size']}", r["speedup"]) for r in zoo]
-    series += [(f"bench/{b['name']} #{i + 1}", s) for b in benches for i, s in enumerate(b["speedups"])]
+    fig, (ax_s, ax_e) = plt.subplots(1, 2, figsize=(11, 3.8))
+    # One colour and one legend entry per benchmark (a benchmark prints many rows: one line each).
+    series = [(f"zoo {r['model']}", r["speedup"]) for r in zoo]
+    series += [(f"bench/{b['name']}", s) for b in benches for s in b["speedups"]]
+    colours = {label: plt.get_cmap("tab20")(i % 20) for i, label in enumerate(dict.fromkeys(lb for lb, _ in series))}
+    seen = set()
     for label, s in series:
-        ax_s.plot([1, 2], [1.0, s], "o-", label=label)
-        ax_e.plot([1, 2], [1.0, s / 2], "o-", label=label)
+        first = label not in seen
+        seen.add(label)
+        ax_s.plot([1, 2], [1.0, s], "o-", color=colours[label], lw=0.8, ms=3, label=label if first else None)
+        ax_e.plot([1, 2], [1.0, s / 2], "o-", color=colours[label], lw=0.8, ms=3)
     for ax in (ax_s, ax_e):
         ax.plot([1, 2], [1, 2] if ax is ax_s else [1, 1], "k--", lw=0.8, label="ideal" if ax is ax_s else None)
         ax.set_xticks([1, 2])
         ax.set_xlabel("processes P")
+    top = max([1.2] + [s / 2 * 1.05 for _, s in series])
     ax_s.set(ylabel="speedup T1/TP", title="strong scaling")
-    ax_e.set(ylabel="efficiency", title="efficiency", ylim=(0, 1.2))
-    ax_s.legend(fontsize=6)
-    fig.tight_layout()
+    ax_e.set(ylabel="efficiency", title="efficiency", ylim=(0, top))
+    fig.legend(*ax_s.get_legend_handles_labels(), fontsize=6, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     paths.append(out / "scaling.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
