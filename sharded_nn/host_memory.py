@@ -42,7 +42,8 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 #: Set to ``0`` to keep ``import sharded_nn`` from touching the process's allocator settings.
 OPT_OUT_ENV = "SHARDED_NN_HOST_TUNING"
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
 
 #: The library's mmap threshold (1 MiB): every CPU buffer of 1 MiB or more (an activation of a
 #: big sample, a ring attention piece) is its own mapping and goes back to the OS when freed;
@@ -114,11 +115,16 @@ def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
         libc = ctypes.CDLL("libc.so.6")
         if not libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)):
             return False
+        # Freed heap memory is kept up to twice the threshold at the heap's top (glibc's own
+        # rule when it moves its threshold, which a fixed one stops): a buffer below the
+        # threshold is then reused without faults instead of being trimmed and refaulted.
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(mmap_threshold))
         # The threshold decides only how the heap grows: a request that free heap memory can
         # serve is served from it. What the process freed before this call (the heap grows
         # under glibc's raised threshold while torch is imported: up to ~100 MiB free at its
-        # top in some launched ranks) would serve large buffers for good, so it goes back now.
-        libc.malloc_trim(0)
+        # top in some launched ranks) would serve large buffers for good, so it goes back now,
+        # but for the trim threshold's worth at the top (what smaller buffers reuse anyway).
+        libc.malloc_trim(2 * int(mmap_threshold))
         return True
     except (OSError, AttributeError):
         return False
