@@ -113,18 +113,20 @@ def tune_host_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        if not libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)):
+        threshold = int(mmap_threshold)
+        if not libc.mallopt(_M_MMAP_THRESHOLD, threshold):
             return False
+        keep = 2 * threshold
         # Freed heap memory is kept up to twice the threshold at the heap's top (glibc's own
         # rule when it moves its threshold, which a fixed one stops): a buffer below the
         # threshold is then reused without faults instead of being trimmed and refaulted.
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(mmap_threshold))
+        libc.mallopt(_M_TRIM_THRESHOLD, keep)
         # The threshold decides only how the heap grows: a request that free heap memory can
         # serve is served from it. What the process freed before this call (the heap grows
         # under glibc's raised threshold while torch is imported: up to ~100 MiB free at its
         # top in some launched ranks) would serve large buffers for good, so it goes back now,
         # but for the trim threshold's worth at the top (what smaller buffers reuse anyway).
-        libc.malloc_trim(2 * int(mmap_threshold))
+        libc.malloc_trim(keep)
         return True
     except (OSError, AttributeError):
         return False
