@@ -610,20 +610,36 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
         compiling = torch.compiler.is_compiling()
         pooled = [compiling or not (t.is_contiguous() and t.data_ptr() % _ALIGN == 0) for t in unit]
         unit = [bufs.copy_of(t) if copy else t for t, copy in zip(unit, pooled)]
+    # The last hop whose sends may still be in flight, and the pooled buffers it sent. Its sends
+    # complete when the right neighbour has read them, which it does when it is ready for them:
+    # waiting for that before computing on what arrived would make this rank idle for as long as
+    # the neighbour is behind. It is completed before the next hop reuses its tags, and at the
+    # end, after the computation on the last chunk.
+    sending: tuple | None = None
     for step in range(p):
         src = (me - step) % p
         hop = None
         if step < p - 1:
+            if sending is not None:
+                sending[0].wait()
+                bufs.give(sending[1])
+                sending = None
             shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, pad is not None)
             out = [bufs.take(s, t.dtype, t.device) for s, t in zip(shapes, unit)]
             hop = ring_pass(ring, unit, shapes, tag=tag, out=out)
         yield step, src, _wire(unit[0]), _wire(unit[1]), (unit[2] if pad is not None else None)
-        received = hop.wait() if hop is not None else []
-        # This step's chunk has been sent (the hop completed) and computed on (the caller
-        # resumed): its pooled buffers serve the next chunk (not the caller's own k, v).
-        if p > 1 and not (keep_first and step == 0):
-            bufs.give([t for t, mine in zip(unit, pooled) if mine])
+        received = hop.wait_received() if hop is not None else []
+        # This step's chunk has been computed on (the caller resumed): its pooled buffers serve
+        # a later chunk once its hop's sends are complete (not the caller's own k, v).
+        mine = [] if p == 1 or (keep_first and step == 0) else [t for t, m in zip(unit, pooled) if m]
+        if hop is not None:
+            sending = (hop, mine)
+        else:
+            bufs.give(mine)
         unit, pooled = received, [True] * len(received)
+    if sending is not None:
+        sending[0].wait()
+        bufs.give(sending[1])
 
 
 def _merge_whole(out, lse, o_b, l_b) -> None:
@@ -788,8 +804,10 @@ class _RingAttention(torch.autograd.Function):
             rq_out = buf[:, :lr].transpose(1, 2)
             rq_out.copy_(rq_parts[0][0])
             rq_lse = rq_parts[1][0].clone()
+            # Every block has keys (empty slabs are refused), so without padding no lse is -inf.
+            rq_merge = _merge_whole if pad is None else merge
             for src in range(1, p):
-                merge(rq_out, rq_lse, rq_parts[0][src], rq_parts[1][src])
+                rq_merge(rq_out, rq_lse, rq_parts[0][src], rq_parts[1][src])
             del rq_parts, rq_out
         buf = buf.to(q.dtype)  # float32 and float64 inputs: no copy
         ctx.plan, ctx.tag, ctx.drop = plan, tag, drop

@@ -46,13 +46,33 @@ def gather_ints(values: Sequence[int], ring: AxisPeers) -> list[tuple[int, ...]]
 
 
 class RingHandle:
-    """One hop in flight, started by ``ring_pass``; ``wait()`` returns the received tensors."""
+    """One hop in flight, started by ``ring_pass``; ``wait()`` returns the received tensors.
 
-    def __init__(self, works: list[dist.Work], received: list[torch.Tensor], sent: list[torch.Tensor]) -> None:
+    ``wait_received()`` completes only the receives: the caller can compute on what arrived
+    while the right neighbour is still copying what this rank sent (a send completes when the
+    peer has read it, and the peer reads when it is ready to, which may be a whole block's
+    computation later). The sent tensors must stay alive and unchanged until ``wait()``.
+    """
+
+    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor]) -> None:
         # The sent tensors are kept alive until the hop completes.
         self._works, self._received, self._sent = works, received, sent
 
+    def wait_received(self) -> list[torch.Tensor]:
+        """Complete the receives (the sends may still be in flight) and return what arrived."""
+        # ``ring_pass`` issues the sends first, one work per message; a backend that returns
+        # one work for the whole batch (NCCL's coalesced batch) completes everything here.
+        n = len(self._sent)
+        if len(self._works) == n + len(self._received):
+            recvs, self._works = self._works[n:], self._works[:n]
+        else:
+            recvs, self._works = self._works, []
+        for w in recvs:
+            w.wait()
+        return self._received
+
     def wait(self) -> list[torch.Tensor]:
+        """Complete the whole hop (sends and receives) and return what arrived."""
         for w in self._works:
             w.wait()
         self._works, self._sent = [], []
