@@ -616,14 +616,19 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
     # the neighbour is behind. It is completed before the next hop reuses its tags, and at the
     # end, after the computation on the last chunk.
     sending: tuple | None = None
+
+    def sent() -> None:
+        nonlocal sending
+        if sending is not None:
+            sending[0].wait()
+            bufs.give(sending[1])
+            sending = None
+
     for step in range(p):
         src = (me - step) % p
         hop = None
         if step < p - 1:
-            if sending is not None:
-                sending[0].wait()
-                bufs.give(sending[1])
-                sending = None
+            sent()
             shapes = _unit_shapes(plan, (src - 1) % p, c, k, v, pad is not None)
             out = [bufs.take(s, t.dtype, t.device) for s, t in zip(shapes, unit)]
             hop = ring_pass(ring, unit, shapes, tag=tag, out=out)
@@ -637,9 +642,7 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
         else:
             bufs.give(mine)
         unit, pooled = received, [True] * len(received)
-    if sending is not None:
-        sending[0].wait()
-        bufs.give(sending[1])
+    sent()
 
 
 def _merge_whole(out, lse, o_b, l_b) -> None:

@@ -1,14 +1,18 @@
-"""Ring attention's backward schedule: no hop waited for with nothing left to compute, no copies
-of the token-major output or its gradient (exactness is tested in test_attention*.py)."""
+"""Ring attention's schedule: no hop waited for with nothing left to compute, a hop's sends
+completed after the computation on what it brought, no copies of the token-major output or its
+gradient, travelling buffers reused (exactness is tested in test_attention*.py)."""
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sharded_nn import functional as snf
+from sharded_nn import comm, functional as snf
 
 from .harness import mesh
 
@@ -240,13 +244,7 @@ def _handle_round(world_lens: tuple[int, ...], transport: str, between: bool) ->
     """``ring_pass``'s ``wait_received`` gives the left neighbour's tensors while this rank's
     sends may still be in flight; ``wait`` completes the hop and gives the same tensors.
     ``between``: a collective runs between the two waits (a rank computes and talks meanwhile)."""
-    import os
-
-    from sharded_nn import comm
-
-    saved = os.environ.get("SHARDED_NN_TRANSPORT")
-    os.environ["SHARDED_NN_TRANSPORT"] = transport
-    try:
+    with mock.patch.dict(os.environ, {"SHARDED_NN_TRANSPORT": transport}):
         p, rank = dist.get_world_size(), dist.get_rank()
         peers = comm.axis_peers(mesh(p), "domain")
         mine = [torch.full((world_lens[rank], 3), float(rank + 1), dtype=torch.float64), torch.arange(5.0) + rank]
@@ -263,11 +261,6 @@ def _handle_round(world_lens: tuple[int, ...], transport: str, between: bool) ->
             again = h.wait()
             ok &= all(a is b for a, b in zip(again, got))
         return ok
-    finally:
-        if saved is None:
-            os.environ.pop("SHARDED_NN_TRANSPORT", None)
-        else:
-            os.environ["SHARDED_NN_TRANSPORT"] = saved
 
 
 @pytest.mark.parametrize("world", [2, 3])
