@@ -36,10 +36,29 @@ def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str,
     assert len(record["runs"][1]["mem_mib"]) == 2  # one peak per rank
     assert set(record["max_abs_diff"]) == {"output", "input grad", "param grads"}
     assert max(record["max_abs_diff"].values()) <= record["tolerance"] <= 1e-1
+    assert set(record["tolerances"]) == set(record["max_abs_diff"])
+    assert all(record["max_abs_diff"][k] <= record["tolerances"][k] for k in record["tolerances"])
     assert max(record["max_abs_diff"]["output"], record["max_abs_diff"]["input grad"]) < 1e-4
     png = out / f"demo_{model}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "OK: sharded == single process" in proc.stdout and "| P |" in proc.stdout
+
+
+def test_compare_checks_each_quantity_against_its_own_scale():
+    """An output off by 1% fails even where the parameter gradients (of a summed loss) are 1000x
+    larger than the output: one tolerance for all three quantities would let it pass."""
+    import torch
+
+    from sharded_nn import demo
+
+    cfg = demo.DemoConfig(model="cnn", size=16)
+    ref = {"out": torch.ones(4), "dx": torch.ones(4), "params": [torch.full((3,), 1000.0)]}
+    good = {"out": ref["out"] + 1e-5, "dx": ref["dx"].clone(), "params": [ref["params"][0] + 0.1]}
+    bad = dict(good, out=ref["out"] * 1.01)
+    diffs, tols, ok = demo.compare(cfg, ref, good)
+    assert ok and tols == pytest.approx({"output": 1e-3, "input grad": 1e-3, "param grads": 1.0})
+    diffs, tols, ok = demo.compare(cfg, ref, bad)
+    assert not ok and diffs["output"] == pytest.approx(1e-2) and diffs["output"] < max(tols.values())
 
 
 @pytest.mark.parametrize(
