@@ -1,0 +1,247 @@
+"""Hypothesis fuzzing of converted timm ViTs: random ``VisionTransformer`` configurations.
+
+``tests/test_vit.py`` checks named timm families; this file draws the constructor's options
+together: patch size, image size (with a partial last patch under ``dynamic_img_pad``), class and
+register tokens, position embedding on or off and with or without the prefix rows, every global
+pool (``avg``, ``avgmax``, ``max``, ``token``, ``map``, ``prr``) with or without the prefix tokens,
+pre/final/fc norms, qk norm and the attention/MLP scale norms, layer scale, timm's block kinds
+(``Block``, ``ResPostBlock``, ``ParallelScalingBlock``, ``ParallelThingsBlock``,
+``DiffParallelScalingBlock``), MLP kinds (``Mlp``, ``GluMlp``, ``SwiGLUPacked``), activation and
+norm layers, a patch-embedding norm, a dynamic image size, ring or Ulysses attention, and the
+mesh: 1-4 ranks with random uneven patch-aligned slabs of the image height, or a 2x2 mesh.
+
+Each example converts a float64 timm model (parameters randomised so that every one matters) with
+``snn.convert`` and compares, in eval mode, the logits, the input gradient and every parameter
+gradient (summed over the ranks) with timm's on the whole image, to 1e-9. A refusal
+(``ShardingError``/``ShardingNotImplementedError``) alike on every rank is counted apart, as is a
+configuration timm itself rejects; any mismatch fails.
+
+- ``test_fuzz_vit_fast``: the CI subset (derandomized, a few examples).
+- ``test_fuzz_vit_campaign`` (``pytest -m slow``): ``SNN_FUZZ_VIT_EXAMPLES`` examples (default
+  300), counts printed, fails on any mismatch or timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+import sharded_nn as snn
+import sharded_nn.zoo  # noqa: F401 - registers the sharded ViT classes with convert
+
+from .harness import RankFailure, mesh, world_of
+from .reference import reduce_param_grads
+
+BLOCKS = ("Block", "ResPostBlock", "ParallelScalingBlock", "ParallelThingsBlock", "DiffParallelScalingBlock")
+MLPS = ("Mlp", "GluMlp", "SwiGLUPacked")
+POOLS = ("avg", "avgmax", "max", "token", "map", "prr")
+
+
+def _build(cfg: dict):
+    """The float64 timm model of ``cfg`` with randomised parameters, or the reason timm refused it."""
+    import timm.layers as tl
+    import timm.models.vision_transformer as tv
+
+    kw = dict(cfg["kwargs"])
+    kw["block_fn"] = getattr(tv, cfg["block"])
+    kw["mlp_layer"] = getattr(tl, cfg["mlp"])
+    torch.manual_seed(cfg["seed"])
+    try:
+        model = tv.VisionTransformer(**kw)
+    except (AssertionError, ValueError, TypeError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    model = model.double().eval()
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
+    return model, None
+
+
+def _case(cfg: dict):
+    """One example on this rank: ``"ok"``, ``("refused", ...)`` or ``("invalid", ...)``; raises on a mismatch."""
+    domain = cfg["domain"]
+    m = mesh(domain)
+    ref, why = _build(cfg)
+    if ref is None:
+        return ("invalid", why)
+    x = torch.randn(2, 3, *cfg["run_size"], generator=torch.Generator().manual_seed(cfg["seed"] + 2),
+                    dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    try:
+        y_ref = ref(xr)
+    except (AssertionError, ValueError, RuntimeError) as e:  # timm refuses the run size
+        return ("invalid", f"{type(e).__name__}: {e}")
+    g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(cfg["seed"] + 3), dtype=y_ref.dtype)
+    (y_ref * g).sum().backward()
+
+    plan = {"": {"attention": cfg["attention"]}}
+    try:
+        model = snn.convert(copy.deepcopy(ref), m, plan=plan)
+        if isinstance(domain, int):
+            r, sizes = m.get_local_rank("domain"), cfg["sizes"]
+            x_local = x.narrow(2, sum(sizes[:r]), sizes[r]).clone()
+        else:
+            x_local = snn.shard(x, m, dims=(2, 3), align=cfg["patch"])
+        x_local.requires_grad_()
+        y = model(x_local)
+        snn.losses.share((y * g).sum(), m).backward()
+    except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
+        return ("refused", type(e).__name__, str(e)[:200])
+    tol = dict(atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(y, y_ref.detach(), **tol, msg=lambda s: f"logits: {s}")
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    gx = snn.gather(x_local.grad, m, dims=dims)
+    torch.testing.assert_close(gx, xr.grad, **tol, msg=lambda s: f"input grad: {s}")
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        # timm resamples a dynamic size's position embedding in float32: its backward sums the
+        # ranks' slices in another order (float32 rounding, see tests/test_vit.py).
+        t = dict(atol=1e-6, rtol=1e-4) if name == "pos_embed" and cfg["kwargs"].get("dynamic_img_size") else tol
+        torch.testing.assert_close(grads[name], want, **t, msg=lambda s, n=name: f"{n}: {s}")
+    return "ok"
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@st.composite
+def configs(draw):
+    domain = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
+    p = world_of(domain)
+    patch = draw(st.sampled_from([4, 8]))
+    heads = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    class_token = draw(st.booleans())
+    pool = draw(st.sampled_from([x for x in POOLS if class_token or x != "token"]))
+    dynamic = draw(st.booleans())
+    pad = dynamic and draw(st.booleans())
+    # Patch rows per rank (1-D meshes: uneven), or per mesh row (2x2: balanced by snn.shard).
+    rows = [draw(st.integers(1, 3)) for _ in range(p if isinstance(domain, int) else 2)]
+    hp = sum(rows) if isinstance(domain, int) else 2 * max(rows)
+    wp = draw(st.integers(2, 4)) if isinstance(domain, int) else draw(st.integers(2, 5))
+    run_size = (hp * patch, wp * patch)
+    sizes = [n * patch for n in rows] if isinstance(domain, int) else None
+    if pad:
+        # A partial last patch (timm pads it): the last slab is that much shorter.
+        cut = draw(st.integers(1, patch - 1))
+        run_size = (run_size[0] - cut, run_size[1] - draw(st.integers(0, patch - 1)))
+        if sizes is not None:
+            sizes[-1] -= cut
+    img_size = run_size if not dynamic else (draw(st.integers(2, 4)) * patch, draw(st.integers(2, 4)) * patch)
+    kwargs = dict(
+        img_size=img_size, patch_size=patch, num_classes=draw(st.sampled_from([0, 5])), global_pool=pool,
+        embed_dim=heads * head_dim, depth=draw(st.integers(1, 2)), num_heads=heads,
+        mlp_ratio=draw(st.sampled_from([1.0, 2.0])), qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()),
+        scale_attn_norm=draw(st.booleans()), scale_mlp_norm=draw(st.booleans()), proj_bias=draw(st.booleans()),
+        init_values=draw(st.sampled_from([None, 0.5])), class_token=class_token,
+        pos_embed=draw(st.sampled_from(["learn", "learn", "none"])), no_embed_class=draw(st.booleans()),
+        reg_tokens=draw(st.sampled_from([0, 0, 1, 2])), pre_norm=draw(st.booleans()),
+        final_norm=draw(st.booleans()), fc_norm=draw(st.sampled_from([None, True, False])),
+        pool_include_prefix=draw(st.booleans()), dynamic_img_size=dynamic, dynamic_img_pad=pad,
+        act_layer=draw(st.sampled_from(["gelu", "gelu_tanh", "silu", "relu"])),
+        norm_layer=draw(st.sampled_from(["layernorm", "layernorm", "rmsnorm"])),
+        embed_norm_layer=draw(st.sampled_from([None, None, "layernorm"])),
+    )  # fmt: skip
+    mlp = draw(st.sampled_from(MLPS))
+    if mlp == "SwiGLUPacked":
+        kwargs["act_layer"] = "silu"  # timm's SwiGLU models pair it with SiLU
+        kwargs["mlp_ratio"] = 2.0
+    return dict(
+        domain=domain, seed=draw(st.integers(0, 2**16)), patch=patch, run_size=run_size, sizes=sizes,
+        # Mostly the blocks the zoo shards (the others must be refused cleanly).
+        block=draw(st.sampled_from(BLOCKS[:1] * 6 + BLOCKS[1:2] * 2 + BLOCKS[2:])), mlp=mlp, kwargs=kwargs,
+        attention="ulysses" if heads % p == 0 and draw(st.integers(0, 3)) == 0 else "ring",
+    )  # fmt: skip
+
+
+def _run(pools, cfg, timeout: float = 300.0):
+    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
+    assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
+    return results[0]
+
+
+FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_VIT_FAST_EXAMPLES", 8)), deadline=None, derandomize=True,
+                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+def _example(domain, sizes, run_size, block="Block", mlp="Mlp", attention="ring", **kw):
+    base = dict(img_size=run_size, patch_size=4, num_classes=5, embed_dim=8, depth=1, num_heads=2)
+    return dict(domain=domain, seed=7, patch=4, run_size=run_size, sizes=sizes, block=block, mlp=mlp,
+                kwargs={**base, **kw}, attention=attention)
+
+
+# Three cases the fast run always includes (uneven slabs, prefix tokens, the three pool kinds).
+EXAMPLES = [
+    _example(3, [4, 12, 8], (24, 12), reg_tokens=2, global_pool="map", qk_norm=True, init_values=0.5),
+    _example(2, [12, 7], (19, 10), mlp="SwiGLUPacked", act_layer="silu", mlp_ratio=2.0, dynamic_img_size=True,
+             dynamic_img_pad=True, img_size=(16, 16), class_token=False, global_pool="avgmax", reg_tokens=1),
+    _example((2, 2), None, (16, 20), block="ResPostBlock", attention="ulysses", num_heads=4, no_embed_class=True,
+             norm_layer="rmsnorm", pool_include_prefix=True, global_pool="max", reg_tokens=1),
+]
+
+
+@FAST
+@example(cfg=EXAMPLES[0])
+@example(cfg=EXAMPLES[1])
+@example(cfg=EXAMPLES[2])
+@given(cfg=configs())
+def test_fuzz_vit_fast(pools, cfg):
+    out = _run(pools, cfg)
+    if any(cfg is e for e in EXAMPLES):
+        assert out == "ok", out
+
+
+@pytest.mark.slow
+def test_fuzz_vit_campaign(pools):
+    n = int(os.environ.get("SNN_FUZZ_VIT_EXAMPLES", 300))
+    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
+    counts: collections.Counter = collections.Counter()
+    mismatches: list[tuple[dict, str]] = []
+    others: list[tuple[dict, object]] = []
+    timeouts: list[dict] = []
+
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(cfg=configs())
+    def campaign(cfg):
+        counts["cases"] += 1
+        try:
+            out = _run(pools, cfg, timeout)
+        except TimeoutError:
+            timeouts.append(cfg)
+            return
+        except (RankFailure, AssertionError) as e:
+            cause = e.__cause__ if e.__cause__ is not None else e
+            mismatches.append((cfg, str(cause)[-800:]))
+            return
+        if out == "ok":
+            counts["ok"] += 1
+        else:
+            counts[out[0]] += 1
+            counts[f"{out[0]}: {str(out[-1])[:70]}"] += 1
+            others.append((cfg, out))
+        if counts["cases"] % 25 == 0:
+            print(f"vit fuzz: {counts['cases']} cases, {len(mismatches)} mismatches", flush=True)
+
+    campaign()
+    print(f"\nvit fuzz: {dict(counts)}; mismatches: {len(mismatches)}; timeouts: {len(timeouts)}")
+    for cfg, why in mismatches[:20]:
+        print("MISMATCH", cfg, why)
+    seen = set()
+    for cfg, out in others:  # one example per reason
+        if str(out[-1])[:70] not in seen:
+            seen.add(str(out[-1])[:70])
+            print("NOT RUN", cfg, out)
+    for cfg in timeouts[:20]:
+        print("TIMEOUT", cfg)
+    assert counts["cases"] >= min(n, 100)
+    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
+    assert not timeouts, f"{len(timeouts)} cases timed out after {timeout} s, first: {timeouts[0]}"
