@@ -274,3 +274,82 @@ def test_vit_attention_dropout_matches_reference(run, domain, family):
         assert r[0] == seeds and r[1] == seeds2 and torch.equal(r[2], out)
     assert len(set(seeds + seeds2)) == len(seeds) * 2  # fresh seeds per layer and per step
     assert not torch.allclose(out, out2)
+
+
+# ------------------------------------------------- blocks that compute their attention inline
+
+INLINE = {
+    # ParallelScalingBlock (one attention per block), DiffParallelScalingBlock (two per block).
+    "vit_xp": ("vit_base_patch16_xp_224", dict(TINY, img_size=(80, 48), reg_tokens=1)),
+    "vit_diff": ("vit_tiny_patch16_224", dict(TINY, img_size=(80, 48), reg_tokens=2, block_fn="diff")),
+}
+
+
+def _masked_sdpa(seeds: list[int]):
+    """``F.scaled_dot_product_attention`` of timm's fused path with the mask law on timm's token
+    indices, one seed per call in call order (the sharded blocks' recorded seeds)."""
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **_):
+        assert attn_mask is None and not is_causal and dropout_p > 0
+        b, h, n, _d = q.shape
+        probs = (torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5).softmax(-1)
+        ar = torch.arange
+        keep = dropout_keep(seeds.pop(0), dropout_p, ar(b), ar(h), ar(n), ar(n))
+        return torch.matmul(probs * keep / (1 - dropout_p), v)
+
+    return sdpa
+
+
+def _inline_dropout(domain, family):
+    import timm
+    import timm.models.vision_transformer as tv
+
+    name, kwargs = INLINE[family]
+    kwargs = dict(kwargs)
+    if kwargs.pop("block_fn", None) == "diff":
+        kwargs["block_fn"] = tv.DiffParallelScalingBlock
+    m = make_mesh(domain)
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    torch.manual_seed(0)
+    ref = timm.create_model(name, **kwargs, attn_drop_rate=0.25).double().train()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # every parameter matters (layer scales, lambdas, biases start at 0 or 1e-5)
+        for prm in ref.parameters():
+            prm.add_(torch.randn(prm.shape, generator=gen, dtype=prm.dtype) * 0.2)
+    model = snn.convert(copy.deepcopy(ref), m, plan={"": {"seed": 11}}).train()
+    assert all(type(b).__name__.startswith("Sharded") for b in model.blocks)
+    x = torch.randn(2, 3, *kwargs["img_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xl = x[snn.local_slices(x.shape, m, dims=dims, align=16)].clone().requires_grad_()
+    out = model(xl)
+    snn.losses.share(out.square().sum(), m).backward()
+    seeds = [s for blk in model.blocks for s in (getattr(blk, "dropout_seeds", None) or (blk.dropout_seed,))]
+    assert None not in seeds and len(set(seeds)) == len(seeds), seeds
+    for blk in ref.blocks:
+        blk.fused_attn = True  # the path whose dropout the patched kernel reproduces
+    pending = list(seeds)
+    real = tv.F
+    tv.F = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    tv.F.scaled_dot_product_attention = _masked_sdpa(pending)
+    try:
+        xr = x.clone().requires_grad_()
+        ref_out = ref(xr)
+    finally:
+        tv.F = real
+    assert not pending  # as many attention calls as recorded seeds
+    ref_out.square().sum().backward()
+    torch.testing.assert_close(out.detach(), ref_out.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(xl.grad, xr.grad[snn.local_slices(x.shape, m, dims=dims, align=16)],
+                               atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, m)
+    for pname, param in ref.named_parameters():
+        # Differential attention's lambda is computed in float32 by timm (see tests/test_vit.py).
+        tol = 1e-6 if ".lambda_" in pname else 1e-10
+        torch.testing.assert_close(grads[pname], param.grad, atol=tol, rtol=tol, msg=lambda s, n=pname: f"{n}: {s}")
+    assert not torch.allclose(out.detach(), model.eval()(xl).detach())  # the masks did something
+    return seeds
+
+
+@pytest.mark.parametrize("domain,family", [(2, "vit_xp"), ((2, 2), "vit_xp"), (3, "vit_diff")], ids=str)
+def test_inline_attention_blocks_dropout_matches_reference(run, domain, family):
+    results = run(world_of(domain), _inline_dropout, domain, family)
+    assert all(r == results[0] for r in results)  # one mask law: the same seeds on every rank

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from timm.models.vision_transformer import DiffParallelScalingBlock
 from torch import nn
 
 import sharded_nn as snn
@@ -50,6 +51,16 @@ FAMILIES = {
     "eva02": ("eva02_tiny_patch14_224", dict(TINY, img_size=(70, 42))),
     "eva02_dynamic": ("eva02_tiny_patch14_224", dict(TINY, img_size=56, dynamic_img_size=True, run_size=(70, 42))),
     "rope_reg_gap": ("vit_medium_patch16_rope_reg1_gap_256", dict(TINY, img_size=(80, 48))),
+    # Blocks with attention inline (converted whole) or in parallel branches; attention pooling
+    # 'prr' (parameter-free self-attention of all tokens, then the class token or the mean).
+    "vit_xp": ("vit_base_patch16_xp_224", dict(TINY, img_size=(80, 48), reg_tokens=1)),
+    "vit_18x2": ("vit_small_patch16_18x2_224", dict(TINY, img_size=(80, 48), init_values=0.5)),
+    "vit_diff": ("vit_tiny_patch16_224", dict(TINY, img_size=(80, 48), block_fn=DiffParallelScalingBlock, reg_tokens=2)),
+    "vit_prr_token": ("vit_tiny_patch16_224", dict(TINY, img_size=(80, 48), global_pool="prr", reg_tokens=1)),
+    "vit_prr_avg": (
+        "vit_tiny_patch16_224",
+        dict(TINY, img_size=(80, 48), global_pool="prr", class_token=False, reg_tokens=1),
+    ),
 }
 
 # Ulysses needs the heads divisible by the ranks.
@@ -135,10 +146,11 @@ def _check_family(domain, family: str, attention: str = "ring", edit=None) -> di
     dynamic = "run_size" in kwargs
     for pname, p in ref.named_parameters():
         tol = 1e-10
-        if dynamic and pname == "pos_embed":
-            # timm resamples the position embedding in float32 (resample_abs_pos_embed casts); the
-            # forward values are the same bits, but the backward through the float32 interpolation
-            # is summed over the ranks' slices in another order: float32 rounding, not an error.
+        if (dynamic and pname == "pos_embed") or ".lambda_" in pname:
+            # timm resamples the position embedding in float32 (resample_abs_pos_embed casts), and
+            # computes differential attention's lambda in float32 (``.float()``); the forward
+            # values are the same bits, but the backward through the float32 step is summed over
+            # the ranks' slices in another order: float32 rounding, not an error.
             tol = 1e-6
         torch.testing.assert_close(grads[pname], p.grad, atol=tol, rtol=tol * 100, msg=lambda m, n=pname: f"{n}: {m}")
         errors[pname] = (grads[pname] - p.grad).abs().max().item() * (1e-10 / tol)
@@ -385,7 +397,8 @@ def _unsupported_model(domain):
     import timm
 
     mesh = make_mesh(domain)
-    m = timm.create_model("vit_tiny_patch16_224", **TINY, img_size=64, global_pool="prr")
+    m = timm.create_model("vit_tiny_patch16_224", **TINY, img_size=64)
+    m.blocks[1].attn = nn.Identity()  # a token mixer the zoo does not know
     return _error_of(snn.convert, m, mesh)
 
 
@@ -424,7 +437,7 @@ def _create_unsupported(domain):
 @pytest.mark.parametrize(
     "fn, exc, match",
     [
-        (_unsupported_model, "ShardingNotImplementedError", "attn_pool is a AttentionPoolPrr"),
+        (_unsupported_model, "ShardingNotImplementedError", "blocks.1.attn is a Identity (sharded: ['Attention'])"),
         (_misaligned_slab, "ShardingError", "must span whole patches of 16"),
         (_attn_drop_training, "ShardingNotImplementedError", "gradient checkpointing with drop-path or dropout"),
         (_create_unsupported, "ShardingNotImplementedError", "resnet18"),

@@ -43,7 +43,13 @@ Sharding contract
   C)`` (the prefix tokens first); ``forward_intermediates`` returns this rank's slab of each
   requested block, ``(B, C, h_local, w_local)`` (NCHW, the feature map sharded like the image)
   or ``(B, h_local * w_local, C)`` (NLC). Pooled features and logits (``token``, ``avg``,
-  ``avgmax``, ``max``, ``map`` pooling, ``fc_norm``) are replicated, identical on every rank.
+  ``avgmax``, ``max``, ``map``, ``prr`` pooling, ``fc_norm``) are replicated, identical on every
+  rank.
+- Blocks: timm's ``Block``, ``ResPostBlock`` and ``ParallelThingsBlock`` keep their class, their
+  ``Attention`` modules are swapped for ``ShardedViTAttention``; ``ParallelScalingBlock`` and
+  ``DiffParallelScalingBlock`` compute attention inline and are converted whole
+  (``ShardedParallelScalingBlock``, ``ShardedDiffParallelScalingBlock``). Everything else in a
+  block is per token.
 - Gradients (DESIGN.md section 3): the per-rank losses sum to the global loss; replicated values
   (prefix tokens, pooled features, logits) carry a partial gradient on each rank, and the
   collectives that made them replicated (all-reduce of pooled sums, all-gather of partial
@@ -77,12 +83,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import timm.layers as _timm_layers
+import timm.models.vision_transformer as _tv
 from timm.layers import AttentionPoolLatent, DropPath, PatchEmbed, resample_abs_pos_embed
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
-from timm.models.vision_transformer import Attention, Block, ResPostBlock, VisionTransformer
+from timm.models.vision_transformer import (
+    Attention,
+    Block,
+    ParallelScalingBlock,
+    ParallelThingsBlock,
+    ResPostBlock,
+    VisionTransformer,
+)
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -98,6 +113,10 @@ from .factory import register_model
 __all__ = ["ShardedEva", "ShardedVisionTransformer", "ShardedVisionTransformerDistilled", "TokenGrid", "create_vit"]
 
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+# Newer timm parts, absent from older releases (then nothing of theirs needs sharding).
+_DiffParallelScalingBlock = getattr(_tv, "DiffParallelScalingBlock", None)
+_AttentionPoolPrr = getattr(_timm_layers, "AttentionPoolPrr", None)
 
 
 # --------------------------------------------------------------------------- token layout
@@ -401,6 +420,15 @@ class _AttentionOptions:
     def _set_sharding(self, mesh: DeviceMesh, num_prefix_tokens: int, attention: str) -> None:
         self.mesh, self.num_prefix_tokens, self.attention = mesh, num_prefix_tokens, attention
 
+    @classmethod
+    def _adopt(cls, module: nn.Module, mesh: DeviceMesh, num_prefix_tokens: int, attention: str):
+        """An instance of ``cls`` holding ``module``'s parameters and submodules (state_dict keys
+        unchanged; its own registries, so that converting never edits ``module``)."""
+        new = cls.__new__(cls)
+        new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
+        new._set_sharding(mesh, num_prefix_tokens, attention)
+        return new
+
     def _attend(self, q, k, v) -> torch.Tensor:
         """``prefix_self_attention`` with this layer's dropout in training (a fresh mask seed)."""
         p = self.attn_drop.p if self.training else 0.0
@@ -450,10 +478,7 @@ class ShardedViTAttention(_AttentionOptions, Attention):
 
     @classmethod
     def from_module(cls, module: Attention, mesh: DeviceMesh, *, num_prefix_tokens: int, attention: str = "ring"):
-        new = cls.__new__(cls)
-        new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
-        new._set_sharding(mesh, num_prefix_tokens, attention)
-        return new
+        return cls._adopt(module, mesh, num_prefix_tokens, attention)
 
     def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:  # noqa: D102
         self._check_masks(type(self).__name__, attn_mask, is_causal)
@@ -494,10 +519,7 @@ class ShardedEvaAttention(_AttentionOptions, EvaAttention):
 
     @classmethod
     def from_module(cls, module: EvaAttention, mesh: DeviceMesh, *, attention: str = "ring"):
-        new = cls.__new__(cls)
-        new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
-        new._set_sharding(mesh, module.num_prefix_tokens, attention)
-        return new
+        return cls._adopt(module, mesh, module.num_prefix_tokens, attention)
 
     def forward(self, x, rope=None, attn_mask=None, is_causal: bool = False):  # noqa: D102
         from timm.layers import apply_rot_embed_cat
@@ -534,6 +556,89 @@ class ShardedEvaAttention(_AttentionOptions, EvaAttention):
         return self.proj_drop(self.proj(x))
 
 
+class _InlineAttentionBlock(_AttentionOptions):
+    """What timm's parallel-scaling blocks share: one fused input projection (MLP input and q, k,
+    v), an attention computed inline, and the output projection(s) with the residual. Only the
+    attention sees other tokens; it is ``prefix_self_attention`` (as ``ShardedViTAttention``)."""
+
+    @classmethod
+    def from_module(cls, module: nn.Module, mesh: DeviceMesh, *, num_prefix_tokens: int, attention: str = "ring"):
+        return cls._adopt(module, mesh, num_prefix_tokens, attention)
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(MLP input, q, k, v) of the fused input projection, as timm splits them."""
+        x_mlp, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            x_mlp = x_mlp + self.mlp_bias
+        return x_mlp, q, k, v
+
+    def _output(self, x: torch.Tensor, x_attn: torch.Tensor, x_mlp: torch.Tensor) -> torch.Tensor:
+        """The output projection(s) of the attention and MLP results, and the residual."""
+        x_mlp = self.mlp_drop(self.mlp_act(x_mlp))
+        if self.out_proj is not None:
+            y = self.out_proj(torch.cat((x_attn, x_mlp), dim=-1))
+        else:
+            y = self.attn_out_proj(x_attn) + self.mlp_out_proj(x_mlp)
+        return x + self.drop_path(self.ls(y))
+
+
+class ShardedParallelScalingBlock(_InlineAttentionBlock, ParallelScalingBlock):
+    """timm's ``ParallelScalingBlock`` (ViT-22B: attention and MLP side by side from one fused
+    input projection) on ``[prefix, local patches]`` slabs. The block computes its attention
+    inline (no ``Attention`` module to swap), so the block itself is converted."""
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:  # noqa: D102
+        self._check_masks(type(self).__name__, attn_mask, is_causal)
+        b, n, c = x.shape
+        x_mlp, q, k, v = self._inputs(x)
+        heads = (b, n, self.num_heads, self.head_dim)
+        q = self.q_norm(q.view(heads)).transpose(1, 2)
+        k = self.k_norm(k.view(heads)).transpose(1, 2)
+        x_attn = self._attend(q, k, v.view(heads).transpose(1, 2))
+        return self._output(x, x_attn.transpose(1, 2).reshape(b, n, c), x_mlp)
+
+
+if _DiffParallelScalingBlock is not None:
+
+    class ShardedDiffParallelScalingBlock(_InlineAttentionBlock, _DiffParallelScalingBlock):
+        """timm's ``DiffParallelScalingBlock`` (differential attention: the difference of two
+        softmax attentions over one value, beside the MLP) on ``[prefix, local patches]`` slabs.
+        Both attentions are ``prefix_self_attention`` calls, each with its own dropout seed in
+        training, as timm's two ``scaled_dot_product_attention`` calls draw two masks."""
+
+        def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:  # noqa: D102
+            self._check_masks(type(self).__name__, attn_mask, is_causal)
+            b, n, c = x.shape
+            x_mlp, q, k, v = self._inputs(x)
+            h, d = self.num_heads, self.head_dim
+            q = q.reshape(b, n, 2 * h, d).transpose(1, 2)
+            k = k.reshape(b, n, 2 * h, d).transpose(1, 2)
+            v = v.reshape(b, n, h, 2 * d).transpose(1, 2)
+            q, k = self.q_norm(q), self.k_norm(k)
+            lam = self._compute_lambda().type_as(q)
+            # timm pairs heads (2i, 2i + 1) as the two attentions of head i.
+            q1, q2 = q.unflatten(1, (h, 2)).unbind(2)
+            k1, k2 = k.unflatten(1, (h, 2)).unbind(2)
+            first = self._attend(q1, k1, v)
+            seed = self.dropout_seed
+            x_attn = first - lam * self._attend(q2, k2, v)
+            #: Both attentions' mask seeds (``dropout_seed`` holds the second's); None: no dropout.
+            self.dropout_seeds = None if seed is None else (seed, self.dropout_seed)
+            x_attn = self.sub_norm(x_attn) * (1 - self.lambda_init)
+            return self._output(x, x_attn.transpose(1, 2).reshape(b, n, c), x_mlp)
+
+else:  # pragma: no cover - older timm
+    ShardedDiffParallelScalingBlock = None
+
+
+def _block_attentions(blk: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the attention modules a block calls: ``attn``, or one per branch of a
+    ``ParallelThingsBlock`` (its other parts are per token: norms, MLPs, layer scales, sums)."""
+    if isinstance(blk, ParallelThingsBlock):
+        return [(f"attns.{i}.attn", branch.attn) for i, branch in enumerate(blk.attns)]
+    return [("attn", blk.attn)]
+
+
 # --------------------------------------------------------------------------- shared model logic
 
 
@@ -551,8 +656,11 @@ def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
 class _ShardedViTMixin:
     """What ``ShardedVisionTransformer`` and ``ShardedEva`` share: layout, embedding, pooling."""
 
+    #: Blocks whose attention modules (``_block_attentions``) are swapped for sharded ones.
     _block_types: tuple[type, ...] = ()
     _attn_types: tuple[type, ...] = ()
+    #: Blocks that compute attention inline, converted whole: block type -> sharded class.
+    _inline_blocks: dict[type, type] = {}
 
     # ---- conversion
 
@@ -571,18 +679,23 @@ class _ShardedViTMixin:
             ):
                 problems.append("patch_embed.proj must be a Conv2d with kernel = stride = patch size and no padding")
         for i, blk in enumerate(self.blocks):
+            if type(blk) in self._inline_blocks:
+                continue
             if type(blk) not in self._block_types:
-                names = [t.__name__ for t in self._block_types]
+                names = [t.__name__ for t in (*self._block_types, *self._inline_blocks)]
                 problems.append(f"blocks.{i} is a {type(blk).__name__} (sharded blocks: {names})")
-            elif type(blk.attn) not in self._attn_types:
-                names = [t.__name__ for t in self._attn_types]
-                problems.append(f"blocks.{i}.attn is a {type(blk.attn).__name__} (sharded: {names})")
+                continue
+            for path, attn in _block_attentions(blk):
+                if type(attn) not in self._attn_types:
+                    names = [t.__name__ for t in self._attn_types]
+                    problems.append(f"blocks.{i}.{path} is a {type(attn).__name__} (sharded: {names})")
         pool = getattr(self, "attn_pool", None)
         if pool is not None:
-            if type(pool) is not AttentionPoolLatent:
+            if type(pool) not in (AttentionPoolLatent, _AttentionPoolPrr):
                 problems.append(f"attn_pool is a {type(pool).__name__} (global_pool={self.global_pool!r}); "
-                                "only 'map' attention pooling (AttentionPoolLatent) is sharded")
-            elif pool.pos_embed is not None:
+                                "only 'map' (AttentionPoolLatent) and 'prr' (AttentionPoolPrr) attention pooling "
+                                "are sharded")
+            elif getattr(pool, "pos_embed", None) is not None:
                 problems.append("attn_pool has its own position embedding (pos_embed='abs')")
         return problems
 
@@ -599,15 +712,23 @@ class _ShardedViTMixin:
         if problems:
             raise ShardingNotImplementedError(
                 f"{name} cannot be sharded: {'; '.join(problems)}. Supported: timm VisionTransformer (and DeiT's "
-                "VisionTransformerDistilled) with Block/ResPostBlock and Eva with EvaBlock/EvaBlockPostNorm, "
-                "PatchEmbed, token/avg/avgmax/max/map pooling, on meshes with 1 or 2 domain axes."
+                "VisionTransformerDistilled) with Block/ResPostBlock/ParallelThingsBlock/ParallelScalingBlock/"
+                "DiffParallelScalingBlock and Eva with EvaBlock/EvaBlockPostNorm, PatchEmbed, "
+                "token/avg/avgmax/max/map/prr pooling, on meshes with 1 or 2 domain axes."
             )
         self.mesh, self.attention, self.mesh_axes = mesh, attention, axes
         self.streams = _Streams(*_agree_seed(mesh, seed))
         npt = self.num_prefix_tokens
-        for blk in self.blocks:
-            blk.attn = self._sharded_attention(blk.attn, mesh, attention)
-            blk.attn.streams = self.streams
+        for i, blk in enumerate(self.blocks):
+            whole = self._inline_blocks.get(type(blk))
+            if whole is not None:
+                self.blocks[i] = whole.from_module(blk, mesh, num_prefix_tokens=npt, attention=attention)
+                continue
+            for path, attn in _block_attentions(blk):
+                _set_child(blk, path, self._sharded_attention(attn, mesh, attention))
+        for m in self.modules():
+            if isinstance(m, _AttentionOptions):
+                m.streams = self.streams
         replicated = ("attn_pool", "head_drop", "fc_norm", "head")
         for mname, m in list(self.named_modules()):
             if not mname:
@@ -633,8 +754,9 @@ class _ShardedViTMixin:
             )
         new_mesh = mesh is not self.mesh
         self.mesh, self.attention, self.mesh_axes = mesh, attention, domain_axes(mesh)
-        for blk in self.blocks:
-            blk.attn._set_sharding(mesh, blk.attn.num_prefix_tokens, attention)
+        for m in self.modules():
+            if isinstance(m, _AttentionOptions):
+                m._set_sharding(mesh, m.num_prefix_tokens, attention)
         if seed is not None or new_mesh:
             self.streams.__init__(*_agree_seed(mesh, seed))
 
@@ -782,9 +904,12 @@ class _ShardedViTMixin:
         parts = all_gather_grid(t.unsqueeze(0), group, (0,), [(r,) for r in range(p)], ((1,) * p,), dist.get_rank(group))
         return parts.amax(0)
 
-    def _sharded_global_pool(self, x: torch.Tensor, pool_type: str, include_prefix: bool) -> torch.Tensor:
-        """timm's ``global_pool_nlc`` over the tokens of all ranks (the prefix counted once)."""
-        npt = self.num_prefix_tokens
+    def _sharded_global_pool(
+        self, x: torch.Tensor, pool_type: str, include_prefix: bool, num_prefix: int | None = None
+    ) -> torch.Tensor:
+        """timm's ``global_pool_nlc`` over the tokens of all ranks (the prefix counted once).
+        ``num_prefix``: the replicated tokens in front of ``x``'s patch tokens (default: the model's)."""
+        npt = self.num_prefix_tokens if num_prefix is None else num_prefix
         if not pool_type:
             return x
         if pool_type == "token":
@@ -830,6 +955,27 @@ class _ShardedViTMixin:
             y = y.mean(1)
         return y
 
+    def _sharded_prr_pool(self, x: torch.Tensor, include_prefix: bool) -> torch.Tensor:
+        """timm's ``AttentionPoolPrr``: parameter-free self-attention of the tokens (q = k = v,
+        the normalised tokens split into heads) over all ranks, then its class token or mean."""
+        pool = self.attn_pool
+        npt = self.num_prefix_tokens if include_prefix else 0
+        tokens = x if include_prefix else x[:, self.num_prefix_tokens :]
+        if pool.pool == "token" and npt == 0:
+            raise ShardingNotImplementedError(
+                f"{_model_name(self)}: 'prr' token pooling with pool_include_prefix=False pools the first patch "
+                "token, which only the first rank holds; set pool_include_prefix=True (timm's default for 'prr')."
+            )
+        y = pool.pre_norm(tokens)
+        b, n, c = y.shape
+        qkv = y.reshape(b, n, pool.num_heads, pool.head_dim).transpose(1, 2)
+        # The head runs after the blocks: the attention gathers the slab lengths itself.
+        y = prefix_self_attention(qkv, qkv, qkv, npt, self.mesh, self.attention, pool.scale)
+        y = pool.post_norm(y.transpose(1, 2).reshape(b, n, c))
+        if pool.pool == "token":
+            return y[:, 0]
+        return self._sharded_global_pool(y, "avg", True, num_prefix=npt)
+
     # ---- intermediates
 
     def _format_intermediates(self, inter, grid: TokenGrid, output_fmt: str):
@@ -867,8 +1013,11 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
     (of the drop-path / dropout streams).
     """
 
-    _block_types = (Block, ResPostBlock)
+    _block_types = (Block, ResPostBlock, ParallelThingsBlock)
     _attn_types = (Attention,)
+    _inline_blocks = {ParallelScalingBlock: ShardedParallelScalingBlock}
+    if _DiffParallelScalingBlock is not None:
+        _inline_blocks[_DiffParallelScalingBlock] = ShardedDiffParallelScalingBlock
 
     @classmethod
     def from_module(
@@ -940,6 +1089,8 @@ class ShardedVisionTransformer(_ShardedViTMixin, VisionTransformer):
     def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
         """Pooled features of all ranks' tokens, replicated."""
         if self.attn_pool is not None:
+            if _AttentionPoolPrr is not None and type(self.attn_pool) is _AttentionPoolPrr:
+                return self._sharded_prr_pool(x, self.pool_include_prefix)
             return self._sharded_attn_pool(x, self.pool_include_prefix)
         pool_type = self.global_pool if pool_type is None else pool_type
         return self._sharded_global_pool(x, pool_type, self.pool_include_prefix)
