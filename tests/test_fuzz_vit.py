@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import os
 
 import pytest
@@ -46,14 +47,16 @@ POOLS = ("avg", "avgmax", "max", "token", "map", "prr")
 def _build(cfg: dict):
     """The float64 timm model of ``cfg`` with randomised parameters, or the reason timm refused it."""
     import timm.layers as tl
+    import timm.models.eva as te
     import timm.models.vision_transformer as tv
 
     kw = dict(cfg["kwargs"])
-    kw["block_fn"] = getattr(tv, cfg["block"])
-    kw["mlp_layer"] = getattr(tl, cfg["mlp"])
+    if cfg["arch"] == "vit":
+        kw["block_fn"] = getattr(tv, cfg["block"])
+        kw["mlp_layer"] = getattr(tl, cfg["mlp"])
     torch.manual_seed(cfg["seed"])
     try:
-        model = tv.VisionTransformer(**kw)
+        model = tv.VisionTransformer(**kw) if cfg["arch"] == "vit" else te.Eva(**kw)
     except (AssertionError, ValueError, TypeError, RuntimeError) as e:
         return None, f"{type(e).__name__}: {e}"
     model = model.double().eval()
@@ -102,10 +105,11 @@ def _case(cfg: dict):
     grads = reduce_param_grads(model, m)
     for name, p in ref.named_parameters():
         want = p.grad if p.grad is not None else torch.zeros_like(p)
-        # timm resamples a dynamic size's position embedding and computes differential
-        # attention's lambda in float32: their backward sums the ranks' slices in another order
-        # (float32 rounding, see tests/test_vit.py).
+        # timm resamples a dynamic size's position embedding, computes differential attention's
+        # lambda and mixed rotary angles (``get_mixed_freqs``) in float32: their backward sums the
+        # ranks' slices in another order (float32 rounding, see tests/test_vit.py).
         f32 = (name == "pos_embed" and cfg["kwargs"].get("dynamic_img_size")) or ".lambda_" in name
+        f32 = f32 or name == "rope.freqs"
         t = dict(atol=1e-6, rtol=1e-4) if f32 else tol
         torch.testing.assert_close(grads[name], want, **t, msg=lambda s, n=name: f"{n}: {s}")
     return "ok"
@@ -115,14 +119,10 @@ def _case(cfg: dict):
 
 
 @st.composite
-def configs(draw):
-    domain = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
+def _geometry(draw, domain, patch: int) -> dict:
+    """Image, slabs and sizes: patch rows per rank (1-D meshes: uneven) or per mesh row (2x2:
+    balanced by ``snn.shard``), a dynamic size with a partial last patch, or a fixed size."""
     p = world_of(domain)
-    patch = draw(st.sampled_from([4, 8]))
-    heads = draw(st.sampled_from([1, 2, 4]))
-    head_dim = draw(st.sampled_from([4, 8]))
-    class_token = draw(st.booleans())
-    pool = draw(st.sampled_from([x for x in POOLS if class_token or x != "token"]))
     dynamic = draw(st.booleans())
     pad = dynamic and draw(st.booleans())
     # Patch rows per rank (1-D meshes: uneven), or per mesh row (2x2: balanced by snn.shard).
@@ -138,8 +138,35 @@ def configs(draw):
         if sizes is not None:
             sizes[-1] -= cut
     img_size = run_size if not dynamic else (draw(st.integers(2, 4)) * patch, draw(st.integers(2, 4)) * patch)
+    return dict(run_size=run_size, sizes=sizes, img_size=img_size, patch_size=patch, dynamic_img_size=dynamic,
+                dynamic_img_pad=pad)
+
+
+def _case_cfg(draw, domain, arch: str, geo: dict, kwargs: dict, heads: int, **extra) -> dict:
+    p = world_of(domain)
+    run_size, sizes = geo.pop("run_size"), geo.pop("sizes")
+    return dict(
+        arch=arch, domain=domain, seed=draw(st.integers(0, 2**16)), patch=geo["patch_size"], run_size=run_size,
+        sizes=sizes, kwargs={**kwargs, **geo},
+        attention="ulysses" if heads % p == 0 and draw(st.integers(0, 3)) == 0 else "ring", **extra,
+    )  # fmt: skip
+
+
+@st.composite
+def _shape(draw):
+    """(mesh, image geometry, heads, head size, class token): what both model kinds draw."""
+    domain = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
+    geo = draw(_geometry(domain, draw(st.sampled_from([4, 8]))))
+    return domain, geo, draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([4, 8])), draw(st.booleans())
+
+
+@st.composite
+def vit_configs(draw):
+    """timm ``VisionTransformer`` options."""
+    domain, geo, heads, head_dim, class_token = draw(_shape())
+    pool = draw(st.sampled_from([x for x in POOLS if class_token or x != "token"]))
     kwargs = dict(
-        img_size=img_size, patch_size=patch, num_classes=draw(st.sampled_from([0, 5])), global_pool=pool,
+        num_classes=draw(st.sampled_from([0, 5])), global_pool=pool,
         embed_dim=heads * head_dim, depth=draw(st.integers(1, 2)), num_heads=heads,
         mlp_ratio=draw(st.sampled_from([1.0, 2.0])), qkv_bias=draw(st.booleans()), qk_norm=draw(st.booleans()),
         scale_attn_norm=draw(st.booleans()), scale_mlp_norm=draw(st.booleans()), proj_bias=draw(st.booleans()),
@@ -147,7 +174,7 @@ def configs(draw):
         pos_embed=draw(st.sampled_from(["learn", "learn", "none"])), no_embed_class=draw(st.booleans()),
         reg_tokens=draw(st.sampled_from([0, 0, 1, 2])), pre_norm=draw(st.booleans()),
         final_norm=draw(st.booleans()), fc_norm=draw(st.sampled_from([None, True, False])),
-        pool_include_prefix=draw(st.booleans()), dynamic_img_size=dynamic, dynamic_img_pad=pad,
+        pool_include_prefix=draw(st.booleans()),
         act_layer=draw(st.sampled_from(["gelu", "gelu_tanh", "silu", "relu"])),
         norm_layer=draw(st.sampled_from(["layernorm", "layernorm", "rmsnorm"])),
         embed_norm_layer=draw(st.sampled_from([None, None, "layernorm"])),
@@ -159,11 +186,49 @@ def configs(draw):
     if mlp == "SwiGLUPacked":
         kwargs["act_layer"] = "silu"  # timm's SwiGLU models pair it with SiLU
         kwargs["mlp_ratio"] = 2.0
-    return dict(
-        domain=domain, seed=draw(st.integers(0, 2**16)), patch=patch, run_size=run_size, sizes=sizes,
-        block=block, mlp=mlp, kwargs=kwargs,
-        attention="ulysses" if heads % p == 0 and draw(st.integers(0, 3)) == 0 else "ring",
+    return _case_cfg(draw, domain, "vit", geo, kwargs, heads, block=block, mlp=mlp)
+
+
+@st.composite
+def eva_configs(draw):
+    """timm ``Eva`` options (EVA-02, rotary ViTs): rotary embeddings of every type."""
+    domain, geo, heads, head_dim, class_token = draw(_shape())
+    rope = draw(st.booleans())
+    kwargs = dict(
+        num_classes=draw(st.sampled_from([0, 5])),
+        global_pool=draw(st.sampled_from(["avg", "avgmax", "max", "map"] + (["token"] if class_token else []))),
+        embed_dim=heads * head_dim, depth=draw(st.integers(1, 2)), num_heads=heads, qkv_bias=draw(st.booleans()),
+        qkv_fused=draw(st.booleans()), qk_norm=draw(st.booleans()), mlp_ratio=draw(st.sampled_from([1.0, 2.0])),
+        swiglu_mlp=draw(st.booleans()), scale_mlp=draw(st.booleans()), scale_attn_inner=draw(st.booleans()),
+        init_values=draw(st.sampled_from([None, 0.5])), attn_only_layer_scale=draw(st.booleans()),
+        class_token=class_token, num_reg_tokens=draw(st.sampled_from([0, 0, 1, 2])),
+        no_embed_class=draw(st.booleans()), use_abs_pos_emb=draw(st.booleans()), use_rot_pos_emb=rope,
+        use_post_norm=draw(st.booleans()), use_pre_transformer_norm=draw(st.booleans()),
+        use_fc_norm=draw(st.sampled_from([None, True, False])), attn_type=draw(st.sampled_from(["eva", "rope"])),
     )  # fmt: skip
+    if kwargs["attn_type"] == "rope" and draw(st.booleans()):
+        # AttentionRope's grouped-query K/V heads (separate projections, pre-norm blocks only).
+        kwargs.update(num_kv_heads=draw(st.sampled_from([x for x in (1, 2) if heads % x == 0])), qkv_fused=False,
+                      use_post_norm=False)
+    if kwargs["use_post_norm"]:
+        kwargs.update(qk_norm=False, attn_only_layer_scale=False)  # timm asserts them off there
+    if rope:
+        kind = draw(st.sampled_from(["cat", "cat", "mixed", "dinov3"]))
+        kwargs.update(
+            rope_type=kind, rope_grid_offset=draw(st.sampled_from([0.0, 1.0])),
+            rope_grid_indexing=draw(st.sampled_from(["ij", "xy"])),
+            rope_rotate_half=kind != "mixed" and draw(st.booleans()),  # timm refuses it with mixed
+            rope_temperature=draw(st.sampled_from([10000.0, 100.0])),
+        )  # fmt: skip
+        if not geo["dynamic_img_size"] and draw(st.booleans()):
+            # Rotary frequencies for a reference grid other than the model's (EVA-02's pretraining).
+            kwargs["ref_feat_shape"] = (draw(st.integers(2, 5)), draw(st.integers(2, 5)))
+    return _case_cfg(draw, domain, "eva", geo, kwargs, heads)
+
+
+@st.composite
+def configs(draw):
+    return draw(st.one_of(vit_configs(), eva_configs()))
 
 
 def _run(pools, cfg, timeout: float = 300.0):
@@ -176,9 +241,9 @@ FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_VIT_FAST_EXAMPLES", 8)
                 phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 
 
-def _example(domain, sizes, run_size, block="Block", mlp="Mlp", attention="ring", **kw):
+def _example(domain, sizes, run_size, block="Block", mlp="Mlp", attention="ring", arch="vit", **kw):
     base = dict(img_size=run_size, patch_size=4, num_classes=5, embed_dim=8, depth=1, num_heads=2)
-    return dict(domain=domain, seed=7, patch=4, run_size=run_size, sizes=sizes, block=block, mlp=mlp,
+    return dict(arch=arch, domain=domain, seed=7, patch=4, run_size=run_size, sizes=sizes, block=block, mlp=mlp,
                 kwargs={**base, **kw}, attention=attention)
 
 
@@ -189,6 +254,8 @@ EXAMPLES = [
              dynamic_img_pad=True, img_size=(16, 16), class_token=False, global_pool="avgmax", reg_tokens=1),
     _example((2, 2), None, (16, 20), block="ResPostBlock", attention="ulysses", num_heads=4, no_embed_class=True,
              norm_layer="rmsnorm", pool_include_prefix=True, global_pool="max", reg_tokens=1),
+    _example(3, [8, 4, 12], (24, 16), arch="eva", use_rot_pos_emb=True, rope_type="mixed", num_reg_tokens=1,
+             swiglu_mlp=True, global_pool="avg", depth=2),
 ]
 
 
@@ -196,6 +263,7 @@ EXAMPLES = [
 @example(cfg=EXAMPLES[0])
 @example(cfg=EXAMPLES[1])
 @example(cfg=EXAMPLES[2])
+@example(cfg=EXAMPLES[3])
 @given(cfg=configs())
 def test_fuzz_vit_fast(pools, cfg):
     out = _run(pools, cfg)
@@ -236,6 +304,9 @@ def test_fuzz_vit_campaign(pools):
             print(f"vit fuzz: {counts['cases']} cases, {len(mismatches)} mismatches", flush=True)
 
     campaign()
+    if os.environ.get("SNN_FUZZ_DUMP"):  # every mismatch, for a closer look
+        with open(os.environ["SNN_FUZZ_DUMP"], "w") as f:
+            json.dump([{"cfg": cfg, "why": why} for cfg, why in mismatches], f, indent=1, default=str)
     print(f"\nvit fuzz: {dict(counts)}; mismatches: {len(mismatches)}; timeouts: {len(timeouts)}")
     for cfg, why in mismatches[:20]:
         print("MISMATCH", cfg, why)

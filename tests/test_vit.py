@@ -56,6 +56,12 @@ FAMILIES = {
     "vit_xp": ("vit_base_patch16_xp_224", dict(TINY, img_size=(80, 48), reg_tokens=1)),
     "vit_18x2": ("vit_small_patch16_18x2_224", dict(TINY, img_size=(80, 48), init_values=0.5)),
     "vit_diff": ("vit_tiny_patch16_224", dict(TINY, img_size=(80, 48), block_fn=DiffParallelScalingBlock, reg_tokens=2)),
+    # timm's AttentionRope (PE-core; Eva(attn_type="rope")) with grouped-query K/V heads.
+    "pe_core": ("vit_pe_core_tiny_patch16_384", dict(TINY, img_size=(80, 48))),
+    "eva_rope_gqa": (
+        "eva02_tiny_patch14_224",
+        dict(TINY, num_heads=4, img_size=(70, 42), attn_type="rope", num_kv_heads=2, qkv_fused=False),
+    ),
     "vit_prr_token": ("vit_tiny_patch16_224", dict(TINY, img_size=(80, 48), global_pool="prr", reg_tokens=1)),
     "vit_prr_avg": (
         "vit_tiny_patch16_224",
@@ -67,6 +73,11 @@ FAMILIES = {
 ULYSSES = {
     "vit_h4": ("vit_tiny_patch16_224", dict(TINY, num_heads=4, img_size=(80, 48), reg_tokens=1)),
     "eva02_h4": ("eva02_tiny_patch14_224", dict(TINY, num_heads=4, img_size=(70, 42))),
+    # Grouped-query heads: 4 query and 2 K/V heads, split over 2 ranks.
+    "eva_rope_gqa_h4": (
+        "eva02_tiny_patch14_224",
+        dict(TINY, num_heads=4, img_size=(70, 42), attn_type="rope", num_kv_heads=2, qkv_fused=False, num_reg_tokens=1),
+    ),
 }
 
 MESHES = [2, 3, 4, (2, 2)]
@@ -196,6 +207,13 @@ def test_attention_with_another_qkv_module_matches_timm(run, domain):
 @pytest.mark.parametrize("family", ["vit_h4", "eva02_h4"])
 def test_ulysses_matches_timm(run, family, domain):
     results = run(world_of(domain), _check_family, domain, family, "ulysses")
+    assert all(max(r.values()) < 1e-10 for r in results)
+
+
+def test_ulysses_grouped_query_heads_match_timm(run):
+    """AttentionRope's grouped K/V heads through Ulysses: the prefix tokens' partial attention
+    (``replicated_query_attention``) maps query heads to their K/V head as timm repeats them."""
+    results = run(2, _check_family, 2, "eva_rope_gqa_h4", "ulysses")
     assert all(max(r.values()) < 1e-10 for r in results)
 
 

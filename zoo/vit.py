@@ -85,7 +85,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import timm.layers as _timm_layers
 import timm.models.vision_transformer as _tv
-from timm.layers import AttentionPoolLatent, DropPath, PatchEmbed, resample_abs_pos_embed
+from timm.layers import AttentionPoolLatent, AttentionRope, DropPath, PatchEmbed, resample_abs_pos_embed
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 from timm.models.deit import VisionTransformerDistilled
@@ -292,13 +292,17 @@ def _agree_seed(mesh: DeviceMesh, seed: int | None) -> tuple[int, int]:
 def _partial_attention(q, k, v, scale: float, drop: BlockDropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over the keys ``k`` and its log-sum-exp (float32 for halves)."""
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    h, hk = q.shape[1], k.shape[1]
+    # Grouped-query attention (fewer K/V heads): query head i reads K/V head i // (h // hk), as
+    # timm's ``repeat_interleave`` does, without repeating K/V: (B, Hkv, G, L, D) against (B, Hkv, 1, L, D).
+    qg = q.to(acc).unflatten(1, (hk, h // hk))
+    s = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
     lse = torch.logsumexp(s, -1)
     probs = torch.exp(s - lse[..., None])
     if drop is not None:
         # Dropout on the normalised probabilities; the lse (and so the merge) is unchanged.
-        probs = probs * drop.scale(0, q.shape[2], acc)
-    return torch.matmul(probs, v.to(acc)), lse
+        probs = probs * drop.scale(0, q.shape[2], acc).unflatten(1, (hk, h // hk))
+    return torch.matmul(probs, v.to(acc).unsqueeze(2)).flatten(1, 2), lse.flatten(1, 2)
 
 
 def replicated_query_attention(
@@ -308,7 +312,8 @@ def replicated_query_attention(
 
     Args:
         q: ``(B, H, Lq, D)``, the same on every rank (prefix tokens, attention-pool latents).
-        k, v: ``(B, H, Lk_local, D)``, this rank's keys and values (each key on one rank only).
+        k, v: ``(B, Hkv, Lk_local, D)``, this rank's keys and values (each key on one rank only;
+            ``Hkv`` divides ``H``: grouped-query heads, query head i reading K/V head i // (H / Hkv)).
         mesh: mesh with domain axes.
         scale: score scale.
         drop: attention dropout of these queries over this rank's keys (position-keyed, so the
@@ -462,6 +467,17 @@ class _AttentionOptions:
         # The prefix keys travel with domain rank 0's slab.
         return tuple(counts), (counts[0] + npt, *counts[1:])
 
+    def _rotate_patches(self, q, k, v, rope):
+        """timm's rotary embedding of the patch tokens' q and k (``rope``: this rank's rows; the
+        prefix tokens are not rotated), as timm's Eva attentions apply it."""
+        from timm.layers import apply_rot_embed_cat
+
+        npt = self.num_prefix_tokens
+        half = getattr(self, "rotate_half", False)
+        q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+        k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+        return q, k
+
     @staticmethod
     def _check_masks(name: str, attn_mask, is_causal) -> None:
         if attn_mask is not None or is_causal:
@@ -522,8 +538,6 @@ class ShardedEvaAttention(_AttentionOptions, EvaAttention):
         return cls._adopt(module, mesh, module.num_prefix_tokens, attention)
 
     def forward(self, x, rope=None, attn_mask=None, is_causal: bool = False):  # noqa: D102
-        from timm.layers import apply_rot_embed_cat
-
         self._check_masks(type(self).__name__, attn_mask, is_causal)
         b, n, c = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
@@ -544,12 +558,39 @@ class ShardedEvaAttention(_AttentionOptions, EvaAttention):
             v = self.v_proj(x).reshape(b, n, self.num_heads, -1).transpose(1, 2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            npt = self.num_prefix_tokens
-            half = getattr(self, "rotate_half", False)
-            q = torch.cat([q[:, :, :npt, :], apply_rot_embed_cat(q[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
-            k = torch.cat([k[:, :, :npt, :], apply_rot_embed_cat(k[:, :, npt:, :], rope, half=half)], dim=2).type_as(v)
+            q, k = self._rotate_patches(q, k, v, rope)
         x = self._attend(q, k, v)
         x = x.transpose(1, 2).reshape(b, n, c)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
+
+
+class ShardedAttentionRope(_AttentionOptions, AttentionRope):
+    """timm's ``AttentionRope`` (``Eva(attn_type="rope")``, PE-core: rotary attention with
+    grouped-query K/V heads) on ``[prefix, local patches]`` slabs; ``rope`` holds the rows of this
+    rank's patch tokens. Grouped K/V heads travel as they are (the attention maps query head i to
+    K/V head i // groups, as timm's ``repeat_interleave``), not repeated."""
+
+    @classmethod
+    def from_module(cls, module: AttentionRope, mesh: DeviceMesh, *, attention: str = "ring"):
+        return cls._adopt(module, mesh, module.num_prefix_tokens, attention)
+
+    def forward(self, x, rope=None, attn_mask=None, is_causal: bool = False):  # noqa: D102
+        self._check_masks(type(self).__name__, attn_mask, is_causal)
+        b, n, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = self._rotate_patches(q, k, v, rope)
+        x = self._attend(q, k, v).transpose(1, 2).reshape(b, n, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
             x = x * gate
@@ -1125,7 +1166,7 @@ class ShardedEva(_ShardedViTMixin, Eva):
     """
 
     _block_types = (EvaBlock, EvaBlockPostNorm)
-    _attn_types = (EvaAttention,)
+    _attn_types = (EvaAttention, AttentionRope)
 
     @classmethod
     def from_module(cls, module: Eva, mesh: DeviceMesh, *, attention: str | None = None, seed: int | None = None):
@@ -1133,7 +1174,8 @@ class ShardedEva(_ShardedViTMixin, Eva):
         return _from_module(cls, module, mesh, attention, seed)
 
     def _sharded_attention(self, attn: nn.Module, mesh: DeviceMesh, attention: str) -> nn.Module:
-        return ShardedEvaAttention.from_module(attn, mesh, attention=attention)
+        cls = ShardedAttentionRope if isinstance(attn, AttentionRope) else ShardedEvaAttention
+        return cls.from_module(attn, mesh, attention=attention)
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
