@@ -432,7 +432,7 @@ def _classify(func) -> tuple[str, str, bool]:
         "t": "transpose", "T": "transpose", "mT": "transpose", "movedim": "movedim", "moveaxis": "movedim",
         "unsqueeze": "unsqueeze", "squeeze": "squeeze", "flatten": "reshape", "unflatten": "reshape",
         "view": "reshape", "reshape": "reshape", "expand": "expand", "expand_as": "expand", "broadcast_to": "expand",
-        "repeat": "repeat", "narrow": "narrow", "select": "select", "split": "split", "chunk": "split",
+        "repeat": "repeat", "repeat_interleave": "repeat_interleave", "narrow": "narrow", "select": "select", "split": "split", "chunk": "split",
         "unbind": "split", "tensor_split": "split", "split_with_sizes": "split", "cat": "cat", "concat": "cat",
         "concatenate": "cat", "stack": "stack", "roll": "roll", "linear": "linear", "bilinear": "other",
         "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "einsum": "einsum",
@@ -866,6 +866,10 @@ class _GuardMode(TorchFunctionMode):
         self._popped: list = []
         self.streams = None  # ``RandomStreams`` of this forward, made at its first random draw
         self.regions = 0  # depth of ``activation_checkpoint`` regions (their recompute is guarded)
+        #: (mesh axis, global length) -> every rank's slab length along that axis (this rank's
+        #: line of the mesh), for each slab whose lengths the guard gathered in this forward: the
+        #: layout a slab re-assembled by ``cat`` along that axis goes back to (``_relayout``).
+        self.known_layouts: dict[tuple[int, int], tuple[int, ...]] = {}
 
     # -- suspension inside sharded layers: the mode leaves the stack, so their ops cost nothing.
 
@@ -1418,6 +1422,40 @@ class _GuardMode(TorchFunctionMode):
             self.fail("`repeat`", "it tiles a slab along its sharded dim", "")
         return shifted
 
+    def _h_repeat_interleave(self, func, base, args, kwargs, stateful):
+        """``repeat_interleave(x, k, dim)``: each row repeated ``k`` times in place. Along a
+        sharded dim with one count for every row, the global result's rows of a slab are the
+        slab's rows repeated (as nearest upsampling by ``k``): local, exact; the slab grows by
+        ``k``. Per-row counts, the flattening form (no ``dim``) and ``output_size`` there are
+        refused."""
+        from .comm.sizes import scope_forget
+
+        x = args[0]
+        st = self._st(x) if isinstance(x, torch.Tensor) else None
+        repeats, dim = _arg(args, kwargs, 1, "repeats"), _arg(args, kwargs, 2, "dim")
+        self._require_known(base, stateful)
+        if st is None:
+            if isinstance(repeats, torch.Tensor) and repeats in self.states:
+                self.fail("`repeat_interleave`", "its repeat counts are a slab (they differ by rank)", "")
+            return func(*args, **kwargs)
+        if dim is None:
+            self.fail("`repeat_interleave`", "without `dim` it flattens a slab", "pass the dim to repeat along")
+        dim %= x.dim()
+        if dim in st:
+            one = isinstance(repeats, int) and not _is_tagged(repeats)
+            one = one or (isinstance(repeats, torch.Tensor) and repeats.numel() == 1 and repeats not in self.states)
+            if not one or kwargs.get("output_size") is not None:
+                self.fail(
+                    "`repeat_interleave`",
+                    f"along sharded dim {dim} it takes one constant count for every row (no per-row counts, "
+                    "no output_size)",
+                    "",
+                )
+            scope_forget()  # the slabs' lengths change (alike on every rank)
+        out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
     def _h_narrow(self, func, base, args, kwargs, stateful):
         x = args[0]
         st = self._st(x)
@@ -1428,7 +1466,16 @@ class _GuardMode(TorchFunctionMode):
             # Constant positions are the whole domain's, as for slices (``_crop_global``).
             if isinstance(start, torch.Tensor) or isinstance(length, torch.Tensor):
                 self.fail("`narrow`", f"its start or length along sharded dim {dim} is a tensor", "")
-            (sl,) = self._crop_global(x, st, [(0, dim, slice(start, start + length))], [None])
+            crop = [(0, dim, slice(start, start + length))]
+            ((a, b, _s0, _n),) = self._global_bounds(x, st, crop)
+            if b - a == 1:  # one position of the whole domain: as ``x[:, a:a + 1]`` (``_h_getitem``)
+                y = self._select_global(x, st, dim, a)
+                st_y = self.states.get(y)
+                out = y.unsqueeze(dim)
+                if st_y is not None:
+                    self._set(out, tuple(None if e is None else e + (e >= dim) for e in st_y))
+                return out
+            (sl,) = self._crop_global(x, st, crop, [None], [(a, b, _s0, _n)])
             out = x.narrow(dim, sl.start, sl.stop - sl.start)
             self._set(out, st)
             return out
@@ -1502,7 +1549,17 @@ class _GuardMode(TorchFunctionMode):
         if phases:
             self._check_phases(x, st, phases)
         if crops:
-            expanded = self._crop_global(x, st, crops, expanded)
+            bounds = self._global_bounds(x, st, crops)
+            for (p, _d, _sl), (a, b, _s0, _n) in zip(crops, bounds):
+                if b - a == 1:
+                    # One position of the whole domain kept as a dim of extent 1 (``x[:, :1]``, a
+                    # class token; ``x[:, :, -1:]``, the last row): taken as ``x[:, a]`` is (its
+                    # owner's row, replicated) with the dim put back, so that it broadcasts against
+                    # slabs and joins them in ``cat`` as on one device. Kept a slab, it would be one
+                    # row on its owner and none elsewhere: ``x - x[:, :1]`` failed there.
+                    idx = [*expanded[:p], a, None, *expanded[p + 1 :]]
+                    return self._h_getitem(func, base, (x, tuple(idx)), kwargs, [x])
+            expanded = self._crop_global(x, st, crops, expanded, bounds)
             args = (x, tuple(expanded), *args[2:])
         for s in range(src, x.dim()):
             mapping[s] = out_dim
@@ -1529,9 +1586,34 @@ class _GuardMode(TorchFunctionMode):
         along that axis that share this rank's other coordinates, in axis order (one all-gather
         for all of them)."""
         rows = self._gather_with_coords([n for _, n in local], what)
-        return [[r[j] for r in self._along_axis(rows, k)] for j, (k, _) in enumerate(local)]
+        out = [[r[j] for r in self._along_axis(rows, k)] for j, (k, _) in enumerate(local)]
+        for (k, _), lens in zip(local, out):
+            self.known_layouts[(k, sum(lens))] = tuple(lens)
+        return out
 
-    def _crop_global(self, x, st, crops, expanded: list) -> list:
+    def _relayout(self, out: torch.Tensor, dim: int, k: int, what: str) -> torch.Tensor:
+        """``out``, a slab re-assembled by ``cat`` along sharded dim ``dim`` (mesh axis ``k``), in
+        the layout the guard saw for its global length before (the slab its pieces were cropped
+        from), so that it lines up with that slab in pointwise calls as on one device:
+        ``torch.cat([x[:, :, :1], x[:, :, :-1]], 2) + x`` (rows shifted by one) puts one row more
+        on the first rank and one fewer on the last, and the sum failed on those two ranks only
+        (the others went on: a hang). One small all-gather of the lengths (alike on every rank),
+        then the rows that change owner move between neighbours (``move_rows``)."""
+        from .comm import axis_peers
+        from .comm.rebalance import move_rows
+
+        rows = self._gather_with_coords([int(out.shape[dim])], f"forward guard: {what}")
+        lens = tuple(r[0] for r in self._along_axis(rows, k))
+        target = self.known_layouts.get((k, sum(lens)))
+        self.known_layouts[(k, sum(lens))] = target or lens
+        if target is None or target == lens:
+            return out
+        st = self.states.get(out)
+        moved = move_rows(out, dim, lens, target, axis_peers(self.guard.mesh, self.guard.axes[k]))
+        self._set(moved, st)
+        return moved
+
+    def _crop_global(self, x, st, crops, expanded: list, bounds=None) -> list:
         """``x[..., a:b, ...]`` along sharded dims by **global** positions, as on one device:
         each slab keeps its part of ``[a, b)`` (``x[:, 1:]`` drops a class token, held by the
         first rank; ``x[:, :-1]`` the last row, held by the last). Bounds computed from slab
@@ -1539,17 +1621,26 @@ class _GuardMode(TorchFunctionMode):
         forgets what it remembered (alike on every rank)."""
         from .comm.sizes import scope_forget
 
-        self._routing("slicing")
-        spans = self._axis_span(x, st, [d for _, d, _ in crops], "slicing by global positions")
         scope_forget()
         out = list(expanded)
-        for (p, d, sl), (s0, n, total) in zip(crops, spans):
+        for (p, _d, _sl), (a, b, s0, n) in zip(crops, bounds or self._global_bounds(x, st, crops)):
+            lo = min(max(a - s0, 0), n)
+            out[p] = slice(lo, max(min(b - s0, n), lo))
+        return out
+
+    def _global_bounds(self, x, st, crops) -> list[tuple[int, int, int, int]]:
+        """Per ``(position, sharded dim, slice)`` of ``crops``: (global start, global stop, this
+        slab's global start, its length), the slice's bounds evaluated on the global length (and
+        bounds computed from slab sizes on the global sizes), alike on every rank."""
+        self._routing("slicing")
+        spans = self._axis_span(x, st, [d for _, d, _ in crops], "slicing by global positions")
+        out = []
+        for (_p, _d, sl), (s0, n, total) in zip(crops, spans):
             tagged = [v for v in (sl.start, sl.stop) if _is_tagged(v)]
             glob = self._global_values(tagged, "slicing") if tagged else {}
             start, stop = (glob.get(id(v), v) if _is_tagged(v) else v for v in (sl.start, sl.stop))
             a, b, _ = slice(start, stop).indices(total)
-            lo = min(max(a - s0, 0), n)
-            out[p] = slice(lo, max(min(b - s0, n), lo))
+            out.append((a, b, s0, n))
         return out
 
     def _select_global(self, x, st, d: int, i: int):
@@ -1724,7 +1815,7 @@ class _GuardMode(TorchFunctionMode):
         scope_forget()
         out = func(parts, *args[1:], **kwargs) if args else func(**{**kwargs, "tensors": parts})
         self._set(out, st)
-        return out
+        return self._relayout(out, dim, k, f"`{base}` of slabs")
 
     def _cat_ends(self, func, args, kwargs, tensors, j, dim, st):
         """``cat([*before, slab, *after], dim)`` along the slab's sharded dim, with plain tensors
@@ -1744,7 +1835,7 @@ class _GuardMode(TorchFunctionMode):
         scope_forget()
         out = func(parts, *args[1:], **kwargs) if args else func(**{**kwargs, "tensors": parts})
         self._set(out, st)
-        return out
+        return self._relayout(out, dim, st.index(dim), "`cat`")
 
     def _h_stack(self, func, base, args, kwargs, stateful):
         tensors = list(_arg(args, kwargs, 0, "tensors"))
@@ -1808,6 +1899,12 @@ class _GuardMode(TorchFunctionMode):
             return self._unrouted(func, args, kwargs, dims, keepdim, st)
         if base in _ROUTED_REDUCE and not (base in ("max", "min") and dim is not None) and not kwargs.get("dtype"):
             return self._route_reduce(base, x, dims, keepdim, st)
+        if base == "logsumexp":
+            self._routing(base)
+            kw = {"sharded_dims": self._leading_dims(base, st)}
+            out = reductions.logsumexp(x, self.guard.mesh, dims, keepdim, **kw)
+            self._set_reduced(out, dims, keepdim, st)
+            return out
         self.fail(
             f"`{base}`", f"it reduces over sharded dim(s) {hit}",
             "use sharded_nn.reductions (sum, mean, max, argmax) or amax/amin, which the guard routes",

@@ -45,7 +45,7 @@ from .layout import Layout
 from .mesh import axis_index, domain_axes, group_over
 from .sharding import default_dims
 
-__all__ = ["argmax", "log_softmax", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
+__all__ = ["argmax", "log_softmax", "logsumexp", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
 
 
 def _plan(
@@ -371,11 +371,13 @@ def _torch_dims(dims, x: torch.Tensor):
     return tuple(range(x.dim())) if dims is None else dims
 
 
-def _log_partition(x: torch.Tensor, mesh: DeviceMesh, dim: int, sharded_dims, what: str):
-    """(shifted x, log of the global sum of exp(shifted x)) along sharded ``dim``, or None where
-    ``dim`` is not sharded. The shift is the global max (no gradient: the result does not depend
-    on it)."""
-    dims, axes, _ = _plan(x, mesh, dim, sharded_dims, what, True)
+def _log_partition(
+    x: torch.Tensor, mesh: DeviceMesh, dim, sharded_dims, what: str, with_shift: bool = False, keepdim: bool = True
+):
+    """(shifted x, log of the global sum of exp(shifted x)) along sharded ``dim`` (an int or a
+    tuple), or None where no dim of them is sharded; ``with_shift``: the shift too. The shift is
+    the global max (no gradient: the result does not depend on it)."""
+    dims, axes, _ = _plan(x, mesh, dim, sharded_dims, what, keepdim)
     if not axes:
         return None
     acc = accumulation_dtype(x.dtype)
@@ -383,7 +385,30 @@ def _log_partition(x: torch.Tensor, mesh: DeviceMesh, dim: int, sharded_dims, wh
     top = all_reduce_max(xs.detach().amax(dims, keepdim=True), group_over(mesh, axes))
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf stays NaN-free
     shifted = xs - top
-    return shifted, _reduce_sum(shifted.exp().sum(dims, keepdim=True), mesh, axes).log()
+    log_total = _reduce_sum(shifted.exp().sum(dims, keepdim=True), mesh, axes).log()
+    return (shifted, log_total, top) if with_shift else (shifted, log_total)
+
+
+def logsumexp(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dim: int | Sequence[int],
+    keepdim: bool = False,
+    *,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.logsumexp(x_full, dim, keepdim)`` from slabs, along sharded dims too: replicated
+    along the reduced sharded dims (the library's gradient convention), computed in the
+    accumulation dtype from the global max and one all-reduce of the shifted sums."""
+    got = _log_partition(x, mesh, dim, sharded_dims, "reductions.logsumexp", with_shift=True, keepdim=keepdim)
+    if got is None:
+        return torch.logsumexp(x, dim, keepdim)
+    _shifted, log_total, top = got
+    out = log_total + top
+    if not keepdim:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        out = out.squeeze(tuple(d % x.dim() for d in dims))
+    return out.to(x.dtype)
 
 
 def softmax(

@@ -24,7 +24,6 @@ apart; any mismatch fails.
 
 from __future__ import annotations
 
-import collections
 import os
 
 import pytest
@@ -38,7 +37,8 @@ from sharded_nn import functional as snf
 from sharded_nn.attention_kernels import dropout_keep
 from sharded_nn.comm.ring_pass import domain_peers
 
-from .harness import RankFailure, mesh, world_of
+from .fuzzing import run_campaign
+from .harness import mesh, world_of
 
 STORAGES = ("contiguous", "strided", "token_major")
 
@@ -273,10 +273,11 @@ def configs(draw):
     return cfg
 
 
-def _outcome(pools, cfg, timeout: float = 120.0) -> str:
+def _outcome(pools, cfg, timeout: float = 120.0):
+    """The ranks' common outcome: ``"ok"`` or ``("refused", type, message)``."""
     results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
     assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
-    return "ok" if results[0] == "ok" else "refused"
+    return results[0]
 
 
 # --------------------------------------------------------------------------- tests
@@ -294,48 +295,8 @@ def test_fuzz_attention_fast(pools, cfg):
 
 @pytest.mark.slow
 def test_fuzz_attention_campaign(pools):
-    n = int(os.environ.get("SNN_FUZZ_EXAMPLES", 1200))
     timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    counts: collections.Counter = collections.Counter()
-    mismatches: list[tuple[dict, str]] = []
-    refusals: list[tuple[dict, str]] = []
-    timeouts: list[dict] = []
-
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(cfg=configs())
-    def campaign(cfg):
-        counts["cases"] += 1
-        counts[cfg["kind"]] += 1
-        try:
-            results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
-        except TimeoutError:
-            timeouts.append(cfg)
-            return
-        except (RankFailure, AssertionError) as e:
-            cause = e.__cause__ if e.__cause__ is not None else e
-            mismatches.append((cfg, str(cause)[-800:]))
-            return
-        if not all(x == results[0] for x in results):
-            mismatches.append((cfg, f"ranks ended differently: {results}"))
-        elif results[0] == "ok":
-            counts["ok"] += 1
-        else:
-            counts["refused"] += 1
-            refusals.append((cfg, str(results[0])[:300]))
-            counts[f"refused: {results[0][2][:60]}"] += 1
-        if counts["cases"] % 100 == 0:
-            print(f"attention fuzz: {counts['cases']} cases, {len(mismatches)} mismatches", flush=True)
-
-    campaign()
-    print(f"\nattention fuzz: {dict(counts)}; mismatches: {len(mismatches)}; refusals: {len(refusals)}; "
-          f"timeouts: {len(timeouts)}")
-    for cfg, why in mismatches[:20]:
-        print("MISMATCH", cfg, why)
-    for cfg, why in refusals[:20]:
-        print("REFUSED", cfg, why)
-    for cfg in timeouts[:20]:
-        print("TIMEOUT", cfg)
-    assert counts["cases"] >= min(n, 1000)
-    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
-    assert not timeouts, f"{len(timeouts)} cases timed out after {timeout} s, first: {timeouts[0]}"
+    run_campaign(
+        "attention fuzz", configs(), lambda cfg: _outcome(pools, cfg, timeout), int(os.environ.get("SNN_FUZZ_EXAMPLES", 1200)),
+        minimum=1000, count=lambda cfg: cfg["kind"], every=100,
+    )

@@ -23,9 +23,7 @@ configuration timm itself rejects; any mismatch fails.
 
 from __future__ import annotations
 
-import collections
 import copy
-import json
 import os
 
 import pytest
@@ -36,7 +34,8 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 import sharded_nn.zoo  # noqa: F401 - registers the sharded ViT classes with convert
 
-from .harness import RankFailure, mesh, world_of
+from .fuzzing import run_campaign
+from .harness import mesh, world_of
 from .reference import reduce_param_grads
 
 BLOCKS = ("Block", "ResPostBlock", "ParallelScalingBlock", "ParallelThingsBlock", "DiffParallelScalingBlock")
@@ -273,50 +272,6 @@ def test_fuzz_vit_fast(pools, cfg):
 
 @pytest.mark.slow
 def test_fuzz_vit_campaign(pools):
-    n = int(os.environ.get("SNN_FUZZ_VIT_EXAMPLES", 300))
     timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    counts: collections.Counter = collections.Counter()
-    mismatches: list[tuple[dict, str]] = []
-    others: list[tuple[dict, object]] = []
-    timeouts: list[dict] = []
-
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(cfg=configs())
-    def campaign(cfg):
-        counts["cases"] += 1
-        try:
-            out = _run(pools, cfg, timeout)
-        except TimeoutError:
-            timeouts.append(cfg)
-            return
-        except (RankFailure, AssertionError) as e:
-            cause = e.__cause__ if e.__cause__ is not None else e
-            mismatches.append((cfg, str(cause)[-800:]))
-            return
-        if out == "ok":
-            counts["ok"] += 1
-        else:
-            counts[out[0]] += 1
-            counts[f"{out[0]}: {str(out[-1])[:70]}"] += 1
-            others.append((cfg, out))
-        if counts["cases"] % 25 == 0:
-            print(f"vit fuzz: {counts['cases']} cases, {len(mismatches)} mismatches", flush=True)
-
-    campaign()
-    if os.environ.get("SNN_FUZZ_DUMP"):  # every mismatch, for a closer look
-        with open(os.environ["SNN_FUZZ_DUMP"], "w") as f:
-            json.dump([{"cfg": cfg, "why": why} for cfg, why in mismatches], f, indent=1, default=str)
-    print(f"\nvit fuzz: {dict(counts)}; mismatches: {len(mismatches)}; timeouts: {len(timeouts)}")
-    for cfg, why in mismatches[:20]:
-        print("MISMATCH", cfg, why)
-    seen = set()
-    for cfg, out in others:  # one example per reason
-        if str(out[-1])[:70] not in seen:
-            seen.add(str(out[-1])[:70])
-            print("NOT RUN", cfg, out)
-    for cfg in timeouts[:20]:
-        print("TIMEOUT", cfg)
-    assert counts["cases"] >= min(n, 100)
-    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
-    assert not timeouts, f"{len(timeouts)} cases timed out after {timeout} s, first: {timeouts[0]}"
+    run_campaign("vit fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
+                 int(os.environ.get("SNN_FUZZ_VIT_EXAMPLES", 300)), count=lambda cfg: cfg["arch"], every=25)

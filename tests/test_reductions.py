@@ -227,3 +227,40 @@ def test_softmax_along_sharded_dim(run, domain):
 
 def test_softmax_along_sharded_dim_2x2(run):
     assert all(run(4, _check_softmax, (2, 2), (2, 3)))
+
+
+def _check_logsumexp(domain, sharded_dims, cases):
+    """``reductions.logsumexp`` over sharded dims (one, both, with an unsharded one, keepdim or
+    not) against torch on the whole tensor; the result is replicated along the reduced sharded
+    dims, so each rank back-propagates its share of the loss (DESIGN.md section 3)."""
+    m = mesh(domain)
+    torch.manual_seed(0)
+    x_full = torch.randn(2, 3, 11, 7, dtype=torch.float64) * 3
+    x_full[0, 0, 4, 2] = float("-inf")  # an exp of 0 among the terms
+    for dims in cases:
+        for keepdim in (False, True):
+            x = x_full.clone().requires_grad_()
+            y = torch.logsumexp(x, dims, keepdim)
+            g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+            (y * g).sum().backward()
+            x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
+            y_local = snn.reductions.logsumexp(x_local, m, dims, keepdim, sharded_dims=sharded_dims)
+            replicated = all(d in dims for d in sharded_dims)
+            got = y_local if replicated else snn.gather(y_local, m, dims=sharded_dims)
+            torch.testing.assert_close(got, y.detach(), atol=1e-12, rtol=1e-12, msg=lambda s: f"{dims}: {s}")
+            if replicated:
+                snn.losses.share((y_local * g).sum(), m).backward()
+            else:
+                (y_local * snn.shard(g, m, dims=sharded_dims)).sum().backward()
+            gx = snn.gather(x_local.grad, m, dims=sharded_dims)
+            torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"grad {dims}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3])
+def test_logsumexp_along_sharded_dims(run, domain):
+    assert all(run(domain, _check_logsumexp, domain, (2,), ((2,), (2, 3), (1, 2), (3,))))
+
+
+def test_logsumexp_along_sharded_dims_2x2(run):
+    assert all(run(4, _check_logsumexp, (2, 2), (2, 3), ((2, 3), (1, 2, 3))))

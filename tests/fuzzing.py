@@ -1,0 +1,75 @@
+"""The long fuzz campaigns' shared loop (``pytest -m slow tests/test_fuzz_*.py``).
+
+``run_campaign`` draws ``n`` examples from a hypothesis strategy and runs each on every rank of a
+worker pool (``run(cfg)`` returns the ranks' common outcome: ``"ok"`` or a tuple whose first item
+is the kind of non-run, ``"refused"`` by sharded_nn or ``"invalid"`` for the reference library,
+and whose last is the reason). It counts outcomes and reasons, prints one example per reason,
+writes every mismatch, refusal and timeout to ``$SNN_FUZZ_DUMP`` (JSON) when set, and fails on
+any mismatch (a rank raised or compared wrong, or the ranks ended differently) or timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Any, Callable
+
+from hypothesis import HealthCheck, Phase, given, settings
+
+from .harness import RankFailure
+
+
+def run_campaign(label: str, strategy, run: Callable[[dict], Any], n: int, *, minimum: int = 100,
+                 count: Callable[[dict], str] | None = None, every: int = 50) -> collections.Counter:  # fmt: skip
+    """Run the campaign; ``count(cfg)``: an extra counter key per example (e.g. its kind)."""
+    counts: collections.Counter = collections.Counter()
+    mismatches: list[tuple[dict, str]] = []
+    others: list[tuple[dict, Any]] = []
+    timeouts: list[dict] = []
+
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(cfg=strategy)
+    def campaign(cfg):
+        counts["cases"] += 1
+        if count is not None:
+            counts[count(cfg)] += 1
+        try:
+            out = run(cfg)
+        except TimeoutError:
+            timeouts.append(cfg)
+            return
+        except (RankFailure, AssertionError) as e:
+            cause = e.__cause__ if e.__cause__ is not None else e
+            mismatches.append((cfg, str(cause)[-1200:]))
+            return
+        if out == "ok":
+            counts["ok"] += 1
+        else:
+            counts[out[0]] += 1
+            counts[f"{out[0]}: {str(out[-1])[:70]}"] += 1
+            others.append((cfg, out))
+        if counts["cases"] % every == 0:
+            print(f"{label}: {counts['cases']} cases, {len(mismatches)} mismatches", flush=True)
+
+    campaign()
+    if os.environ.get("SNN_FUZZ_DUMP"):
+        with open(os.environ["SNN_FUZZ_DUMP"], "w") as f:
+            json.dump({"mismatches": [{"cfg": c, "why": w} for c, w in mismatches],
+                       "not_run": [{"cfg": c, "why": w} for c, w in others], "timeouts": timeouts},
+                      f, indent=1, default=str)  # fmt: skip
+    print(f"\n{label}: {dict(counts)}; mismatches: {len(mismatches)}; timeouts: {len(timeouts)}")
+    for cfg, why in mismatches[:20]:
+        print("MISMATCH", cfg, why[-600:])
+    seen = set()
+    for cfg, out in others:  # one example per reason
+        if str(out[-1])[:70] not in seen:
+            seen.add(str(out[-1])[:70])
+            print("NOT RUN", cfg, out)
+    for cfg in timeouts[:20]:
+        print("TIMEOUT", cfg)
+    assert counts["cases"] >= min(n, minimum)
+    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
+    assert not timeouts, f"{len(timeouts)} cases timed out, first: {timeouts[0]}"
+    return counts

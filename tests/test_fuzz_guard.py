@@ -1,0 +1,304 @@
+"""Hypothesis fuzzing of the forward guard: random user forwards made of position-mixing calls.
+
+``tests/test_forward_calls.py`` checks each hazard alone; real forwards chain them, and the guard
+must carry each intermediate's layout (which dims are slabs, which values are replicated, which
+numbers are local sizes) from one call to the next. Each example draws a program of 2-7 steps,
+each a piece of plain torch code as a model's own ``forward`` writes it (squeeze-excite means,
+vector norms, variances, softmax over rows, interpolation there and back, pads and global crops,
+rolls, pools, sizes used as values and in branches, position grids from ``arange``, token
+flattening with attention over all tokens, strided phases, class-token style concatenation and
+removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
+The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
+uneven slabs of the image rows at 1-4 ranks, and its output, input gradient and summed
+parameter gradients must equal the plain model's on the whole image (float64, 1e-9). A
+``ShardingError`` raised alike on every rank counts as a refusal, apart; any mismatch fails.
+
+- ``test_fuzz_guard_fast``: the CI subset (derandomized, a dozen examples).
+- ``test_fuzz_guard_campaign`` (``pytest -m slow``): ``SNN_FUZZ_GUARD_EXAMPLES`` examples
+  (default 500), counts printed, fails on any mismatch or timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+import sharded_nn as snn
+
+from .fuzzing import run_campaign
+from .harness import mesh
+from .reference import reduce_param_grads
+
+C = 3  # channels of every step's input and output
+
+
+def _se(m, x):  # squeeze-excite
+    return x * torch.sigmoid(x.mean((2, 3), keepdim=True))
+
+
+def _adaptive(m, x):
+    return x * torch.sigmoid(F.adaptive_avg_pool2d(x, 1))
+
+
+def _sum_over_size(m, x):  # a size used as a value: the global number
+    h, w = x.shape[2], x.shape[3]
+    return x - x.sum((2, 3), keepdim=True) / (h * w)
+
+
+def _numel(m, x):
+    return x * (x.numel() / 100.0)
+
+
+def _norm(m, x):
+    return x / (1 + x.norm(dim=(2, 3), keepdim=True))
+
+
+def _normalize_rows(m, x):
+    return F.normalize(x, dim=2)
+
+
+def _var(m, x):
+    return (x - x.mean(2, keepdim=True)) / torch.sqrt(x.var(2, keepdim=True, unbiased=False) + 1)
+
+
+def _softmax_rows(m, x):
+    return x.softmax(2) * x.shape[2]
+
+
+def _amax(m, x):
+    return x - torch.amax(x, dim=(2, 3), keepdim=True)
+
+
+def _interp_round_trip(m, x):  # up by 2, back by a 2x2 average
+    return F.avg_pool2d(F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False), 2)
+
+
+def _interp_to_size(m, x):  # down, then back to the slab's own size (taken from its shape)
+    y = F.max_pool2d(x, 2, ceil_mode=True)
+    return x + F.interpolate(y, size=x.shape[2:], mode="nearest")
+
+
+def _pad_crop(m, x):  # pad every side, then crop the rows back by global position
+    y = F.pad(x, (1, 1, 2, 2), mode="replicate")
+    return y[:, :, 2:-2, 1:-1] * 0.5 + x
+
+
+def _roll(m, x):
+    return torch.roll(x, shifts=(1, -1), dims=(2, 3))
+
+
+def _max_pool(m, x):
+    return F.max_pool2d(x, 3, stride=1, padding=1)
+
+
+def _branch(m, x):  # a branch on a size: every rank takes the single device's
+    if x.shape[2] % 2 == 0:
+        return x + 0.25
+    return x - 0.5
+
+
+def _positions(m, x):  # a position grid over the rows
+    rows = torch.arange(x.shape[2], dtype=x.dtype).view(1, 1, -1, 1)
+    return x + 0.05 * rows
+
+
+def _linspace(m, x):
+    return x * torch.linspace(0.5, 1.5, x.shape[2], dtype=x.dtype).view(1, 1, -1, 1)
+
+
+def _tokens_attention(m, x):  # tokens of the grid, attention over all of them, back to the grid
+    b, c, h, w = x.shape
+    t = x.flatten(2).transpose(1, 2).unsqueeze(1)  # (B, 1, N, C)
+    a = F.scaled_dot_product_attention(t, t, t)
+    return x + a.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
+
+
+def _explicit_attention(m, x):  # attention written out: scores, softmax, values
+    b, c, h, w = x.shape
+    t = x.flatten(2).transpose(1, 2)  # (B, N, C)
+    probs = torch.softmax(t @ t.transpose(-2, -1) * c**-0.5, dim=-1)
+    return x + (probs @ t).transpose(1, 2).reshape(b, c, h, w)
+
+
+def _class_token(m, x):  # a token in front of the sequence, used, then dropped
+    b, c, h, w = x.shape
+    t = x.flatten(2).transpose(1, 2)
+    t = torch.cat([m.cls.expand(b, -1, -1), t], 1)
+    t = t + t[:, :1] * 0.5  # the class token's value reaches every token
+    return t[:, 1:].transpose(1, 2).reshape(b, c, h, w)
+
+
+def _phases(m, x):  # space-to-depth phases of the rows (slabs start on even rows)
+    return x + torch.repeat_interleave(x[:, :, 0::2] - x[:, :, 1::2], 2, dim=2) * 0.5
+
+
+def _permute_back(m, x):  # channels-last and back (einops-style)
+    return torch.tanh(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2).contiguous()
+
+
+def _whole_rows_bias(m, x):  # a parameter sized for the whole domain
+    return x + m.row_bias
+
+
+def _repeat_rows(m, x):  # every row twice, then a 2x1 average back
+    return F.avg_pool2d(x.repeat_interleave(2, dim=2), (2, 1))
+
+
+def _first_row(m, x):  # one position of the whole domain, kept as a dim, broadcast
+    return x - 0.5 * x[:, :, :1]
+
+
+def _last_row(m, x):
+    return x * torch.sigmoid(x.narrow(2, x.shape[2] - 1, 1))
+
+
+def _select_row(m, x):
+    return x + x[:, :, 0].unsqueeze(2) * 0.25
+
+
+def _shift_rows(m, x):  # rows shifted down by one, the first repeated
+    return torch.cat([x[:, :, :1], x[:, :, :-1]], 2) * 0.5 + x
+
+
+def _std(m, x):
+    return x / (1 + x.std((2, 3), keepdim=True))
+
+
+def _logsumexp(m, x):
+    return x - torch.logsumexp(x, dim=2, keepdim=True)
+
+
+def _where(m, x):
+    return torch.where(x > 0, x, 0.1 * x)
+
+
+def _avg_pool_same(m, x):
+    return F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)
+
+
+def _pixel_round_trip(m, x):  # rows and columns into channels and back (even sizes)
+    return x + 0.5 * F.pixel_shuffle(torch.tanh(F.pixel_unshuffle(x, 2)), 2)
+
+
+def _einsum_attention(m, x):
+    b, c, h, w = x.shape
+    t = x.flatten(2)  # (B, C, N)
+    probs = torch.einsum("bcn,bcm->bnm", t, t).softmax(-1)
+    return x + torch.einsum("bnm,bcm->bcn", probs, t).reshape(b, c, h, w)
+
+
+STEPS = {f.__name__[1:]: f for f in (
+    _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
+    _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
+    _tokens_attention, _explicit_attention, _class_token, _phases, _permute_back, _whole_rows_bias,
+    _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
+    _pixel_round_trip, _einsum_attention,
+)}  # fmt: skip
+
+
+class Program(nn.Module):
+    """A model whose forward is ``steps`` (names of ``STEPS``, or ``conv``), then a head."""
+
+    def __init__(self, steps: list[str], head: str, height: int) -> None:
+        super().__init__()
+        self.steps, self.head = steps, head
+        self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1) for s in steps if s == "conv")
+        self.cls = nn.Parameter(torch.randn(1, 1, C))
+        self.row_bias = nn.Parameter(torch.randn(1, C, height, 1) * 0.3)
+        self.out = nn.Conv2d(C, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        convs = iter(self.convs)
+        for s in self.steps:
+            x = next(convs)(x) if s == "conv" else STEPS[s](self, x)
+        x = self.out(x)
+        return x.mean((2, 3)) if self.head == "pool" else x
+
+
+def _case(cfg: dict):
+    """One example on this rank: ``"ok"`` or ``("refused", message)``; raises on a mismatch."""
+    m = mesh(cfg["domain"])
+    torch.manual_seed(cfg["seed"])
+    h = sum(cfg["sizes"])
+    ref = Program(cfg["steps"], cfg["head"], h).double()
+    x = torch.randn(2, C, h, cfg["width"], dtype=torch.float64, generator=torch.Generator().manual_seed(cfg["seed"]))
+    xr = x.clone().requires_grad_()
+    y_ref = ref(xr)
+    g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(cfg["seed"] + 1))
+    (y_ref * g).sum().backward()
+    r = m.get_local_rank("domain")
+    x_local = x.narrow(2, sum(cfg["sizes"][:r]), cfg["sizes"][r]).clone().requires_grad_()
+    try:
+        model = snn.convert(copy.deepcopy(ref), m)
+        y = model(x_local)
+        if cfg["head"] == "pool":
+            snn.losses.share((y * g).sum(), m).backward()
+        else:
+            y = snn.gather(y, m, dims=(2,))
+            snn.losses.share((y * g).sum(), m).backward()
+    except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
+        return ("refused", str(e).split(":")[0][:40] + ": " + str(e)[:160])
+    tol = dict(atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(y, y_ref.detach(), **tol, msg=lambda s: f"output: {s}")
+    gx = snn.gather(x_local.grad, m, dims=(2,))
+    torch.testing.assert_close(gx, xr.grad, **tol, msg=lambda s: f"input grad: {s}")
+    grads = reduce_param_grads(model, m)
+    for name, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[name], want, **tol, msg=lambda s, n=name: f"{n}: {s}")
+    return "ok"
+
+
+@st.composite
+def configs(draw):
+    domain = draw(st.sampled_from([1, 2, 3, 4]))
+    # Even slab sizes (strided phases and 2x2 pools need slabs starting on even rows), uneven.
+    sizes = [2 * draw(st.integers(1, 3)) for _ in range(domain)]
+    names = sorted(STEPS) + ["conv"] * 4
+    steps = draw(st.lists(st.sampled_from(names), min_size=2, max_size=7))
+    return dict(domain=domain, sizes=sizes, width=2 * draw(st.integers(1, 3)), steps=steps,
+                head=draw(st.sampled_from(["slab", "pool"])), seed=draw(st.integers(0, 2**16)))
+
+
+def _run(pools, cfg, timeout: float = 300.0):
+    results = pools.run(cfg["domain"], _case, cfg, timeout=timeout)
+    assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
+    return results[0]
+
+
+FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_GUARD_FAST_EXAMPLES", 12)), deadline=None,
+                derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+# Fixed cases the fast run always includes: one row of the whole domain broadcast and a slab
+# re-assembled by ``cat`` after a crop (``_relayout``), and a routed logsumexp after class tokens.
+EXAMPLES = [
+    dict(domain=3, sizes=[2, 6, 4], width=4, steps=["shift_rows", "first_row", "conv", "last_row", "select_row"],
+         head="slab", seed=3),
+    dict(domain=4, sizes=[4, 2, 6, 2], width=2, steps=["class_token", "logsumexp", "phases", "repeat_rows"],
+         head="pool", seed=5),
+]
+
+
+@FAST
+@example(cfg=EXAMPLES[0])
+@example(cfg=EXAMPLES[1])
+@given(cfg=configs())
+def test_fuzz_guard_fast(pools, cfg):
+    out = _run(pools, cfg)
+    if any(cfg is e for e in EXAMPLES):
+        assert out == "ok", out
+
+
+@pytest.mark.slow
+def test_fuzz_guard_campaign(pools):
+    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
+    run_campaign("guard fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
+                 int(os.environ.get("SNN_FUZZ_GUARD_EXAMPLES", 500)))
