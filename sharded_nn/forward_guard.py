@@ -271,7 +271,17 @@ def _branch_mode():
     f = sys._getframe(2)  # the frame whose instruction called the comparison method
     if f.f_code.co_code[f.f_lasti] not in _BRANCH_OPS or not mode.on_stack() or _called_from_library(3):
         return None
+    if f.f_globals.get("__name__", "").split(".")[0] in _LOCAL_SHAPE_LIBRARIES:
+        return None
     return mode
+
+
+#: Libraries whose code works out a call from the slab's own shape and caches the result by that
+#: shape (einops' recipes, ``functools.lru_cache`` on the shape): their comparisons run only when
+#: a rank misses its cache, and ranks with other slab sizes miss at other calls, so deciding them
+#: on the global sizes (a collective) would pair up with nothing on the other ranks. They check
+#: and reshape the slab itself, so its own sizes are the right ones there.
+_LOCAL_SHAPE_LIBRARIES = frozenset({"einops"})
 
 
 # Branches on a tagged size (``if x.shape[2] % 2:``, ``if skip.shape != x.shape:``) are decided on
@@ -1298,7 +1308,8 @@ class _GuardMode(TorchFunctionMode):
             request = _reshape_request(args, kwargs)
             if (request is not None and not any(_is_tagged(v) for v in request)
                     and any(d is not None for d in st)
-                    and (-1 not in request or not _minus_one_takes_sharded(x, st, request))):
+                    and (-1 not in request or not _minus_one_takes_sharded(x, st, request))
+                    and not _called_from_local_shape_library()):
                 return self._reshape_global(func, x, st, request, args, kwargs)
         try:
             return self._h_reshape_moved(func, base, args, kwargs, stateful)
@@ -2933,6 +2944,18 @@ def _called_from_library(depth: int = 2) -> bool:
         return False
     name = frame.f_code.co_filename
     return name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS
+
+
+def _called_from_local_shape_library() -> bool:
+    """Whether the torch call being handled was made by a library of ``_LOCAL_SHAPE_LIBRARIES``
+    (the first frame outside torch and sharded_nn): einops reshapes a slab to sizes it worked
+    out from the slab's own shape, or took from its cache of an earlier call with that shape,
+    where they may be plain ints (a call outside the guard, or on a whole tensor of that shape):
+    they are this slab's sizes, never the whole sample's."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, _LIB_DIR)):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LOCAL_SHAPE_LIBRARIES
 
 
 _CHECKPOINT_FILE = os.path.join(_TORCH_DIR, "utils", "checkpoint.py")

@@ -778,3 +778,42 @@ def test_minus_one_reading_depends_only_on_unsharded_sizes(shape, st, request_, 
     other = list(shape)
     other[st[0]] = 1
     assert _minus_one_takes_sharded(torch.empty(other), st, request_) is local
+
+
+class _EinopsTokens(nn.Module):
+    """A convolution, then einops to tokens and back around a mean over all tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        h, w = x.shape[2:]
+        t = rearrange(self.conv(x), "b c h w -> b (h w) c")
+        t = t * torch.sigmoid(t.mean(1, keepdim=True))
+        return rearrange(t, "b (h w) c -> b c h w", h=h, w=w)
+
+
+def _einops_warm_cache(domain, sizes, warm):
+    from .reference import compare_on_slabs
+
+    m = mesh(domain)
+    # einops caches each recipe by shape. A plain call on a tensor shaped like one rank's slab (a
+    # model run outside the guard) caches plain ints for that shape: that rank then hits the cache
+    # where the others work the recipe out. Before session 50 the guard read the cached plain
+    # sizes as the whole sample's (a view to constant sizes: one all-gather on that rank only)
+    # and decided einops' own checks on the global sizes (an all-gather on cache misses only):
+    # the ranks' collectives no longer paired up.
+    torch.manual_seed(0)
+    for n in warm:
+        _EinopsTokens().double()(torch.randn(2, 3, n, 5, dtype=torch.float64))
+    ref = _EinopsTokens().double()
+    x = torch.randn(2, 3, sum(sizes), 5, dtype=torch.float64)
+    return compare_on_slabs(ref, snn.convert(copy.deepcopy(ref), m), m, x, sizes, replicated=False)
+
+
+@pytest.mark.parametrize("domain,sizes,warm", [(2, (4, 6), (6,)), (3, (2, 5, 3), (5, 2)), (2, (3, 3), ())])
+def test_einops_with_a_warm_recipe_cache(run, domain, sizes, warm):
+    assert all(e < 1e-10 for e in run(domain, _einops_warm_cache, domain, sizes, warm, timeout=60))

@@ -194,13 +194,32 @@ def _einsum_attention(m, x):
     return x + torch.einsum("bnm,bcm->bcn", probs, t).reshape(b, c, h, w)
 
 
+def _rearranged(m, x):  # einops round trip through tokens
+    from einops import rearrange
+
+    b, c, h, w = x.shape
+    t = rearrange(x, "b c h w -> b (h w) c")
+    t = t * torch.sigmoid(t.mean(1, keepdim=True))  # a mean over all tokens
+    return rearrange(t, "b (h w) c -> b c h w", h=h, w=w)
+
+
+def _chunks(m, x):  # channel split, per-part mixing, stack and mean over the parts
+    a, b, c = torch.chunk(x, 3, dim=1)
+    return torch.cat([a, torch.stack([b, torch.roll(c, 1, 2)]).mean(0), c], 1)
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
     _tokens_attention, _explicit_attention, _class_token, _phases, _permute_back, _whole_rows_bias,
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
-    _pixel_round_trip, _einsum_attention,
+    _pixel_round_trip, _einsum_attention, _rearranged, _chunks,
 )}  # fmt: skip
+
+
+#: Steps that also run on the transposed image (``x.transpose(2, 3)``: the sharded rows become the
+#: last dim), named ``T:<step>``.
+TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch")
 
 
 class Program(nn.Module):
@@ -217,7 +236,12 @@ class Program(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         convs = iter(self.convs)
         for s in self.steps:
-            x = next(convs)(x) if s == "conv" else STEPS[s](self, x)
+            if s == "conv":
+                x = next(convs)(x)
+            elif s.startswith("T:"):
+                x = STEPS[s[2:]](self, x.transpose(2, 3)).transpose(2, 3)
+            else:
+                x = STEPS[s](self, x)
         x = self.out(x)
         return x.mean((2, 3)) if self.head == "pool" else x
 
@@ -261,7 +285,7 @@ def configs(draw):
     domain = draw(st.sampled_from([1, 2, 3, 4]))
     # Even slab sizes (strided phases and 2x2 pools need slabs starting on even rows), uneven.
     sizes = [2 * draw(st.integers(1, 3)) for _ in range(domain)]
-    names = sorted(STEPS) + ["conv"] * 4
+    names = sorted(STEPS) + [f"T:{n}" for n in TRANSPOSABLE] + ["conv"] * 4
     steps = draw(st.lists(st.sampled_from(names), min_size=2, max_size=7))
     return dict(domain=domain, sizes=sizes, width=2 * draw(st.integers(1, 3)), steps=steps,
                 head=draw(st.sampled_from(["slab", "pool"])), seed=draw(st.integers(0, 2**16)))
