@@ -1567,7 +1567,8 @@ class _GuardMode(TorchFunctionMode):
                     # class token; ``x[:, :, -1:]``, the last row): taken as ``x[:, a]`` is (its
                     # owner's row, replicated) with the dim put back, so that it broadcasts against
                     # slabs and joins them in ``cat`` as on one device. Kept a slab, it would be one
-                    # row on its owner and none elsewhere: ``x - x[:, :1]`` failed there.
+                    # row on its owner and none elsewhere: ``x - x[:, :1]`` failed there. (On a 2-D
+                    # mesh it stays sharded along the other dim; ``cat`` takes it as a plain part.)
                     idx = [*expanded[:p], a, None, *expanded[p + 1 :]]
                     return self._h_getitem(func, base, (x, tuple(idx)), kwargs, [x])
             expanded = self._crop_global(x, st, crops, expanded, bounds)
@@ -1749,11 +1750,17 @@ class _GuardMode(TorchFunctionMode):
         nd = max(t.dim() for t in tensors)
         dim = dim % nd
         sts = {self._st(t) for t in tensors if t.dim() == nd} - {None}
+        full = [s for s in sts if dim in s]
+        if len(sts) > 1 and len(full) == 1 and all(_same_but_axis(s, full[0], dim) for s in sts):
+            # On a 2-D mesh: slabs along the cat dim and parts replicated along it (one row of the
+            # whole domain, ``x[:, :, :1]``) but sharded like the slabs along the other dim: those
+            # parts go to the first / last rank along the axis, as plain tensors do.
+            sts = set(full)
         if len(sts) > 1:
             self.fail(f"`{base}`", "its inputs are sharded along different dims", "")
         st = next(iter(sts), None)
         if st is not None and dim in st:
-            slabs = [j for j, t in enumerate(tensors) if self._st(t) is not None]
+            slabs = [j for j, t in enumerate(tensors) if self._st(t) == st]
             if len(slabs) == 1:
                 return self._cat_ends(func, args, kwargs, tensors, slabs[0], dim, st)
             return self._cat_slabs(base, func, args, kwargs, tensors, slabs, dim, st)
@@ -2944,6 +2951,11 @@ def _called_from_library(depth: int = 2) -> bool:
         return False
     name = frame.f_code.co_filename
     return name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS
+
+
+def _same_but_axis(st, full, dim: int) -> bool:
+    """Whether layout ``st`` is ``full`` but not sharded along ``dim`` (its mesh axis's entry None)."""
+    return st == full or all(a == b or (b == dim and a is None) for a, b in zip(st, full))
 
 
 def _called_from_local_shape_library() -> bool:

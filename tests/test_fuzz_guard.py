@@ -9,7 +9,7 @@ rolls, pools, sizes used as values and in branches, position grids from ``arange
 flattening with attention over all tokens, strided phases, class-token style concatenation and
 removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
-uneven slabs of the image rows at 1-4 ranks, and its output, input gradient and summed
+uneven slabs of the image rows at 1-4 ranks (or rows and columns on a 2x2 mesh), and its output, input gradient and summed
 parameter gradients must equal the plain model's on the whole image (float64, 1e-9). A
 ``ShardingError`` raised alike on every rank counts as a refusal, apart; any mismatch fails.
 
@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 
 from .fuzzing import run_campaign
-from .harness import mesh
+from .harness import mesh, world_of
 from .reference import reduce_param_grads
 
 C = 3  # channels of every step's input and output
@@ -257,21 +257,26 @@ def _case(cfg: dict):
     y_ref = ref(xr)
     g = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(cfg["seed"] + 1))
     (y_ref * g).sum().backward()
-    r = m.get_local_rank("domain")
-    x_local = x.narrow(2, sum(cfg["sizes"][:r]), cfg["sizes"][r]).clone().requires_grad_()
+    grid = isinstance(cfg["domain"], tuple)  # a 2x2 mesh: rows and columns sharded, balanced slabs
+    dims = (2, 3) if grid else (2,)
+    if grid:
+        x_local = snn.shard(x, m, dims=dims, align=2).requires_grad_()
+    else:
+        r = m.get_local_rank("domain")
+        x_local = x.narrow(2, sum(cfg["sizes"][:r]), cfg["sizes"][r]).clone().requires_grad_()
     try:
         model = snn.convert(copy.deepcopy(ref), m)
         y = model(x_local)
         if cfg["head"] == "pool":
             snn.losses.share((y * g).sum(), m).backward()
         else:
-            y = snn.gather(y, m, dims=(2,))
+            y = snn.gather(y, m, dims=dims)
             snn.losses.share((y * g).sum(), m).backward()
     except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
         return ("refused", str(e).split(":")[0][:40] + ": " + str(e)[:160])
     tol = dict(atol=1e-9, rtol=1e-9)
     torch.testing.assert_close(y, y_ref.detach(), **tol, msg=lambda s: f"output: {s}")
-    gx = snn.gather(x_local.grad, m, dims=(2,))
+    gx = snn.gather(x_local.grad, m, dims=dims)
     torch.testing.assert_close(gx, xr.grad, **tol, msg=lambda s: f"input grad: {s}")
     grads = reduce_param_grads(model, m)
     for name, p in ref.named_parameters():
@@ -282,17 +287,19 @@ def _case(cfg: dict):
 
 @st.composite
 def configs(draw):
-    domain = draw(st.sampled_from([1, 2, 3, 4]))
-    # Even slab sizes (strided phases and 2x2 pools need slabs starting on even rows), uneven.
-    sizes = [2 * draw(st.integers(1, 3)) for _ in range(domain)]
+    domain = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
+    # Even slab sizes (strided phases and 2x2 pools need slabs starting on even rows), uneven;
+    # on the 2x2 mesh the rows of two slabs (snn.shard balances them).
+    sizes = [2 * draw(st.integers(1, 3)) for _ in range(domain if isinstance(domain, int) else 2)]
     names = sorted(STEPS) + [f"T:{n}" for n in TRANSPOSABLE] + ["conv"] * 4
     steps = draw(st.lists(st.sampled_from(names), min_size=2, max_size=7))
-    return dict(domain=domain, sizes=sizes, width=2 * draw(st.integers(1, 3)), steps=steps,
+    width = 2 * draw(st.integers(1 if isinstance(domain, int) else 2, 3))  # two aligned column slabs on 2x2
+    return dict(domain=domain, sizes=sizes, width=width, steps=steps,
                 head=draw(st.sampled_from(["slab", "pool"])), seed=draw(st.integers(0, 2**16)))
 
 
 def _run(pools, cfg, timeout: float = 300.0):
-    results = pools.run(cfg["domain"], _case, cfg, timeout=timeout)
+    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
     assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
     return results[0]
 
@@ -308,12 +315,16 @@ EXAMPLES = [
          head="slab", seed=3),
     dict(domain=4, sizes=[4, 2, 6, 2], width=2, steps=["class_token", "logsumexp", "phases", "repeat_rows"],
          head="pool", seed=5),
+    # 2x2 mesh: the row of the whole domain stays sharded along the columns (broadcast, and `cat`).
+    dict(domain=(2, 2), sizes=[4, 2], width=6, steps=["shift_rows", "first_row", "T:first_row", "last_row"],
+         head="slab", seed=7),
 ]
 
 
 @FAST
 @example(cfg=EXAMPLES[0])
 @example(cfg=EXAMPLES[1])
+@example(cfg=EXAMPLES[2])
 @given(cfg=configs())
 def test_fuzz_guard_fast(pools, cfg):
     out = _run(pools, cfg)
