@@ -1478,15 +1478,16 @@ class _GuardMode(TorchFunctionMode):
             if isinstance(start, torch.Tensor) or isinstance(length, torch.Tensor):
                 self.fail("`narrow`", f"its start or length along sharded dim {dim} is a tensor", "")
             crop = [(0, dim, slice(start, start + length))]
-            ((a, b, _s0, _n),) = self._global_bounds(x, st, crop)
+            (bound,) = self._global_bounds(x, st, crop)
+            a, b = bound[:2]
             if b - a == 1:  # one position of the whole domain: as ``x[:, a:a + 1]`` (``_h_getitem``)
-                y = self._select_global(x, st, dim, a)
+                y = self._select_global(x, st, dim, a, span=bound[2:])
                 st_y = self.states.get(y)
                 out = y.unsqueeze(dim)
                 if st_y is not None:
                     self._set(out, tuple(None if e is None else e + (e >= dim) for e in st_y))
                 return out
-            (sl,) = self._crop_global(x, st, crop, [None], [(a, b, _s0, _n)])
+            (sl,) = self._crop_global(x, st, crop, [None], [bound])
             out = x.narrow(dim, sl.start, sl.stop - sl.start)
             self._set(out, st)
             return out
@@ -1561,7 +1562,7 @@ class _GuardMode(TorchFunctionMode):
             self._check_phases(x, st, phases)
         if crops:
             bounds = self._global_bounds(x, st, crops)
-            for (p, _d, _sl), (a, b, _s0, _n) in zip(crops, bounds):
+            for (p, d, _sl), (a, b, *span) in zip(crops, bounds):
                 if b - a == 1:
                     # One position of the whole domain kept as a dim of extent 1 (``x[:, :1]``, a
                     # class token; ``x[:, :, -1:]``, the last row): taken as ``x[:, a]`` is (its
@@ -1569,8 +1570,9 @@ class _GuardMode(TorchFunctionMode):
                     # slabs and joins them in ``cat`` as on one device. Kept a slab, it would be one
                     # row on its owner and none elsewhere: ``x - x[:, :1]`` failed there. (On a 2-D
                     # mesh it stays sharded along the other dim; ``cat`` takes it as a plain part.)
-                    idx = [*expanded[:p], a, None, *expanded[p + 1 :]]
-                    return self._h_getitem(func, base, (x, tuple(idx)), kwargs, [x])
+                    y = self._select_global(x, st, d, a, span=span)
+                    rest = (*expanded[:p], None, *expanded[p + 1 :])
+                    return self._h_getitem(func, base, (y, rest), kwargs, [y])
             expanded = self._crop_global(x, st, crops, expanded, bounds)
             args = (x, tuple(expanded), *args[2:])
         for s in range(src, x.dim()):
@@ -1603,19 +1605,21 @@ class _GuardMode(TorchFunctionMode):
             self.known_layouts[(k, sum(lens))] = tuple(lens)
         return out
 
-    def _relayout(self, out: torch.Tensor, dim: int, k: int, what: str) -> torch.Tensor:
+    def _relayout(self, out: torch.Tensor, dim: int, k: int, what: str, lens=None) -> torch.Tensor:
         """``out``, a slab re-assembled by ``cat`` along sharded dim ``dim`` (mesh axis ``k``), in
         the layout the guard saw for its global length before (the slab its pieces were cropped
         from), so that it lines up with that slab in pointwise calls as on one device:
         ``torch.cat([x[:, :, :1], x[:, :, :-1]], 2) + x`` (rows shifted by one) puts one row more
         on the first rank and one fewer on the last, and the sum failed on those two ranks only
         (the others went on: a hang). One small all-gather of the lengths (alike on every rank),
-        then the rows that change owner move between neighbours (``move_rows``)."""
+        then the rows that change owner move between neighbours (``move_rows``). ``lens``: every
+        rank's length of ``out`` along the axis, where the caller knows them (no gather then)."""
         from .comm import axis_peers
         from .comm.rebalance import move_rows
 
-        rows = self._gather_with_coords([int(out.shape[dim])], f"forward guard: {what}")
-        lens = tuple(r[0] for r in self._along_axis(rows, k))
+        if lens is None:
+            rows = self._gather_with_coords([int(out.shape[dim])], f"forward guard: {what}")
+            lens = tuple(r[0] for r in self._along_axis(rows, k))
         target = self.known_layouts.get((k, sum(lens)))
         self.known_layouts[(k, sum(lens))] = target or lens
         if target is None or target == lens:
@@ -1635,15 +1639,15 @@ class _GuardMode(TorchFunctionMode):
 
         scope_forget()
         out = list(expanded)
-        for (p, _d, _sl), (a, b, s0, n) in zip(crops, bounds or self._global_bounds(x, st, crops)):
+        for (p, _d, _sl), (a, b, s0, n, _total) in zip(crops, bounds or self._global_bounds(x, st, crops)):
             lo = min(max(a - s0, 0), n)
             out[p] = slice(lo, max(min(b - s0, n), lo))
         return out
 
-    def _global_bounds(self, x, st, crops) -> list[tuple[int, int, int, int]]:
+    def _global_bounds(self, x, st, crops) -> list[tuple[int, int, int, int, int]]:
         """Per ``(position, sharded dim, slice)`` of ``crops``: (global start, global stop, this
-        slab's global start, its length), the slice's bounds evaluated on the global length (and
-        bounds computed from slab sizes on the global sizes), alike on every rank."""
+        slab's global start, its length, the global length), the slice's bounds evaluated on the
+        global length (and bounds computed from slab sizes on the global sizes), alike on every rank."""
         self._routing("slicing")
         spans = self._axis_span(x, st, [d for _, d, _ in crops], "slicing by global positions")
         out = []
@@ -1652,19 +1656,21 @@ class _GuardMode(TorchFunctionMode):
             glob = self._global_values(tagged, "slicing") if tagged else {}
             start, stop = (glob.get(id(v), v) if _is_tagged(v) else v for v in (sl.start, sl.stop))
             a, b, _ = slice(start, stop).indices(total)
-            out.append((a, b, s0, n))
+            out.append((a, b, s0, n, total))
         return out
 
-    def _select_global(self, x, st, d: int, i: int):
+    def _select_global(self, x, st, d: int, i: int, span=None):
         """``x.select(d, i)`` by global position ``i`` along sharded dim ``d``: the owner's row,
         summed over the axis with zeros from the other ranks (exact), so replicated along it; the
-        gradient reaches the owner's row (the library's convention for replicated results)."""
+        gradient reaches the owner's row (the library's convention for replicated results).
+        ``span``: (this slab's global start, its length, the global length) where the caller
+        gathered them already."""
         from .comm import all_reduce_sum
         from .mesh import group_over
 
         self._routing("indexing")
         k = st.index(d)
-        ((s0, n, total),) = self._axis_span(x, st, [d], "an index by global position")
+        ((s0, n, total),) = [span] if span is not None else self._axis_span(x, st, [d], "an index by global position")
         g = i + total if i < 0 else i
         if not 0 <= g < total:
             self.fail("indexing", f"index {i} is out of range for sharded dim {d} of {total} positions", "")
@@ -1810,6 +1816,7 @@ class _GuardMode(TorchFunctionMode):
             lines.setdefault(tuple(r[i] for i in range(n_axes) if i != k), []).append(r)
         mine = tuple(axis_index(self.guard.mesh, a) for i, a in enumerate(self.guard.axes) if i != k)
         owners: list[int] = []
+        my_line: list = []
         for key, line in lines.items():
             line = [tuple(r[n_axes:]) for r in sorted(line, key=lambda r: r[k])]
             last, ok, plain_at = 0, True, []
@@ -1826,14 +1833,18 @@ class _GuardMode(TorchFunctionMode):
                           "the ranks (each rank holds rows of several of them)",
                           "concatenate along channels or another unsharded dim")
             if key == mine:
-                owners = plain_at
+                owners, my_line = plain_at, line
         coord = axis_index(self.guard.mesh, self.guard.axes[k])
         plain = iter(owners)
         parts = [t if i in slabs or next(plain) == coord else t.narrow(dim, 0, 0) for i, t in enumerate(tensors)]
         scope_forget()
         out = func(parts, *args[1:], **kwargs) if args else func(**{**kwargs, "tensors": parts})
         self._set(out, st)
-        return self._relayout(out, dim, k, f"`{base}` of slabs")
+        # Every rank's result length along the axis, from the lengths gathered above: its slabs'
+        # rows and the plain parts it owns.
+        plain_lens = [int(t.shape[dim]) for i, t in enumerate(tensors) if i not in slabs]
+        lens = tuple(sum(row) + sum(n for n, o in zip(plain_lens, owners) if o == c) for c, row in enumerate(my_line))
+        return self._relayout(out, dim, k, f"`{base}` of slabs", lens)
 
     def _cat_ends(self, func, args, kwargs, tensors, j, dim, st):
         """``cat([*before, slab, *after], dim)`` along the slab's sharded dim, with plain tensors

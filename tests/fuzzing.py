@@ -1,4 +1,5 @@
-"""The long fuzz campaigns' shared loop (``pytest -m slow tests/test_fuzz_*.py``).
+"""What the fuzz tests share: the CI subsets' settings, one example's outcome on every rank, and
+the long campaigns' loop (``pytest -m slow tests/test_fuzz_*.py``).
 
 ``run_campaign`` draws ``n`` examples from a hypothesis strategy and runs each on every rank of a
 worker pool (``run(cfg)`` returns the ranks' common outcome: ``"ok"`` or a tuple whose first item
@@ -17,7 +18,22 @@ from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, given, settings
 
-from .harness import RankFailure
+from .harness import RankFailure, world_of
+
+
+def fast_settings(env: str, default: int):
+    """The CI subset: ``$env`` (default ``default``) derandomized examples, explicit ones first, no
+    shrinking (a failing example restarts the worker pool; it is reported as found)."""
+    return settings(max_examples=int(os.environ.get(env, default)), deadline=None, derandomize=True,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
+
+
+def outcome(pools, case: Callable[[dict], Any], cfg: dict, timeout: float):
+    """``case(cfg)`` on every rank of ``cfg["domain"]``'s pool: the ranks' common result (they must
+    agree: a refusal on some ranks only would be a hang in a real run)."""
+    results = pools.run(world_of(cfg["domain"]), case, cfg, timeout=timeout)
+    assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
+    return results[0]
 
 
 def run_campaign(label: str, strategy, run: Callable[[dict], Any], n: int, *, minimum: int = 100,

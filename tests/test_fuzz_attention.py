@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
@@ -37,7 +37,7 @@ from sharded_nn import functional as snf
 from sharded_nn.attention_kernels import dropout_keep
 from sharded_nn.comm.ring_pass import domain_peers
 
-from .fuzzing import run_campaign
+from .fuzzing import fast_settings, outcome, run_campaign
 from .harness import mesh, world_of
 
 STORAGES = ("contiguous", "strided", "token_major")
@@ -274,17 +274,13 @@ def configs(draw):
 
 
 def _outcome(pools, cfg, timeout: float = 120.0):
-    """The ranks' common outcome: ``"ok"`` or ``("refused", type, message)``."""
-    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
-    assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
-    return results[0]
+    return outcome(pools, _case, cfg, timeout)
 
 
 # --------------------------------------------------------------------------- tests
 
 
-FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_FAST_EXAMPLES", 30)), deadline=None, derandomize=True,
-                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+FAST = fast_settings("SNN_FUZZ_FAST_EXAMPLES", 30)
 
 
 @FAST

@@ -27,13 +27,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .fuzzing import run_campaign
-from .harness import mesh, world_of
+from .fuzzing import fast_settings, outcome, run_campaign
+from .harness import mesh
 from .reference import reduce_param_grads
 
 C = 3  # channels of every step's input and output
@@ -299,13 +299,10 @@ def configs(draw):
 
 
 def _run(pools, cfg, timeout: float = 300.0):
-    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
-    assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
-    return results[0]
+    return outcome(pools, _case, cfg, timeout)
 
 
-FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_GUARD_FAST_EXAMPLES", 12)), deadline=None,
-                derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+FAST = fast_settings("SNN_FUZZ_GUARD_FAST_EXAMPLES", 12)
 
 
 # Fixed cases the fast run always includes: one row of the whole domain broadcast and a slab

@@ -28,13 +28,13 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 import sharded_nn.zoo  # noqa: F401 - registers the sharded ViT classes with convert
 
-from .fuzzing import run_campaign
+from .fuzzing import fast_settings, outcome, run_campaign
 from .harness import mesh, world_of
 from .reference import reduce_param_grads
 
@@ -231,13 +231,10 @@ def configs(draw):
 
 
 def _run(pools, cfg, timeout: float = 300.0):
-    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
-    assert all(x == results[0] for x in results), f"ranks ended differently on {cfg}: {results}"
-    return results[0]
+    return outcome(pools, _case, cfg, timeout)
 
 
-FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_VIT_FAST_EXAMPLES", 8)), deadline=None, derandomize=True,
-                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+FAST = fast_settings("SNN_FUZZ_VIT_FAST_EXAMPLES", 8)
 
 
 def _example(domain, sizes, run_size, block="Block", mlp="Mlp", attention="ring", arch="vit", **kw):
