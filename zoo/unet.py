@@ -41,6 +41,7 @@ from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.forward_guard import mark_reviewed
 from sharded_nn.layers.base import ShardedMixin, agree
+from sharded_nn.layers.norm import grad_in_layout_of
 from sharded_nn.layers.padding import pad as sharded_pad
 from sharded_nn.layers.window import Window, extend, plan_window
 from sharded_nn.layout import Layout
@@ -393,7 +394,12 @@ class AttentionBlock(nn.Module):
         self.attn = nn.MultiheadAttention(channels, num_heads, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        tokens = self.norm(x).flatten(2).transpose(1, 2)  # (N, L_local, C), L_local = this slab's positions
+        # The attention hands back its input gradient in (H, W, N, C) order, which torch 2.14's CPU
+        # batch/instance-norm backward misreads (sharded_nn/layers/norm.py): the gradient gets the
+        # norm output's own layout.
+        h = self.norm(x)
+        h = grad_in_layout_of(h, h, exact=True)
+        tokens = h.flatten(2).transpose(1, 2)  # (N, L_local, C), L_local = this slab's positions
         out, _ = self.attn(tokens, tokens, tokens, need_weights=False)
         return x + out.transpose(1, 2).reshape(x.shape)
 

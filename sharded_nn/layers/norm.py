@@ -25,6 +25,16 @@ Sharding contract:
 
 Every layer starts with ``agree`` (a few integers: shapes, dtype), so a malformed input raises
 the same error on every rank before any statistic is exchanged.
+
+Memory layouts: torch 2.14's CPU batch-norm backward (training and eval, and the reduction pass
+of ``native_batch_norm_backward``) returns wrong gradients when its input and output gradient
+have different strides and one of them is not a standard layout (e.g. channels-last with a batch
+of one whose batch stride is not the sample size). ``F.instance_norm`` runs batch norm on a
+``(1, N*C, ...)`` view, so it meets this for a gradient in ``(H, W, N, C)`` order, which
+``x.flatten(2).transpose(1, 2)`` into ``nn.MultiheadAttention(batch_first=True)`` hands back.
+The layers here give torch's kernels matching layouts (``matched_layouts``, and on their P=1
+torch paths ``grad_in_layout_of``), so they stay exact where the plain torch layer is not
+(``tests/test_norm_grad_layouts.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +65,51 @@ from ..moments import (
 )
 from ..registry import register
 from .base import MAX_NDIM, Agreement, ShardedMixin, batched
+
+
+def _standard_strides(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` (or its channels-last form) has."""
+    order = (0, *range(2, len(shape)), 1) if channels_last else tuple(range(len(shape)))
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return tuple(strides)
+
+
+def _is_standard(t: torch.Tensor) -> bool:
+    s = t.stride()
+    return s == _standard_strides(t.shape, False) or (t.dim() in (4, 5) and s == _standard_strides(t.shape, True))
+
+
+def standard_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its strides are neither the standard contiguous nor the
+    standard channels-last ones (a permuted, sliced or oddly strided batch-of-one tensor)."""
+    return t if _is_standard(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def matched_layouts(g: torch.Tensor, x: torch.Tensor, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, x)`` laid out so that torch's CPU batch-norm backward reads them right (see the module
+    docstring): unchanged when their strides are equal or (``exact=False``) both standard, which
+    torch's kernels take in any mix; else ``x`` in a standard layout and ``g`` copied to its strides."""
+    if g.stride() == x.stride() or (not exact and _is_standard(g) and _is_standard(x)):
+        return g, x
+    x = standard_layout(x)
+    if g.stride() != x.stride():
+        g = torch.empty_strided(x.shape, x.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    return g, x
+
+
+def grad_in_layout_of(y: torch.Tensor, x: torch.Tensor, *, exact: bool) -> torch.Tensor:
+    """``y`` (the output of torch's own norm on ``x``, which went through ``standard_layout``)
+    with a hook that lays out the gradient reaching it as ``matched_layouts(g, x, exact=exact)``,
+    so that torch's norm backward reads matching layouts (see the module docstring).
+    ``exact=True`` for instance norm, which normalizes a contiguous ``(1, N*C, ...)`` view: a
+    batch-of-one channels-last gradient viewed so is itself an odd layout."""
+    if y.requires_grad:
+        strides = x.stride()
+        y.register_hook(lambda g: g if g.stride() == strides else matched_layouts(g, x, exact=exact)[0])
+    return y
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -410,8 +465,14 @@ def _grad_sums(g, x, weight, mean, var, eps: float) -> tuple[torch.Tensor, torch
     calls it so); the CPU kernel reads neither when ``train`` is False. With None every sharded
     GroupNorm and BatchNorm backward raised torch's internal assert on CUDA (found on an H200 in
     session 40).
+
+    The per-channel vectors go in contiguous: torch 2.14's CPU kernel reads them as dense arrays
+    on its path for one position per channel (``(1, C, 1)``: a GroupNorm of one group on a slab
+    of one row and column), so a stride-0 ``expand`` of a group's statistic gave garbage
+    gradients (found by tests/test_fuzz_unet.py on MONAI's BasicUNet).
     """
     unsaved = x.new_empty(0)
+    weight, mean, var = (None if t is None else t.contiguous() for t in (weight, mean, var))
     _, s_gx, s_g = _aten.native_batch_norm_backward(
         g, x, weight, mean, var, unsaved, unsaved, False, eps, [False, True, True]
     )
@@ -427,7 +488,9 @@ def _fusable(x: torch.Tensor) -> bool:
 def _per_channel(stat: torch.Tensor, channels: int) -> torch.Tensor:
     """A per-(sample, group) statistic ``(N, G, 1)`` repeated for each channel of its group: ``(N*C,)``."""
     n, g = stat.shape[:2]
-    return stat.reshape(n, g, 1).expand(n, g, channels // g).reshape(-1)
+    # Contiguous: the reshape stays a stride-0 view for one (sample, group), which torch's kernels
+    # misread on some paths (see _grad_sums).
+    return stat.reshape(n, g, 1).expand(n, g, channels // g).reshape(-1).contiguous()
 
 
 def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
@@ -479,8 +542,10 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
 class _ShardedInstanceNorm(_ShardedNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if self._local_only:
-            # P=1: torch's instance norm itself (every statistic is local; unbatched input too).
-            return nn.modules.instancenorm._InstanceNorm.forward(self, x)
+            # P=1: torch's instance norm itself (every statistic is local; unbatched input too),
+            # given matching layouts (module docstring): torch normalizes a contiguous copy.
+            x = standard_layout(x.contiguous())
+            return grad_in_layout_of(nn.modules.instancenorm._InstanceNorm.forward(self, x), x, exact=True)
         return self._sharded_forward(x)
 
     @batched
@@ -570,7 +635,9 @@ class _ShardedBatchNorm(_ShardedNorm):
             # statistics and running-stat updates, at torch's cost (a decision on the mesh, the
             # same on every rank). Named explicitly: in a subclass of a timm norm+act layer the
             # next ``forward`` in the MRO is timm's, which would apply the activation twice.
-            return nn.modules.batchnorm._BatchNorm.forward(self, x)
+            # Given matching layouts (module docstring).
+            x = standard_layout(x)
+            return grad_in_layout_of(nn.modules.batchnorm._BatchNorm.forward(self, x), x, exact=False)
         name = type(self).__name__
         # (N, C) input to BatchNorm1d has no spatial dim: nothing is sharded, shapes still agree.
         # (Computed from the local number of dims: ``agree`` checks first that all ranks share it.)
@@ -632,7 +699,9 @@ class _ShardedBatchNorm(_ShardedNorm):
                 f"{type(self).__name__}: expected a {expected} input with {self.num_features} channels (dim 1), "
                 f"got local shape {tuple(x.shape)}."
             )
-        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        x = standard_layout(x)  # with the hook below: matching layouts (module docstring)
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return grad_in_layout_of(y, x, exact=False)
 
 
 class _BatchNormFn(torch.autograd.Function):
@@ -682,6 +751,7 @@ class _BatchNormFn(torch.autograd.Function):
             dw = (g * xhat).sum(reduce_dims) if weight is not None and ctx.needs_input_grad[1] else None
             db = g.sum(reduce_dims) if ctx.has_bias and ctx.needs_input_grad[2] else None
             return dx, dw, db, None, None, None, None, None
+        g, x = matched_layouts(g, x)  # torch's kernels misread some mixed layouts (module docstring)
         native = _batch_norm_backward_native(ctx, g, x, weight, mean, var)
         if native is not None:
             return native
