@@ -865,6 +865,16 @@ class _States:
         return e[1]
 
 
+def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
+    """The slab lengths of a tensor of global length ``total`` that keeps the slab boundaries of
+    ``source`` (every rank's slab length along the axis): rank r holds ``[a_r, a_{r+1})`` cut to
+    ``[0, total)``, the last rank everything from its start on. The rule of the guard's crops and
+    ``cat`` along a sharded dim and of the sharded pad (``layers/padding.py``)."""
+    starts = [sum(source[:r]) for r in range(len(source))]
+    ends = starts[1:] + [max(total, starts[-1])]
+    return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
+
+
 class _GuardMode(TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
@@ -876,10 +886,6 @@ class _GuardMode(TorchFunctionMode):
         self._popped: list = []
         self.streams = None  # ``RandomStreams`` of this forward, made at its first random draw
         self.regions = 0  # depth of ``activation_checkpoint`` regions (their recompute is guarded)
-        #: (mesh axis, global length) -> every rank's slab length along that axis (this rank's
-        #: line of the mesh), for each slab whose lengths the guard gathered in this forward: the
-        #: layout a slab re-assembled by ``cat`` along that axis goes back to (``_relayout``).
-        self.known_layouts: dict[tuple[int, int], tuple[int, ...]] = {}
 
     # -- suspension inside sharded layers: the mode leaves the stack, so their ops cost nothing.
 
@@ -1481,7 +1487,7 @@ class _GuardMode(TorchFunctionMode):
             (bound,) = self._global_bounds(x, st, crop)
             a, b = bound[:2]
             if b - a == 1:  # one position of the whole domain: as ``x[:, a:a + 1]`` (``_h_getitem``)
-                y = self._select_global(x, st, dim, a, span=bound[2:])
+                y = self._select_global(x, st, dim, a, span=bound[2:5])
                 st_y = self.states.get(y)
                 out = y.unsqueeze(dim)
                 if st_y is not None:
@@ -1490,7 +1496,7 @@ class _GuardMode(TorchFunctionMode):
             (sl,) = self._crop_global(x, st, crop, [None], [bound])
             out = x.narrow(dim, sl.start, sl.stop - sl.start)
             self._set(out, st)
-            return out
+            return self._keep_crop_boundaries(out, st, crop, [bound], [dim])
         out = func(*args, **kwargs)
         self._set(out, st)
         return out
@@ -1562,7 +1568,7 @@ class _GuardMode(TorchFunctionMode):
             self._check_phases(x, st, phases)
         if crops:
             bounds = self._global_bounds(x, st, crops)
-            for (p, d, _sl), (a, b, *span) in zip(crops, bounds):
+            for (p, d, _sl), (a, b, *span, _lens) in zip(crops, bounds):
                 if b - a == 1:
                     # One position of the whole domain kept as a dim of extent 1 (``x[:, :1]``, a
                     # class token; ``x[:, :, -1:]``, the last row): taken as ``x[:, a]`` is (its
@@ -1580,6 +1586,8 @@ class _GuardMode(TorchFunctionMode):
             out_dim += 1
         out = func(*args, **kwargs)
         self._set(out, tuple(None if d is None else mapping[d] for d in st))
+        if crops:
+            out = self._keep_crop_boundaries(out, st, crops, bounds, [mapping[d] for _, d, _ in crops])
         return out
 
     def _axis_span(self, x, st, dims: list[int], what: str) -> list[tuple[int, int, int]]:
@@ -1600,32 +1608,28 @@ class _GuardMode(TorchFunctionMode):
         along that axis that share this rank's other coordinates, in axis order (one all-gather
         for all of them)."""
         rows = self._gather_with_coords([n for _, n in local], what)
-        out = [[r[j] for r in self._along_axis(rows, k)] for j, (k, _) in enumerate(local)]
-        for (k, _), lens in zip(local, out):
-            self.known_layouts[(k, sum(lens))] = tuple(lens)
-        return out
+        return [[r[j] for r in self._along_axis(rows, k)] for j, (k, _) in enumerate(local)]
 
-    def _relayout(self, out: torch.Tensor, dim: int, k: int, what: str, lens=None) -> torch.Tensor:
-        """``out``, a slab re-assembled by ``cat`` along sharded dim ``dim`` (mesh axis ``k``), in
-        the layout the guard saw for its global length before (the slab its pieces were cropped
-        from), so that it lines up with that slab in pointwise calls as on one device:
-        ``torch.cat([x[:, :, :1], x[:, :, :-1]], 2) + x`` (rows shifted by one) puts one row more
-        on the first rank and one fewer on the last, and the sum failed on those two ranks only
-        (the others went on: a hang). One small all-gather of the lengths (alike on every rank),
-        then the rows that change owner move between neighbours (``move_rows``). ``lens``: every
-        rank's length of ``out`` along the axis, where the caller knows them (no gather then)."""
+    def _relayout(self, out: torch.Tensor, dim: int, k: int, lens, source) -> torch.Tensor:
+        """``out``, whose slabs along sharded dim ``dim`` (mesh axis ``k``) have every rank's
+        lengths ``lens``, moved to the layout that keeps the slab boundaries of ``source`` (every
+        rank's lengths of the slab it was cut or assembled from): ``kept_boundaries``. Crops,
+        ``cat`` along a sharded dim and the sharded pad all follow that rule, as windows without
+        padding do (their outputs sit where their windows start), so two tensors of one global
+        length derived from one slab line up in pointwise calls as on one device:
+        ``x[:, :, 1:] - x[:, :, :-1]``, ``F.pad(x, ...)[..., 2:-2, 1:-1] + x``,
+        ``torch.cat([x[:, :, :1], x[:, :, :-1]], 2) + x``. (Each kept its own rows before, which
+        put the first rank's share of the cut on it: the pointwise call failed on the ranks whose
+        lengths differed while the others went on, a hang.) The rows that change owner move
+        between neighbours (``move_rows``); no communication where nothing moves."""
         from .comm import axis_peers
         from .comm.rebalance import move_rows
 
-        if lens is None:
-            rows = self._gather_with_coords([int(out.shape[dim])], f"forward guard: {what}")
-            lens = tuple(r[0] for r in self._along_axis(rows, k))
-        target = self.known_layouts.get((k, sum(lens)))
-        self.known_layouts[(k, sum(lens))] = target or lens
-        if target is None or target == lens:
+        target = kept_boundaries(source, sum(lens))
+        if tuple(lens) == target:
             return out
         st = self.states.get(out)
-        moved = move_rows(out, dim, lens, target, axis_peers(self.guard.mesh, self.guard.axes[k]))
+        moved = move_rows(out, dim, tuple(lens), target, axis_peers(self.guard.mesh, self.guard.axes[k]))
         self._set(moved, st)
         return moved
 
@@ -1639,24 +1643,37 @@ class _GuardMode(TorchFunctionMode):
 
         scope_forget()
         out = list(expanded)
-        for (p, _d, _sl), (a, b, s0, n, _total) in zip(crops, bounds or self._global_bounds(x, st, crops)):
+        for (p, _d, _sl), (a, b, s0, n, *_rest) in zip(crops, bounds or self._global_bounds(x, st, crops)):
             lo = min(max(a - s0, 0), n)
             out[p] = slice(lo, max(min(b - s0, n), lo))
         return out
 
-    def _global_bounds(self, x, st, crops) -> list[tuple[int, int, int, int, int]]:
+    def _keep_crop_boundaries(self, out, st, crops, bounds, out_dims) -> torch.Tensor:
+        """``out``, cropped by ``_crop_global`` (each slab kept its part of the global range), moved
+        to the layout that keeps the source's slab boundaries (``_relayout``), one cropped dim after
+        another; ``out_dims[i]``: the output dim of crop i's sharded dim."""
+        for (_p, d, _sl), (a, b, _s0, _n, _total, lens), od in zip(crops, bounds, out_dims):
+            starts = [sum(lens[:r]) for r in range(len(lens))]
+            kept = [max(min(b - s, n), min(max(a - s, 0), n)) - min(max(a - s, 0), n) for s, n in zip(starts, lens)]
+            out = self._relayout(out, od, st.index(d), kept, lens)
+        return out
+
+    def _global_bounds(self, x, st, crops) -> list[tuple]:
         """Per ``(position, sharded dim, slice)`` of ``crops``: (global start, global stop, this
-        slab's global start, its length, the global length), the slice's bounds evaluated on the
-        global length (and bounds computed from slab sizes on the global sizes), alike on every rank."""
+        slab's global start, its length, the global length, every rank's length along the axis),
+        the slice's bounds evaluated on the global length (and bounds computed from slab sizes on
+        the global sizes), alike on every rank."""
         self._routing("slicing")
-        spans = self._axis_span(x, st, [d for _, d, _ in crops], "slicing by global positions")
+        local = [(st.index(d), int(x.shape[d])) for _, d, _ in crops]
         out = []
-        for (_p, _d, sl), (s0, n, total) in zip(crops, spans):
+        for (_p, _d, sl), (k, n), lens in zip(crops, local, self._lengths(local, "forward guard: slicing by global positions")):
+            total = sum(lens)
+            s0 = sum(lens[: axis_index(self.guard.mesh, self.guard.axes[k])])
             tagged = [v for v in (sl.start, sl.stop) if _is_tagged(v)]
             glob = self._global_values(tagged, "slicing") if tagged else {}
             start, stop = (glob.get(id(v), v) if _is_tagged(v) else v for v in (sl.start, sl.stop))
             a, b, _ = slice(start, stop).indices(total)
-            out.append((a, b, s0, n, total))
+            out.append((a, b, s0, n, total, tuple(lens)))
         return out
 
     def _select_global(self, x, st, d: int, i: int, span=None):
@@ -1844,7 +1861,8 @@ class _GuardMode(TorchFunctionMode):
         # rows and the plain parts it owns.
         plain_lens = [int(t.shape[dim]) for i, t in enumerate(tensors) if i not in slabs]
         lens = tuple(sum(row) + sum(n for n, o in zip(plain_lens, owners) if o == c) for c, row in enumerate(my_line))
-        return self._relayout(out, dim, k, f"`{base}` of slabs", lens)
+        # The result keeps the slab boundaries of the first slab operand (``_relayout``).
+        return self._relayout(out, dim, k, lens, tuple(row[0] for row in my_line))
 
     def _cat_ends(self, func, args, kwargs, tensors, j, dim, st):
         """``cat([*before, slab, *after], dim)`` along the slab's sharded dim, with plain tensors
@@ -1864,7 +1882,15 @@ class _GuardMode(TorchFunctionMode):
         scope_forget()
         out = func(parts, *args[1:], **kwargs) if args else func(**{**kwargs, "tensors": parts})
         self._set(out, st)
-        return self._relayout(out, dim, st.index(dim), "`cat`")
+        # The result keeps the slab's boundaries (``_relayout``): every rank's slab length, from
+        # one small all-gather (alike on every rank), and the ends' rows on the first and last.
+        k = st.index(dim)
+        rows = self._gather_with_coords([int(tensors[j].shape[dim])], "forward guard: `cat`")
+        source = tuple(r[0] for r in self._along_axis(rows, k))
+        before = sum(int(t.shape[dim]) for t in tensors[:j])
+        after = sum(int(t.shape[dim]) for t in tensors[j + 1 :])
+        lens = tuple(m + (before if c == 0 else 0) + (after if c == n - 1 else 0) for c, m in enumerate(source))
+        return self._relayout(out, dim, k, lens, source)
 
     def _h_stack(self, func, base, args, kwargs, stateful):
         tensors = list(_arg(args, kwargs, 0, "tensors"))

@@ -90,6 +90,15 @@ def _pad_crop(m, x):  # pad every side, then crop the rows back by global positi
     return y[:, :, 2:-2, 1:-1] * 0.5 + x
 
 
+def _differences(m, x):  # finite differences of neighbouring rows, padded back (physics losses)
+    d = x[:, :, 1:] - x[:, :, :-1]
+    return x + F.pad(d, (0, 0, 1, 0)) * 0.5 - F.pad(d, (0, 0, 0, 1)) * 0.25
+
+
+def _pad_valid_pool(m, x):  # a pad, then a window without padding (a ResnetBlock, MONAI's pad-pool)
+    return x + F.avg_pool2d(F.pad(x, (1, 0, 2, 1), mode="reflect"), (4, 2), stride=1)
+
+
 def _roll(m, x):
     return torch.roll(x, shifts=(1, -1), dims=(2, 3))
 
@@ -213,13 +222,14 @@ STEPS = {f.__name__[1:]: f for f in (
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
     _tokens_attention, _explicit_attention, _class_token, _phases, _permute_back, _whole_rows_bias,
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
-    _pixel_round_trip, _einsum_attention, _rearranged, _chunks,
+    _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
 )}  # fmt: skip
 
 
 #: Steps that also run on the transposed image (``x.transpose(2, 3)``: the sharded rows become the
 #: last dim), named ``T:<step>``.
-TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch")
+TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
+                "differences", "pad_valid_pool")
 
 
 class Program(nn.Module):
@@ -315,10 +325,14 @@ EXAMPLES = [
     # 2x2 mesh: the row of the whole domain stays sharded along the columns (broadcast, and `cat`).
     dict(domain=(2, 2), sizes=[4, 2], width=6, steps=["shift_rows", "first_row", "T:first_row", "last_row"],
          head="slab", seed=7),
+    # Crops, pads and windows without padding keep the slab boundaries, so their results line up.
+    dict(domain=3, sizes=[2, 1, 4], width=5, steps=["differences", "pad_crop", "pad_valid_pool", "T:differences",
+                                                    "class_token"], head="slab", seed=11),
 ]
 
 
 @FAST
+@example(cfg=EXAMPLES[3])
 @example(cfg=EXAMPLES[0])
 @example(cfg=EXAMPLES[1])
 @example(cfg=EXAMPLES[2])

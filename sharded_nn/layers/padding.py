@@ -3,18 +3,24 @@
 Sharding contract:
     input: ``(N, C, S0, S1, ...)`` sharded along ``dims`` (default: the first spatial dims, one
         per domain axis), any slab sizes.
-    output: sharded along the same dims. Padding of a sharded dim is global: only the first rank
-        of the axis adds the left padding and only the last rank the right padding, so the edge
-        slabs grow and the output layout is no longer balanced (layers gather layouts on every
-        call, so that is fine). Unsharded dims are padded locally, exactly as ``F.pad`` does.
-    modes: ``constant`` and ``replicate`` need no communication. ``reflect`` reads the edge slab
-        only. ``circular`` wraps around the ring: the first rank receives the last ``pad_left``
-        positions from the last rank and vice versa (one periodic halo exchange, autograd-aware:
-        the halo gradients flow back to their owners). Where the padding reads more rows than
-        an edge slab holds (circular or reflect padding wider than a thin edge slab, an empty
-        edge slab), the edge ranks read them from every rank they span (``comm.halo_gather``,
-        multi-hop). Several sharded dims are padded one after another on the already padded
-        tensor, which fills the corners. Empty slabs pass through.
+    output: sharded along the same dims, with the input's slab boundaries: padding ``(pl, pr)``
+        of a sharded dim is global, and rank r holds the padded positions ``[a_r, b_r)`` where
+        its input slab held ``[a_r, b_r)`` (the first rank starts with the ``pl`` padding rows,
+        every rank's rows move ``pl`` positions on to the next rank, the last rank also holds
+        the ``pr`` right padding rows). So a window without padding after it (``ReflectionPad2d(1)``
+        then ``Conv2d(3, padding=0)``, MONAI's pad-then-pool) computes its outputs on the input's
+        layout, exactly as the layer with the padding inside it does, and ``x + conv(pad(x))``
+        adds slabs of one layout. (Keeping the rows where they were, the first rank would hold
+        ``pl`` more outputs than its input rows: found by tests/test_fuzz_unet.py.) Unsharded
+        dims are padded locally, exactly as ``F.pad`` does.
+    communication: right padding only (``pl = 0``): none for ``constant``/``replicate``/
+        ``reflect`` (the last rank pads its own rows), one periodic halo for ``circular``. Left
+        padding: each rank receives ``pl`` rows from the rank before it (the first rank's
+        padding rows mirror, repeat or wrap rows as the mode says, circular from the last rank),
+        one ``comm.halo_gather`` (multi-hop where slabs are thinner than the padding, autograd-
+        aware: the gradients flow back to the rows' owners). Several sharded dims are padded one
+        after another on the already padded tensor, which fills the corners. Empty slabs pass
+        through.
     negative padding (cropping) is supported on unsharded dims; on a sharded dim it raises
         ``ShardingNotImplementedError``.
 """
@@ -133,26 +139,28 @@ def _pad(
             continue
         axis, layout = sharded[d]
         ring = axis_peers(mesh, axis)
-        if _needs_gather(layout.sizes, pl, pr, mode):
-            # The padding reads rows beyond the edge ranks' slabs (circular wider than the last
-            # slab, reflect wider than the first, an empty edge slab): every rank reads exactly
-            # its padded range from whichever ranks own those rows (multi-hop).
+        if pl or _needs_gather(layout.sizes, pl, pr, mode):
+            # The output keeps the input's slab boundaries (module docstring): rank r holds the
+            # padded positions [a_r, b_r), i.e. the input rows [a_r - pl, b_r - pl) with the
+            # padding where they fall outside [0, n), and the last rank also the right padding.
+            # Every rank reads exactly that range from whichever ranks own its rows (multi-hop
+            # where slabs are thinner than the padding; circular padding wraps around the ring).
             p, n = layout.parts, layout.size
             ranges = [
-                (a - (pl if r == 0 else 0), a + m + (pr if r == p - 1 else 0))
+                (a - pl, a + m - pl + (pl + pr if r == p - 1 else 0))
                 for r, (a, m) in enumerate(zip(layout.starts, layout.sizes))
             ]
             spec = gather_plan(d, layout, ranges, "zeros" if mode == "constant" else mode)
             x = halo_gather(x, spec, ring, value=fill)
             continue
+        # Right padding only: the last rank adds it (reading its own rows, or, circular, the
+        # first rank's: a periodic halo).
         if mode == "circular":
             p = layout.parts
-            spec = HaloSpec(d, (pl,) + (0,) * (p - 1), (0,) * (p - 1) + (pr,), periodic=True)
+            spec = HaloSpec(d, (0,) * p, (0,) * (p - 1) + (pr,), periodic=True)
             spec.check(layout.sizes, what)
             x = halo_cat(x, spec, ring)
             continue
-        if ring.is_first:
-            x = edge_pad(x, d, pl, True, mode, fill)
         if ring.is_last:
             x = edge_pad(x, d, pr, False, mode, fill)
     return x
