@@ -156,6 +156,10 @@ def _timm_tables() -> dict[type, object]:
         # follows or routes (MONAI's attention blocks hold ``Rearrange`` layers).
         "einops.layers.torch": {"guarded": ("Rearrange", "Reduce", "EinMix")},
         "monai.networks.layers.drop_path": {"guarded": ("DropPath",)},
+        # MONAI's elementwise activations (its "SWISH", "MEMSWISH" and "MISH" act names); GEGLU
+        # splits and gates the last dim.
+        "monai.networks.blocks.activation": {"pointwise": ("Swish", "MemoryEfficientSwish", "Mish"),
+                                             "trailing_dim": ("GEGLU",)},
     }  # fmt: skip
     for mod_name, kinds in groups.items():
         mod = sys.modules.get(mod_name)
@@ -181,6 +185,8 @@ def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...]
         return tuple(range(-len(m.normalized_shape), 0))
     if kind == "channels":
         return (1,)
+    if kind == "trailing_dim":
+        return (-1,)
     if kind == "pointwise" or kind == ():
         return ()
     if kind == "mixes":

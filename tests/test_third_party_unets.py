@@ -231,3 +231,16 @@ def _unetr(domain, sizes):
 def test_monai_unetr_3d(run, domain, sizes):
     # Slabs of whole 16-voxel patches, uneven (UNETR's patch size is 16).
     assert max(run(domain, _unetr, domain, sizes)) < 1e-9
+
+
+def _monai_activations():
+    # MONAI's own elementwise activations (act names SWISH, MEMSWISH, MISH): convert(strict=True)
+    # refused them as unknown layers before session 51 (found by tests/test_fuzz_unet.py).
+    for act in ("SWISH", "MEMSWISH", "MISH"):
+        _check(lambda act=act: monai_nets.UNet(2, 1, 2, channels=(2, 4), strides=(2,), num_res_units=1, act=act),
+               2, (1, 1, 12, 8))
+    return True
+
+
+def test_monai_elementwise_activations_convert_strictly(run):
+    assert all(run(2, _monai_activations))
