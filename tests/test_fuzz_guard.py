@@ -96,7 +96,7 @@ def _differences(m, x):  # finite differences of neighbouring rows, padded back 
 
 
 def _pad_valid_pool(m, x):  # a pad, then a window without padding (a ResnetBlock, MONAI's pad-pool)
-    return x + F.avg_pool2d(F.pad(x, (1, 0, 2, 1), mode="reflect"), (4, 2), stride=1)
+    return x + F.avg_pool2d(F.pad(x, (1, 0, 2, 1), mode="replicate"), (4, 2), stride=1)
 
 
 def _roll(m, x):
