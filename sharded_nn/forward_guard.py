@@ -2892,17 +2892,25 @@ class _GuardMode(TorchFunctionMode):
             return out
         if tuple(st[: len(active)]) != active:
             self.fail("`pad`", "the tensor is sharded by a later mesh axis only", "")
+        tagged = [v for d in touched for v in per_dim[d] if _is_tagged(v)]
+        if tagged:
+            # Amounts computed from sizes read from slabs are the single device's: evaluated on
+            # the global sizes, alike on every rank (timm's Swin ``PatchMerging`` pads
+            # ``H % 2`` rows: one row at the end of the whole image when its height is odd, which
+            # the last rank adds; each slab's own parity differed by rank and was refused).
+            glob = self._global_values(tagged, "`pad`")
+            for d in touched:
+                per_dim[d] = tuple(glob[id(v)] if _is_tagged(v) else v for v in per_dim[d])
+            for d, (lo, hi) in per_dim.items():
+                i = nd - 1 - d
+                pad[2 * i : 2 * i + 2] = [lo, hi]
         facts = []
         for d in touched:
             facts += [int(per_dim[d][0]), int(per_dim[d][1])]
         rows = [tuple(r[len(self.guard.axes):]) for r in self._gather_with_coords(facts, "forward guard: pad")]
         if len(set(rows)) != 1:
             self.fail("`pad`", f"ranks pad the sharded dim(s) {touched} by different amounts "
-                      f"({[tuple(r) for r in rows]} by rank), computed from their local sizes", "")
-        for d in touched:
-            if any(_is_tagged(v) for v in per_dim[d]) and any(per_dim[d]):
-                self.fail("`pad`", f"its padding {per_dim[d]} along sharded dim {d} is computed from a slab's local "
-                          "size (it would be different for the full tensor)", "pad by amounts computed from global sizes")
+                      f"({[tuple(r) for r in rows]} by rank)", "pad every slab by the same amounts")
         self._routing("pad")
         out = sharded_pad(x, [int(p) for p in pad], self.guard.mesh, mode, value, dims=active)
         self._set(out, st)

@@ -47,6 +47,10 @@ class Hazards(nn.Module):
             h = F.pad(h, (1, 2, 2, 1), mode="replicate")
         elif k == "pad_circular":
             h = F.pad(h, (0, 0, 1, 1), mode="circular")
+        elif k == "pad_parity":  # timm Swin's PatchMerging: pad to even sizes, read from the tensor
+            _, _, hh, ww = h.shape
+            h = F.pad(h, (0, ww % 2, 0, (hh + 1) % 2))  # a row at the end when the (global) height is even
+            h = h[:, :, :-1] if (hh + 1) % 2 else h
         elif k == "max_pool":
             h = F.max_pool2d(h, 3, stride=2, padding=1)
         elif k == "avg_pool":
@@ -205,7 +209,7 @@ class Hazards(nn.Module):
 
 
 EXACT = [
-    "interpolate_local_size", "interpolate_scale", "pad", "pad_circular", "max_pool", "avg_pool",
+    "interpolate_local_size", "interpolate_scale", "pad", "pad_circular", "pad_parity", "max_pool", "avg_pool",
     "adaptive_pool", "mean", "sum", "amax", "max_all", "roll", "roll_back", "window_partition", "cat_split",
     "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
