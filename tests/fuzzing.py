@@ -16,7 +16,8 @@ import json
 import os
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, Phase, given, settings
+import pytest
+from hypothesis import HealthCheck, Phase, example, given, settings
 
 from .harness import RankFailure, world_of
 
@@ -89,3 +90,29 @@ def run_campaign(label: str, strategy, run: Callable[[dict], Any], n: int, *, mi
     assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
     assert not timeouts, f"{len(timeouts)} cases timed out, first: {timeouts[0]}"
     return counts
+
+
+def fuzz_tests(label: str, strategy, run: Callable[..., Any], examples: list[dict], *, fast: tuple[str, int],
+               campaign: tuple[str, int], count: Callable[[dict], str] | None = None, every: int = 50):  # fmt: skip
+    """A fuzzer's two tests: the CI subset (``fast``: env variable and default number of drawn
+    examples, after the fixed ``examples``, each of which must run ``"ok"``) and the long
+    campaign (``campaign``: env variable and default; ``pytest -m slow``). ``run(pools, cfg,
+    timeout)`` returns one example's outcome. Bind the results to ``test_*`` names."""
+
+    @fast_settings(*fast)
+    @given(cfg=strategy)
+    def fast_test(pools, cfg):
+        out = run(pools, cfg, 300.0)
+        if any(cfg is e for e in examples):
+            assert out == "ok", out
+
+    for e in reversed(examples):
+        fast_test = example(cfg=e)(fast_test)
+
+    @pytest.mark.slow
+    def campaign_test(pools):
+        timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
+        run_campaign(label, strategy, lambda cfg: run(pools, cfg, timeout),
+                     int(os.environ.get(campaign[0], campaign[1])), count=count, every=every)  # fmt: skip
+
+    return fast_test, campaign_test

@@ -21,18 +21,15 @@ parameter gradients must equal the plain model's on the whole image (float64, 1e
 from __future__ import annotations
 
 import copy
-import os
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .fuzzing import fast_settings, outcome, run_campaign
+from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
 from .reference import reduce_param_grads
 
@@ -312,7 +309,6 @@ def _run(pools, cfg, timeout: float = 300.0):
     return outcome(pools, _case, cfg, timeout)
 
 
-FAST = fast_settings("SNN_FUZZ_GUARD_FAST_EXAMPLES", 12)
 
 
 # Fixed cases the fast run always includes: one row of the whole domain broadcast and a slab
@@ -331,20 +327,7 @@ EXAMPLES = [
 ]
 
 
-@FAST
-@example(cfg=EXAMPLES[3])
-@example(cfg=EXAMPLES[0])
-@example(cfg=EXAMPLES[1])
-@example(cfg=EXAMPLES[2])
-@given(cfg=configs())
-def test_fuzz_guard_fast(pools, cfg):
-    out = _run(pools, cfg)
-    if any(cfg is e for e in EXAMPLES):
-        assert out == "ok", out
-
-
-@pytest.mark.slow
-def test_fuzz_guard_campaign(pools):
-    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    run_campaign("guard fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
-                 int(os.environ.get("SNN_FUZZ_GUARD_EXAMPLES", 500)))
+test_fuzz_guard_fast, test_fuzz_guard_campaign = fuzz_tests(
+    "guard fuzz", configs(), _run, EXAMPLES,
+    fast=("SNN_FUZZ_GUARD_FAST_EXAMPLES", 12), campaign=("SNN_FUZZ_GUARD_EXAMPLES", 500), every=50,
+)

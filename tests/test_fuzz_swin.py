@@ -23,16 +23,13 @@ configuration timm itself rejects; any mismatch fails.
 from __future__ import annotations
 
 import copy
-import os
 
-import pytest
 import torch
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .fuzzing import fast_settings, outcome, run_campaign
+from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
 from .reference import reduce_param_grads
 
@@ -168,7 +165,6 @@ def _run(pools, cfg, timeout: float = 300.0):
     return outcome(pools, _case, _sized(cfg), timeout)
 
 
-FAST = fast_settings("SNN_FUZZ_SWIN_FAST_EXAMPLES", 5)
 
 _BASE = dict(patch_size=4, embed_dim=8, depths=(2,), num_heads=(2,), mlp_ratio=1.0, num_classes=3, global_pool="avg",
              always_partition=False, drop_path_rate=0.0, window_size=3)  # fmt: skip
@@ -181,24 +177,13 @@ EXAMPLES = [
          kwargs={**_BASE, "patch_size": 2, "depths": (1, 1), "num_heads": (1, 2), "window_size": 2, "qkv_bias": False,
                  "pretrained_window_sizes": (0, 3), "act_layer": "gelu", "strict_img_size": True}, seed=2),
     dict(arch="v2_cr", domain=4, patch=4, width=24, blocks=[1, 2, 1, 1], cut=3, mode="loose",
-         kwargs={**_BASE, "init_values": 0.5, "extra_norm_period": 1, "extra_norm_stage": True, "sequential_attn": False,
-                 "strict_img_size": False}, seed=3),
+         kwargs={**_BASE, "init_values": 0.5, "extra_norm_period": 1, "extra_norm_stage": True,
+                 "sequential_attn": False, "strict_img_size": False}, seed=3),
 ]  # fmt: skip
 
 
-@FAST
-@example(cfg=EXAMPLES[0])
-@example(cfg=EXAMPLES[1])
-@example(cfg=EXAMPLES[2])
-@given(cfg=configs())
-def test_fuzz_swin_fast(pools, cfg):
-    out = _run(pools, cfg)
-    if any(cfg is e for e in EXAMPLES):
-        assert out == "ok", out
-
-
-@pytest.mark.slow
-def test_fuzz_swin_campaign(pools):
-    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    run_campaign("swin fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
-                 int(os.environ.get("SNN_FUZZ_SWIN_EXAMPLES", 200)), count=lambda cfg: cfg["arch"], every=25)
+test_fuzz_swin_fast, test_fuzz_swin_campaign = fuzz_tests(
+    "swin fuzz", configs(), _run, EXAMPLES,
+    fast=("SNN_FUZZ_SWIN_FAST_EXAMPLES", 5), campaign=("SNN_FUZZ_SWIN_EXAMPLES", 200), every=25,
+    count=lambda cfg: cfg["arch"],
+)

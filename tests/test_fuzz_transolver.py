@@ -1,15 +1,16 @@
 """Hypothesis fuzzing of the converted Transolver (and Transolver++) over its constructor options.
 
 ``tests/test_transolver.py`` checks six named configurations; this file draws the options
-together: unstructured points (any partition: a random permutation of the points cut into
-uneven parts, empty parts included), 2-D and 3-D structured grids (slabs of whole rows of the
-first spatial dim, given spatially shaped or flattened), unified positions with reference grids
-of 2-4 points per dim, a time input, Transolver++ (per-point temperature, Gumbel softmax without
-noise, or with noise only in training and the model in eval mode), heads and head sizes, slices, MLP ratio, activation, layers, the temperature clamp and
-the slice-normalisation epsilon, batches of 1-2, at 1-4 ranks. Each example converts a float64
-model (``convert(strict=True)``) and compares this rank's output, the input and embedding
-gradients and every parameter gradient (summed over the ranks) with the model on all points
-(1e-10). A refusal (``ShardingError``) alike on every rank is counted apart; any mismatch fails.
+together: unstructured points (any partition: a random permutation of the points cut into uneven
+parts, empty parts included), 2-D and 3-D structured grids (slabs of whole rows of the first
+spatial dim, given spatially shaped or flattened), unified positions with reference grids of 2-4
+points per dim, a time input, Transolver++ (per-point temperature, Gumbel softmax without noise,
+or with noise only in training and the model in eval mode), heads and head sizes, slices, MLP
+ratio, activation, layers, the temperature clamp and the slice-normalisation epsilon, batches of
+1-2, at 1-4 ranks. Each example converts a float64 model (``convert(strict=True)``) and compares
+this rank's output, the input and embedding gradients and every parameter gradient (summed over
+the ranks) with the model on all points (1e-10). A refusal (``ShardingError``) alike on every
+rank is counted apart; any mismatch fails.
 
 - ``test_fuzz_transolver_fast``: the CI subset (derandomized, a few examples).
 - ``test_fuzz_transolver_campaign`` (``pytest -m slow``): ``SNN_FUZZ_TRANSOLVER_EXAMPLES``
@@ -19,17 +20,14 @@ gradients and every parameter gradient (summed over the ranks) with the model on
 from __future__ import annotations
 
 import copy
-import os
 
-import pytest
 import torch
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 from sharded_nn.zoo.transolver import Transolver
 
-from .fuzzing import fast_settings, outcome, run_campaign
+from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
 from .reference import reduce_param_grads
 
@@ -149,7 +147,6 @@ def _run(pools, cfg, timeout: float = 300.0):
     return outcome(pools, _case, cfg, timeout)
 
 
-FAST = fast_settings("SNN_FUZZ_TRANSOLVER_FAST_EXAMPLES", 6)
 
 _BASE = dict(functional_dim=2, out_dim=2, n_layers=2, n_hidden=8, n_head=2, act="gelu", mlp_ratio=2, slice_num=3,
              time_input=False, plus=False, gumbel_noise="never", temperature_clamp=(0.5, 5.0), slice_norm_eps=1e-2)
@@ -164,20 +161,8 @@ EXAMPLES = [
 ]  # fmt: skip
 
 
-@FAST
-@example(cfg=EXAMPLES[0])
-@example(cfg=EXAMPLES[1])
-@example(cfg=EXAMPLES[2])
-@given(cfg=configs())
-def test_fuzz_transolver_fast(pools, cfg):
-    out = _run(pools, cfg)
-    if any(cfg is e for e in EXAMPLES):
-        assert out == "ok", out
-
-
-@pytest.mark.slow
-def test_fuzz_transolver_campaign(pools):
-    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    run_campaign("transolver fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
-                 int(os.environ.get("SNN_FUZZ_TRANSOLVER_EXAMPLES", 300)),
-                 count=lambda cfg: "grid" if cfg["kwargs"].get("structured_shape") else "points", every=25)
+test_fuzz_transolver_fast, test_fuzz_transolver_campaign = fuzz_tests(
+    "transolver fuzz", configs(), _run, EXAMPLES,
+    fast=("SNN_FUZZ_TRANSOLVER_FAST_EXAMPLES", 6), campaign=("SNN_FUZZ_TRANSOLVER_EXAMPLES", 300), every=25,
+    count=lambda cfg: "grid" if cfg["kwargs"].get("structured_shape") else "points",
+)

@@ -28,11 +28,8 @@ device; any mismatch fails.
 from __future__ import annotations
 
 import copy
-import os
 
-import pytest
 import torch
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
@@ -40,7 +37,7 @@ from sharded_nn.alignment import alignment
 from sharded_nn.zoo import UNet
 from sharded_nn.zoo.unet import DOWNS, NORMS, PADDING_MODES, UPS
 
-from .fuzzing import fast_settings, outcome, run_campaign
+from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
 from .reference import check_against_reference
 
@@ -197,7 +194,6 @@ def _run(pools, cfg, timeout: float = 300.0):
     return outcome(pools, _case, cfg, timeout)
 
 
-FAST = fast_settings("SNN_FUZZ_UNET_FAST_EXAMPLES", 6)
 
 
 def _example(arch, spatial_dims, domain, dims, blocks, other, cut=0, train=True, **kwargs):
@@ -219,20 +215,8 @@ EXAMPLES = [
 ]
 
 
-@FAST
-@example(cfg=EXAMPLES[0])
-@example(cfg=EXAMPLES[1])
-@example(cfg=EXAMPLES[2])
-@example(cfg=EXAMPLES[3])
-@given(cfg=configs())
-def test_fuzz_unet_fast(pools, cfg):
-    out = _run(pools, cfg)
-    if any(cfg is e for e in EXAMPLES):
-        assert out == "ok", out
-
-
-@pytest.mark.slow
-def test_fuzz_unet_campaign(pools):
-    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    run_campaign("unet fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
-                 int(os.environ.get("SNN_FUZZ_UNET_EXAMPLES", 300)), count=lambda cfg: cfg["arch"], every=25)
+test_fuzz_unet_fast, test_fuzz_unet_campaign = fuzz_tests(
+    "unet fuzz", configs(), _run, EXAMPLES,
+    fast=("SNN_FUZZ_UNET_FAST_EXAMPLES", 6), campaign=("SNN_FUZZ_UNET_EXAMPLES", 300), every=25,
+    count=lambda cfg: cfg["arch"],
+)

@@ -24,17 +24,14 @@ configuration timm itself rejects; any mismatch fails.
 from __future__ import annotations
 
 import copy
-import os
 
-import pytest
 import torch
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 import sharded_nn.zoo  # noqa: F401 - registers the sharded ViT classes with convert
 
-from .fuzzing import fast_settings, outcome, run_campaign
+from .fuzzing import fuzz_tests, outcome
 from .harness import mesh, world_of
 from .reference import reduce_param_grads
 
@@ -234,7 +231,6 @@ def _run(pools, cfg, timeout: float = 300.0):
     return outcome(pools, _case, cfg, timeout)
 
 
-FAST = fast_settings("SNN_FUZZ_VIT_FAST_EXAMPLES", 8)
 
 
 def _example(domain, sizes, run_size, block="Block", mlp="Mlp", attention="ring", arch="vit", **kw):
@@ -255,20 +251,8 @@ EXAMPLES = [
 ]
 
 
-@FAST
-@example(cfg=EXAMPLES[0])
-@example(cfg=EXAMPLES[1])
-@example(cfg=EXAMPLES[2])
-@example(cfg=EXAMPLES[3])
-@given(cfg=configs())
-def test_fuzz_vit_fast(pools, cfg):
-    out = _run(pools, cfg)
-    if any(cfg is e for e in EXAMPLES):
-        assert out == "ok", out
-
-
-@pytest.mark.slow
-def test_fuzz_vit_campaign(pools):
-    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-    run_campaign("vit fuzz", configs(), lambda cfg: _run(pools, cfg, timeout),
-                 int(os.environ.get("SNN_FUZZ_VIT_EXAMPLES", 300)), count=lambda cfg: cfg["arch"], every=25)
+test_fuzz_vit_fast, test_fuzz_vit_campaign = fuzz_tests(
+    "vit fuzz", configs(), _run, EXAMPLES,
+    fast=("SNN_FUZZ_VIT_FAST_EXAMPLES", 8), campaign=("SNN_FUZZ_VIT_EXAMPLES", 300), every=25,
+    count=lambda cfg: cfg["arch"],
+)
