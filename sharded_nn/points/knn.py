@@ -16,6 +16,8 @@ evaluations per rank, chunked so memory stays ``O(Q * k + chunk^2)``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -62,9 +64,31 @@ def _merge(best_d, best_i, query, block, offset):
             d = torch.cat([d_run, _dist(q, c)], 1)
             ids = torch.arange(offset + c0, offset + c0 + c.shape[0], device=q.device).expand(q.shape[0], -1)
             i = torch.cat([i_run, ids], 1)
-            d_run, sel = torch.topk(d, k, dim=1, largest=False, sorted=False)
-            i_run = i.gather(1, sel)
+            d_run, i_run = _smallest(d, i, k)
         best_d[q0 : q0 + _QUERY_CHUNK], best_i[q0 : q0 + _QUERY_CHUNK] = d_run, i_run
+
+
+def _smallest(d: torch.Tensor, i: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the ``k`` entries smallest by (distance, global index): the documented tie rule
+    decides which of equal distances at the k-th place are kept, so the result does not depend
+    on the order the blocks arrive in (the ranks and their sizes). ``torch.topk`` keeps an
+    arbitrary one of them (on a lattice of points the k nearest differed from one process's,
+    found by tests/test_fuzz_points.py). One ``topk`` of ``k + 1`` shows the rows with such a
+    tie (the k-th and the next distance equal); only those are redone by two stable sorts."""
+    if d.shape[1] <= k:
+        return d, i
+    d_sel, sel = torch.topk(d, k + 1, dim=1, largest=False, sorted=True)
+    i_sel = i.gather(1, sel)
+    tied = d_sel[:, k - 1] == d_sel[:, k]
+    d_sel, i_sel = d_sel[:, :k].contiguous(), i_sel[:, :k].contiguous()
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        dr, ir = d[rows], i[rows]
+        o = torch.argsort(ir, dim=1, stable=True)
+        dr, ir = dr.gather(1, o), ir.gather(1, o)
+        o = torch.argsort(dr, dim=1, stable=True)[:, :k]
+        d_sel[rows], i_sel[rows] = dr.gather(1, o), ir.gather(1, o)
+    return d_sel, i_sel
 
 
 def _ring_blocks(pos: torch.Tensor, ring, sizes: list[int]):
@@ -172,7 +196,8 @@ def gather_neighbours(x_l: torch.Tensor, idx: torch.Tensor, *, mesh: DeviceMesh 
     if dim < 0:
         raise ValueError(f"gather_neighbours: expected (N, C) or (B, N, C) features, got {tuple(x_l.shape)}.")
     rows = x_l.movedim(dim, 0)
-    flat = rows.reshape(rows.shape[0], -1)
+    # Explicit width: a rank whose part holds no points has rows.shape[0] == 0, where -1 is ambiguous.
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
     if mesh is None:
         sizes, ring = [flat.shape[0]], None
         # One zero row at the end serves the -1 entries.

@@ -26,6 +26,8 @@ more than its chunk, its part and one travelling block.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -481,7 +483,7 @@ class PointCloudPartition(nn.Module):
     def _gather(self, t: torch.Tensor, idx: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         dim = t.dim() - 2
         rows = t.movedim(dim, 0)
-        flat = rows.reshape(rows.shape[0], -1)
+        flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))  # (a part of no points: 0 rows)
         got = gather_rows(flat, idx, sizes, self.ring)
         return got.reshape(idx.shape[0], *rows.shape[1:]).movedim(0, dim)
 
