@@ -1666,7 +1666,8 @@ class _GuardMode(TorchFunctionMode):
         self._routing("slicing")
         local = [(st.index(d), int(x.shape[d])) for _, d, _ in crops]
         out = []
-        for (_p, _d, sl), (k, n), lens in zip(crops, local, self._lengths(local, "forward guard: slicing by global positions")):
+        every = self._lengths(local, "forward guard: slicing by global positions")
+        for (_p, _d, sl), (k, n), lens in zip(crops, local, every):
             total = sum(lens)
             s0 = sum(lens[: axis_index(self.guard.mesh, self.guard.axes[k])])
             tagged = [v for v in (sl.start, sl.stop) if _is_tagged(v)]

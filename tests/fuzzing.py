@@ -29,6 +29,18 @@ def fast_settings(env: str, default: int):
                     phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
 
 
+def randomize_(model, seed: int, scale: float):
+    """``model`` with every parameter moved by ``scale`` times a seeded normal draw (so that every
+    one matters: zero-initialised biases, tables and layer scales included); returns it."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+    return model
+
+
 def outcome(pools, case: Callable[[dict], Any], cfg: dict, timeout: float):
     """``case(cfg)`` on every rank of ``cfg["domain"]``'s pool: the ranks' common result (they must
     agree: a refusal on some ranks only would be a hang in a real run)."""

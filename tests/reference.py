@@ -24,6 +24,16 @@ def reduce_param_grads(model: nn.Module, mesh) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_param_grads(ref: nn.Module, model: nn.Module, mesh, tol_of=None, **tol) -> None:
+    """Every parameter gradient of ``model`` (summed over the domain ranks) equals ``ref``'s (zero
+    where ``ref``'s forward never used the parameter); ``tol_of(name)``: a parameter's own tolerance."""
+    grads = reduce_param_grads(model, mesh)
+    for name, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        t = tol_of(name) if tol_of is not None else tol
+        torch.testing.assert_close(grads[name], want, **t, msg=lambda s, n=name: f"{n}: {s}")
+
+
 def check_against_reference(
     ref: nn.Module,
     x: torch.Tensor,

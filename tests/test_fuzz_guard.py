@@ -31,7 +31,7 @@ import sharded_nn as snn
 
 from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
-from .reference import reduce_param_grads
+from .reference import assert_param_grads
 
 C = 3  # channels of every step's input and output
 
@@ -285,10 +285,7 @@ def _case(cfg: dict):
     torch.testing.assert_close(y, y_ref.detach(), **tol, msg=lambda s: f"output: {s}")
     gx = snn.gather(x_local.grad, m, dims=dims)
     torch.testing.assert_close(gx, xr.grad, **tol, msg=lambda s: f"input grad: {s}")
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(grads[name], want, **tol, msg=lambda s, n=name: f"{n}: {s}")
+    assert_param_grads(ref, model, m, **tol)
     return "ok"
 
 

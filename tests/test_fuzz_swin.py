@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, randomize_
 from .harness import mesh
-from .reference import reduce_param_grads
+from .reference import assert_param_grads
 
 
 def _build(cfg: dict):
@@ -46,12 +46,7 @@ def _build(cfg: dict):
         model = cls(**cfg["kwargs"])
     except (AssertionError, ValueError, TypeError, RuntimeError) as e:
         return None, f"{type(e).__name__}: {e}"[:200]
-    model = model.double().eval()
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
-    return model, None
+    return randomize_(model.double().eval(), cfg["seed"] + 1, 0.2), None
 
 
 def _case(cfg: dict):
@@ -90,10 +85,7 @@ def _case(cfg: dict):
     y_all = y if pooled else snn.gather(y, m, dims=rows)
     torch.testing.assert_close(y_all, y_ref.detach(), **tol, msg=lambda s: f"logits: {s}")
     torch.testing.assert_close(snn.gather(x_local.grad, m, dims=(2,)), xr.grad, **tol, msg=lambda s: f"input grad: {s}")
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(grads[name], want, atol=1e-9, rtol=1e-8, msg=lambda s, n=name: f"{n}: {s}")
+    assert_param_grads(ref, model, m, atol=1e-9, rtol=1e-8)
     return "ok"
 
 

@@ -29,7 +29,7 @@ from sharded_nn.zoo.transolver import Transolver
 
 from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
-from .reference import reduce_param_grads
+from .reference import assert_param_grads
 
 ACTS = ("gelu", "relu", "silu", "tanh", "leaky_relu", "softplus")
 
@@ -101,10 +101,7 @@ def _case(cfg: dict):
     torch.testing.assert_close(fx_l.grad, local(fx_ref.grad), **tol, msg=lambda s: f"grad fx: {s}")
     if emb is not None:
         torch.testing.assert_close(emb_l.grad, local(emb_ref.grad), **tol, msg=lambda s: f"grad embedding: {s}")
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(grads[name], want, **tol, msg=lambda s, n=name: f"{n}: {s}")
+    assert_param_grads(ref, model, m, **tol)
     return "ok"
 
 

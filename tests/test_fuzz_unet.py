@@ -37,7 +37,7 @@ from sharded_nn.alignment import alignment
 from sharded_nn.zoo import UNet
 from sharded_nn.zoo.unet import DOWNS, NORMS, PADDING_MODES, UPS
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, randomize_
 from .harness import mesh
 from .reference import check_against_reference
 
@@ -56,12 +56,7 @@ def _build(cfg: dict):
             model = cls(cfg["spatial_dims"], cfg["cin"], cfg["cout"], **kw)
     except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
         return None, f"{type(e).__name__}: {e}"
-    model = model.double().train(cfg["train"])
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
-    return model, None
+    return randomize_(model.double().train(cfg["train"]), cfg["seed"] + 1, 0.1), None
 
 
 def _sizes(cfg: dict, align: tuple[int, ...]) -> tuple[tuple[int, ...], list[int] | None]:

@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 import sharded_nn.zoo  # noqa: F401 - registers the sharded ViT classes with convert
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, randomize_
 from .harness import mesh, world_of
-from .reference import reduce_param_grads
+from .reference import assert_param_grads
 
 BLOCKS = ("Block", "ResPostBlock", "ParallelScalingBlock", "ParallelThingsBlock", "DiffParallelScalingBlock")
 MLPS = ("Mlp", "GluMlp", "SwiGLUPacked")
@@ -55,12 +55,7 @@ def _build(cfg: dict):
         model = tv.VisionTransformer(**kw) if cfg["arch"] == "vit" else te.Eva(**kw)
     except (AssertionError, ValueError, TypeError, RuntimeError) as e:
         return None, f"{type(e).__name__}: {e}"
-    model = model.double().eval()
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
-    return model, None
+    return randomize_(model.double().eval(), cfg["seed"] + 1, 0.2), None
 
 
 def _case(cfg: dict):
@@ -98,16 +93,16 @@ def _case(cfg: dict):
     dims = (2,) if isinstance(domain, int) else (2, 3)
     gx = snn.gather(x_local.grad, m, dims=dims)
     torch.testing.assert_close(gx, xr.grad, **tol, msg=lambda s: f"input grad: {s}")
-    grads = reduce_param_grads(model, m)
-    for name, p in ref.named_parameters():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def tol_of(name: str) -> dict:
         # timm resamples a dynamic size's position embedding, computes differential attention's
         # lambda and mixed rotary angles (``get_mixed_freqs``) in float32: their backward sums the
         # ranks' slices in another order (float32 rounding, see tests/test_vit.py).
         f32 = (name == "pos_embed" and cfg["kwargs"].get("dynamic_img_size")) or ".lambda_" in name
         f32 = f32 or name == "rope.freqs"
-        t = dict(atol=1e-6, rtol=1e-4) if f32 else tol
-        torch.testing.assert_close(grads[name], want, **t, msg=lambda s, n=name: f"{n}: {s}")
+        return dict(atol=1e-6, rtol=1e-4) if f32 else tol
+
+    assert_param_grads(ref, model, m, tol_of)
     return "ok"
 
 

@@ -42,7 +42,8 @@ def _in_order(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 def _reference(kind: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The norm in elementwise float64 ops: mean and biased variance over its reduction dims."""
     if kind == "batch" and not module.training:
-        mean, var = module.running_mean.view(1, -1, *[1] * (x.dim() - 2)), module.running_var.view(1, -1, *[1] * (x.dim() - 2))
+        shape = (1, -1, *[1] * (x.dim() - 2))
+        mean, var = module.running_mean.view(shape), module.running_var.view(shape)
     elif kind == "group":
         g = x.reshape(x.shape[0], module.num_groups, -1)
         y = (g - g.mean(2, keepdim=True)) / torch.sqrt(g.var(2, unbiased=False, keepdim=True) + module.eps)
