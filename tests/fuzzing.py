@@ -105,16 +105,18 @@ def run_campaign(label: str, strategy, run: Callable[[dict], Any], n: int, *, mi
 
 
 def fuzz_tests(label: str, strategy, run: Callable[..., Any], examples: list[dict], *, fast: tuple[str, int],
-               campaign: tuple[str, int], count: Callable[[dict], str] | None = None, every: int = 50):  # fmt: skip
+               campaign: tuple[str, int], count: Callable[[dict], str] | None = None, every: int = 50,
+               minimum: int = 100, fast_timeout: float = 300.0):  # fmt: skip
     """A fuzzer's two tests: the CI subset (``fast``: env variable and default number of drawn
     examples, after the fixed ``examples``, each of which must run ``"ok"``) and the long
-    campaign (``campaign``: env variable and default; ``pytest -m slow``). ``run(pools, cfg,
-    timeout)`` returns one example's outcome. Bind the results to ``test_*`` names."""
+    campaign (``campaign``: env variable and default; ``pytest -m slow``; at least ``minimum``
+    cases). ``run(pools, cfg, timeout)`` returns one example's outcome. Bind the results to
+    ``test_*`` names."""
 
     @fast_settings(*fast)
     @given(cfg=strategy)
     def fast_test(pools, cfg):
-        out = run(pools, cfg, 300.0)
+        out = run(pools, cfg, fast_timeout)
         if any(cfg is e for e in examples):
             assert out == "ok", out
 
@@ -125,6 +127,7 @@ def fuzz_tests(label: str, strategy, run: Callable[..., Any], examples: list[dic
     def campaign_test(pools):
         timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
         run_campaign(label, strategy, lambda cfg: run(pools, cfg, timeout),
-                     int(os.environ.get(campaign[0], campaign[1])), count=count, every=every)  # fmt: skip
+                     int(os.environ.get(campaign[0], campaign[1])), count=count, every=every,
+                     minimum=minimum)  # fmt: skip
 
     return fast_test, campaign_test

@@ -21,18 +21,15 @@ refusal, never a hang or a wrong answer), and counted apart; any numerical misma
 
 from __future__ import annotations
 
-import collections
-import os
 
-import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .harness import RankFailure, mesh, world_of
+from .fuzzing import fuzz_tests, outcome
+from .harness import mesh
 from .reference import check_against_reference
 
 KINDS = ("conv", "conv_transpose", "max_pool", "avg_pool", "upsample", "norm")
@@ -173,67 +170,16 @@ def configs(draw, kinds=KINDS):
 # --------------------------------------------------------------------------- tests
 
 
-def _outcome(pools, cfg, timeout: float = 120.0) -> str:
-    results = pools.run(world_of(cfg["domain"]), _case, cfg, timeout=timeout)
-    assert all(r == results[0] for r in results), f"ranks ended differently on {cfg}: {results}"
-    return "ok" if results[0] == "ok" else "refused"
+def _run(pools, cfg, timeout: float = 120.0):
+    return outcome(pools, _case, cfg, timeout)
 
 
-FAST = settings(max_examples=int(os.environ.get("SNN_FUZZ_FAST_EXAMPLES", 20)), deadline=None, derandomize=True,
-                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-
-
-@FAST
-@given(cfg=configs())
-def test_fuzz_fast(pools, cfg):
-    # No shrinking: a failing example restarts the worker pool; the example is reported as found.
-    _outcome(pools, cfg)
-
-
-@pytest.mark.slow
-def test_fuzz_campaign(pools):
-    n = int(os.environ.get("SNN_FUZZ_EXAMPLES", 1200))
-    counts: collections.Counter = collections.Counter()
-    mismatches: list[tuple[dict, str]] = []
-    refusals: list[dict] = []
-    timeouts: list[dict] = []
-    # The campaign runs at low priority on a shared machine: a starved case gets a long timeout,
-    # and a timeout is reported apart from the mismatches (it is a hang or starvation, not a
-    # wrong answer; either way it fails the campaign).
-    timeout = float(os.environ.get("SNN_FUZZ_TIMEOUT", 900))
-
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(cfg=configs())
-    def campaign(cfg):
-        counts["cases"] += 1
-        counts[cfg["kind"]] += 1
-        counts[f"domain={cfg['domain']}"] += 1
-        try:
-            outcome = _outcome(pools, cfg, timeout)
-        except TimeoutError:
-            timeouts.append(cfg)
-            return
-        except (RankFailure, AssertionError) as e:
-            cause = e.__cause__ if e.__cause__ is not None else e
-            mismatches.append((cfg, str(cause)[-600:]))
-            return
-        counts[outcome] += 1
-        if counts["cases"] % 50 == 0:
-            print(f"fuzz campaign: {counts['cases']} cases, {len(mismatches)} mismatches, {len(timeouts)} timeouts",
-                  flush=True)
-        if outcome == "refused":
-            refusals.append(cfg)
-
-    campaign()
-    print(f"\nfuzz campaign: {dict(counts)}; mismatches: {len(mismatches)}; refusals: {len(refusals)}; "
-          f"timeouts: {len(timeouts)}")
-    for cfg, why in mismatches[:20]:
-        print("MISMATCH", cfg, why)
-    for cfg in refusals[:20]:
-        print("REFUSED", cfg)
-    assert counts["cases"] >= min(n, 1000)
-    for cfg in timeouts[:20]:
-        print("TIMEOUT", cfg)
-    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]}"
-    assert not timeouts, f"{len(timeouts)} cases timed out after {timeout} s, first: {timeouts[0]}"
+# No shrinking: a failing example restarts the worker pool; the example is reported as found.
+# The campaign runs at low priority on a shared machine: a starved case gets a long timeout
+# (``SNN_FUZZ_TIMEOUT``), and a timeout is reported apart from the mismatches (a hang or
+# starvation, not a wrong answer; either way it fails the campaign).
+test_fuzz_fast, test_fuzz_campaign = fuzz_tests(
+    "fuzz campaign", configs(), _run, [],
+    fast=("SNN_FUZZ_FAST_EXAMPLES", 20), campaign=("SNN_FUZZ_EXAMPLES", 1200), every=50,
+    count=lambda cfg: cfg["kind"], minimum=1000, fast_timeout=120.0,
+)
