@@ -1359,7 +1359,14 @@ class _GuardMode(TorchFunctionMode):
             request = [math.prod(glob) // rest if v == -1 else v for v in request]
             local = list(request)
         if math.prod(glob) != math.prod(request):
-            return self._h_reshape_moved(func, "view", args, kwargs, [x])  # torch's own error, on every rank
+            # Decided on the gathered global shape, so alike on every rank: torch's own error
+            # would come only from the ranks whose slab does not happen to fit the request (a
+            # hang, and a silently wrong view on the others; timm NesT's ``deblockify``).
+            self.fail(call, f"the requested shape {tuple(request)} does not fit the whole sample's shape {tuple(glob)} "
+                      f"(a tensor sharded along {self.describe(st)}); constant sizes are read as the whole sample's, "
+                      "and a size computed from a slab's own size through int(), float() or math (math.sqrt) is a "
+                      "constant of this slab", "compute such sizes with arithmetic on x.shape (the guard maps it to "
+                      "the whole sample's sizes), or from the model's configuration")
         groups = _groups(tuple(glob), tuple(request))
         for k, d in sharded:
             gi, go = next((gi, go) for gi, go in groups if d in gi)

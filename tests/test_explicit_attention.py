@@ -11,6 +11,7 @@ gradient and parameter gradients equal the single device, P = 2 and 3, uneven sl
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -166,6 +167,45 @@ def _fold_misaligned(sizes):
     except snn.ShardingError as e:
         return str(e)
     return "no error"
+
+
+class Deblockify(nn.Module):
+    """timm NesT's ``deblockify``: blocks back to a square grid whose side is ``int(math.sqrt(T))``
+    of the block count T, a number ``math`` computes from a slab's size (it loses the guard's tag,
+    so the view asks for constant sizes the whole sample does not have)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        x = self.proj(x)
+        b, c, h, w = x.shape
+        t = (h // 2) * (w // 2)  # 2x2 blocks, rows of blocks outermost
+        blocks = x.permute(0, 2, 3, 1).reshape(b, h // 2, 2, w // 2, 2, c).transpose(2, 3).reshape(b, t, 4, c)
+        g = int(math.sqrt(t))
+        return blocks.reshape(b, g, g, 2, 2, c).transpose(2, 3).reshape(b, 2 * g, 2 * g, c).sum()
+
+
+def _deblockify(sizes):
+    m = mesh(len(sizes))
+    model = snn.convert(Deblockify().double(), m)
+    x = torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64)
+    r = m.get_local_rank("domain")
+    try:
+        model(x.narrow(2, sum(sizes[:r]), sizes[r]))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_constant_view_that_does_not_fit_the_whole_sample_is_refused_on_every_rank(run):
+    # 8 rows of a 4x4 grid of blocks over 3 ranks: slabs of 2, 2 and 4 rows hold 4, 4 and 8
+    # blocks, whose square roots (2, 2, 2) give views of 16 blocks: the first two ranks' views
+    # fit their slabs (with the wrong grid: 2 blocks per row instead of 4) and ran on while the
+    # third raised torch's size error (a hang, and a silently wrong grid on the other ranks).
+    out = run(3, _deblockify, (2, 2, 4))
+    assert len(set(out)) == 1 and "does not fit the whole sample" in out[0], out
 
 
 def test_constant_view_of_misaligned_slabs_is_refused_on_every_rank(run):
