@@ -138,6 +138,7 @@ def _timm_tables() -> dict[type, object]:
         },
         # A per-channel scale of tokens (last dim) or of NCHW maps (dim 1).
         "timm.layers.layer_scale": {"pointwise": ("LayerScale", "LayerScale2d")},
+        "timm.models.metaformer": {"pointwise": ("Scale",)},  # MetaFormer's layer and residual scales
         # Its statistics over positions are torch calls (a vector norm over H and W) that the
         # forward guard routes to ``reductions.norm``: exact under the guard, mixing without it.
         "timm.layers.grn": {"guarded": ("GlobalResponseNorm",)},
@@ -171,8 +172,9 @@ def _timm_tables() -> dict[type, object]:
 
 
 #: Unregistered subclasses whose position-mixing calls the forward guard computes exactly (or
-#: refuses): see ``forward_guard._GuardMode._h_conv``.
-_GUARD_ROUTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: refuses): see ``forward_guard._GuardMode._h_conv`` and ``_h_spatial_norm`` (the ``F.group_norm``
+#: of timm's ``GroupNorm1`` subclasses, e.g. MetaFormer's ``GroupNorm1NoBias``).
+_GUARD_ROUTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 #: ``_acts_on`` of a layer whose position-mixing calls the forward guard routes (timm's
 #: ``GlobalResponseNorm``): nothing to report with the guard on, ``MIXES`` with it off.
 _GUARDED = "guarded"
@@ -217,7 +219,7 @@ def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...]
 
 
 def _replicated_children(m: nn.Module) -> tuple[str, ...]:
-    """Children of a timm module that run on globally pooled (replicated) features.
+    """Children of a timm module (or an ``nn.Sequential``) that run on globally pooled (replicated) features.
 
     timm registers a model's head in forward order (``forward_head``: global_pool -> norm ->
     flatten -> drop -> fc, in ResNet, EfficientNet, ConvNeXt's ``NormMlpClassifierHead``, ...;
@@ -225,7 +227,9 @@ def _replicated_children(m: nn.Module) -> tuple[str, ...]:
     after a global pool see the pooled tensor, which a sharded global pool replicates over the
     domain ranks. A pool that is not sharded is itself reported.
     """
-    if not type(m).__module__.startswith("timm."):
+    # (An nn.Sequential's registration order is its forward order by definition: MetaFormer's
+    # head is one, global pool first.)
+    if not (type(m).__module__.startswith("timm.") or type(m) is nn.Sequential):
         return ()
     names = list(m._modules)
     if type(m).__name__ == "SelectAdaptivePool2d":
@@ -415,9 +419,10 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
             continue  # (empty) containers have no forward of their own
         if acts is UNKNOWN and guard and isinstance(module, _GUARD_ROUTED):
-            # A convolution subclass with its own forward (timm's StdConv2d, ScaledStdConv2d):
-            # not swapped, but its F.conv*d runs under the forward guard, which computes it with
-            # the sharded convolution of the weights it passes (or refuses it on every rank).
+            # A convolution or norm subclass with its own forward (timm's StdConv2d,
+            # ScaledStdConv2d, GroupNorm1NoBias): not swapped, but its F.conv*d / F.group_norm runs
+            # under the forward guard, which computes it with the sharded form and the weights it
+            # passes (or refuses it on every rank).
             continue
         checked.append((name, module, acts))
 

@@ -752,6 +752,14 @@ def _pointwise_on_dims(module: nn.Module) -> bool:
     return isinstance(module, (_BatchNorm, nn.LayerNorm))
 
 
+def _running_stats_batch_norm(module: nn.Module) -> bool:
+    """A batch norm that normalises with its running statistics (the decision its forward makes)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return (isinstance(module, _BatchNorm) and not module.training and module.running_mean is not None
+            and module.running_var is not None)
+
+
 def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
     dims = _layer_dims(module)
     if dims is None:
@@ -768,6 +776,14 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
         )
     if state is UNKNOWN:
         mode.fail(type(module).__name__, "the sharded layer received a tensor whose layout the guard lost", "", module=module)
+    if _running_stats_batch_norm(module):
+        # Eval mode with running statistics: a per-channel affine map (the layer's own
+        # pointwise path, no agreement), exact on any layout that keeps the channels (dim 1)
+        # whole, e.g. LeViT's BatchNorm1d of tokens flattened into the batch (``x.flatten(0, 1)``).
+        if 1 in state:
+            mode.fail(type(module).__name__, f"its channels (dim 1) are sharded ({mode.describe(state)})", "",
+                      module=module)
+        return
     if not dims and isinstance(module, nn.LayerNorm):
         # Nothing sharded among its normalised dims: plain LayerNorm over trailing (channel) dims.
         k = len(module.normalized_shape)
@@ -1437,14 +1453,30 @@ class _GuardMode(TorchFunctionMode):
                           "use the slab's size itself (x.shape[d]) or build the tensor from the slab")
         return tuple(state) if any_tag else None
 
-    @_dim_map
-    def _h_repeat(self, x, out, st, base, args, kwargs):
+    def _h_repeat(self, func, base, args, kwargs, stateful):
+        x = args[0]
+        out = func(*args, **kwargs)
+        st = self._st(x)
         reps = list(args[1:]) if len(args) > 2 or isinstance(args[1], int) else list(args[1])
         nd = out.dim()
-        shifted = tuple(None if d is None else d + nd - x.dim() for d in st)
-        if any(d is not None and reps[d] != 1 for d in shifted):
-            self.fail("`repeat`", "it tiles a slab along its sharded dim", "")
-        return shifted
+        if st is UNKNOWN:
+            self._set(out, UNKNOWN)
+        elif st is None:
+            # A plain tensor tiled to a slab's local length along a dim where it has one
+            # position is a slab of a tensor uniform along it, as for ``expand`` (XCiT's
+            # position grid ``arange(1, W + 1).repeat(1, H, 1)``).
+            shape = (1,) * (nd - x.dim()) + tuple(x.shape)
+            for i, r in enumerate(reps):
+                if _is_tagged(r) and shape[i] != 1:
+                    self.fail("`repeat`", f"it tiles a tensor of {shape[i]} positions along dim {i} by a number "
+                              "computed from a slab's local size", "expand a tensor of one position there instead")
+            self._set(out, self._sized_state(reps, "`repeat`"))
+        else:
+            shifted = tuple(None if d is None else d + nd - x.dim() for d in st)
+            if any(d is not None and reps[d] != 1 for d in shifted):
+                self.fail("`repeat`", "it tiles a slab along its sharded dim", "")
+            self._set(out, shifted)
+        return out
 
     def _h_repeat_interleave(self, func, base, args, kwargs, stateful):
         """``repeat_interleave(x, k, dim)``: each row repeated ``k`` times in place. Along a
@@ -1942,6 +1974,12 @@ class _GuardMode(TorchFunctionMode):
                 return self._route_normalize(x, args, kwargs, dims, st)
             if base in ("softmax", "log_softmax", "softmin") and dim is not None and any(d in st for d in dims):
                 return self._route_softmax(base, x, args, kwargs, dims[0], st)
+            if base == "cumsum" and dim is not None and any(d in st for d in dims):
+                self._routing(base)
+                out = reductions.cumsum(x, self.guard.mesh, dims[0], dtype=kwargs.get("dtype"),
+                                        sharded_dims=self._leading_dims(base, st))
+                self._set(out, st)
+                return out
             if any(d in st for d in dims):
                 self.fail(f"`{base}`", f"it acts along sharded dim(s) {sorted(set(dims) & set(st))}", "")
             out = func(*args, **kwargs)
@@ -2125,12 +2163,7 @@ class _GuardMode(TorchFunctionMode):
         dim 0), computed in full and cut, so the values are bitwise one device's. None where the
         call has another form (then it is refused as before)."""
         if base == "arange":
-            if len(args) == 1 and not ({"start", "end", "step"} & kwargs.keys()):
-                n, at = args[0], 0  # arange(n)
-            elif len(args) == 2 and type(args[0]) is int and args[0] == 0 and not ({"step"} & kwargs.keys()):
-                n, at = args[1], 1  # arange(0, n)
-            else:
-                return None
+            return self._arange_rows(func, args, kwargs)
         else:
             at = 2 if len(args) > 2 else None
             n = args[2] if at is not None else kwargs.get("steps")
@@ -2146,6 +2179,54 @@ class _GuardMode(TorchFunctionMode):
         else:
             args = (*args[:at], total, *args[at + 1 :])
         out = func(*args, **kwargs).narrow(0, sum(lengths[:mine]), int(n))
+        state = [None] * len(self.guard.axes)
+        state[k] = 0
+        self._set(out, tuple(state))
+        return out
+
+    def _arange_rows(self, func, args, kwargs):
+        """``torch.arange(start, end, step)`` with bounds computed from a slab's local length
+        (``arange(n)``, ``arange(1, h + 1)``, ``arange(0, 2 * h, 2)``: XCiT's Fourier position
+        encoding): where the call on the global lengths counts the global length and the call on
+        this slab counts its local length, this rank's rows of the global call (one all-gather of
+        the lengths; the values are bitwise one device's). None where it has another form."""
+        if len(args) > 3 or any(k in kwargs for k in ("start", "end", "step")[: len(args)]):
+            return None
+        pos = dict(zip(("end",) if len(args) == 1 else ("start", "end", "step"), args))
+        bounds = {"start": 0, "step": 1, **pos, **{k: kwargs[k] for k in ("start", "end", "step") if k in kwargs}}
+        if "end" not in bounds:
+            return None
+        tagged = [v for v in bounds.values() if _is_tagged(v)]
+        if not tagged or any(v._leaves is None for v in tagged):
+            return None
+        leaves = {id(leaf): leaf for v in tagged for leaf in v._leaves}
+        if len({leaf.axis for leaf in leaves.values()}) != 1:
+            return None
+        order = list(leaves.values())
+        self._routing("`arange`")
+        lengths = self._axis_lengths(order, "forward guard: arange")
+        if any(col != lengths[0] for col in lengths):
+            return None  # sizes of slabs laid out differently: no one row layout to follow
+        def bounds_at(value_of: dict) -> dict:  # the bounds with every leaf given a value
+            return {k: (v._fn([value_of[id(leaf)] for leaf in v._leaves]) if _is_tagged(v) else v)
+                    for k, v in bounds.items()}
+
+        def count(b: dict) -> int:
+            return max(0, math.ceil((float(b["end"]) - float(b["start"])) / float(b["step"])))
+
+        rows = lengths[0]
+        # Every rank's count from the gathered lengths (not only this rank's), so that all decide alike.
+        counts = [count(bounds_at({id(leaf): col[j] for leaf, col in zip(order, lengths)})) for j in range(len(rows))]
+        glob = bounds_at({id(leaf): sum(col) for leaf, col in zip(order, lengths)})
+        if counts != list(rows) or count(glob) != sum(rows):
+            return None  # not one position per row of the slab (e.g. arange(h // 2)): refused
+        rest = {k: v for k, v in kwargs.items() if k not in ("start", "end", "step")}
+        full = func(glob["start"], glob["end"], glob["step"], **rest)
+        if full.shape[0] != sum(rows):  # (float bounds: torch's own count, the same on every rank)
+            return None
+        k = order[0].axis
+        mine = axis_index(self.guard.mesh, self.guard.axes[k])
+        out = full.narrow(0, sum(rows[:mine]), rows[mine])
         state = [None] * len(self.guard.axes)
         state[k] = 0
         self._set(out, tuple(state))
@@ -2643,9 +2724,38 @@ class _GuardMode(TorchFunctionMode):
         st = self._st(x)
         self._require_known(base, stateful)
         if self._spatial_hit(st, x):
-            self.fail(f"`{base}`", "it takes statistics over the sharded dims",
-                      "use nn.GroupNorm / nn.InstanceNorm modules (convert swaps them)")
+            if base == "group_norm":
+                # A group norm the model calls itself (timm's GroupNorm1 subclasses, e.g.
+                # MetaFormer's GroupNorm1NoBias): the sharded group norm of the weights it passes.
+                names, defaults = ("num_groups", "weight", "bias", "eps"), (None, None, None, 1e-5)
+                call = [_arg(args, kwargs, i + 1, nm, df) for i, (nm, df) in enumerate(zip(names, defaults))]
+                return self._route_group_norm(base, x, st, *call)
+            # instance_norm(x, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+            names = ("running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+            defaults = (None, None, None, None, True, 0.1, 1e-5)
+            rm, rv, w, b, use_input_stats, _, eps = (_arg(args, kwargs, i + 1, nm, df)
+                                                     for i, (nm, df) in enumerate(zip(names, defaults)))
+            if use_input_stats:
+                if rm is not None or rv is not None:
+                    self.fail(f"`{base}`", "it takes statistics over the sharded dims and updates running statistics",
+                              "use nn.InstanceNorm modules (convert swaps them)")
+                # Statistics per (sample, channel) over every position: a group norm of one
+                # channel per group, routed as above.
+                return self._route_group_norm(base, x, st, x.shape[1], w, b, eps)
         out = func(*args, **kwargs)
+        self._set(out, st)
+        return out
+
+    def _route_group_norm(self, base, x, st, num_groups, weight, bias, eps):
+        from .layers.norm import group_norm
+
+        if any(_is_tagged(v) for v in (num_groups, eps)):
+            self.fail(f"`{base}`", "its groups or eps are computed from a slab's local size", "compute them from global sizes")
+        if self._st(weight) is not None or self._st(bias) is not None:
+            self.fail(f"`{base}`", "its weight or bias is a slab", "")
+        self._routing(base)
+        dims = self._grid_dims(base, x, st)
+        out = group_norm(x, int(num_groups), weight, bias, float(eps), mesh=self.guard.mesh, dims=dims)
         self._set(out, st)
         return out
 

@@ -11,8 +11,9 @@ or ``"zigzag"``, the load-balanced layout for causal attention: the sequence is 
 balanced chunks and rank r holds chunks r and 2P-1-r, so that every rank does the same causal
 work. ``zigzag_shard`` / ``zigzag_unshard`` move tokens into and out of it.
 
-The grid functions ``interpolate`` (``F.interpolate`` on slabs) and ``pad`` (``F.pad`` on slabs)
-are served from here too; they live beside their modules in ``sharded_nn.layers``.
+The grid functions ``conv`` (``F.conv*d`` on slabs), ``group_norm`` (``F.group_norm`` on slabs),
+``interpolate`` (``F.interpolate`` on slabs) and ``pad`` (``F.pad`` on slabs) are served from
+here too; they live beside their modules in ``sharded_nn.layers``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .errors import ShardingError, ShardingNotImplementedError
 from .layout import Layout
 from .mesh import device_code, device_name
 
-__all__ = ["conv", "interpolate", "pad", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["conv", "group_norm", "interpolate", "pad", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
 
 def __getattr__(name: str):
@@ -48,6 +49,10 @@ def __getattr__(name: str):
         from .layers.conv import conv
 
         return conv
+    if name == "group_norm":
+        from .layers.norm import group_norm
+
+        return group_norm
     if name == "interpolate":
         from .layers.upsample import interpolate
 

@@ -1,5 +1,5 @@
 """Global reductions over sharded dims: ``sum``, ``mean``, ``max``, ``argmax``, ``norm``, ``var``, ``std``,
-and ``softmax`` / ``log_softmax`` along a sharded dim.
+and ``softmax`` / ``log_softmax`` / ``cumsum`` along a sharded dim.
 
 For heads (global pooling, then a Linear on the replicated features) and for losses. ``x`` is
 this rank's slab of a tensor sharded along ``sharded_dims`` (default: ``default_dims(mesh)``,
@@ -39,13 +39,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce_max, all_reduce_sum, gather_layouts
+from .comm.collectives import all_gather_stacked
 from .comm.sizes import scope_declare, scope_forget
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import axis_index, domain_axes, group_over
 from .sharding import default_dims
 
-__all__ = ["argmax", "log_softmax", "logsumexp", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
+__all__ = ["argmax", "cumsum", "log_softmax", "logsumexp", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
 
 
 def _plan(
@@ -440,3 +441,57 @@ def log_softmax(
         return torch.log_softmax(x, dim)
     shifted, log_total = got
     return (shifted - log_total).to(x.dtype)
+
+
+def cumsum(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dim: int,
+    *,
+    dtype: torch.dtype | None = None,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.cumsum(x_full, dim, dtype=dtype)`` from slabs, along a sharded ``dim`` too; the
+    result keeps ``x``'s layout (this rank's slab of the full running sum).
+
+    Each rank adds to its own running sum the totals of the slabs before it (one all-gather of
+    one slice per slab); backward is the reversed running sum plus the gradient totals of the
+    slabs after it (one all-gather). Exact for integers and integer-valued floats (a count of
+    mask positions, as in EdgeNeXt's position encoding); other floats are summed in another
+    order than one device's (rounding differences only). Sums accumulate in float32 for
+    fp16/bf16 inputs. First-order gradients only.
+    """
+    dims, axes, _ = _plan(x, mesh, dim, sharded_dims, "reductions.cumsum", keepdim=True)
+    out_dtype = dtype or (torch.int64 if not (x.is_floating_point() or x.is_complex()) else x.dtype)
+    if not axes:
+        return torch.cumsum(x, dims[0], dtype=dtype)
+    acc = accumulation_dtype(out_dtype)
+    (axis,) = axes
+    return _CumSum.apply(x, dims[0], group_over(mesh, [axis]), axis_index(mesh, axis), acc, out_dtype)
+
+
+class _CumSum(torch.autograd.Function):
+    """The running sum along a dim sharded over ``group`` (this rank at ``rank`` along it)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, rank, acc, out_dtype):  # noqa: D102
+        local = torch.cumsum(x.to(acc), dim)
+        ctx.dim, ctx.group, ctx.rank, ctx.acc, ctx.in_dtype = dim, group, rank, acc, x.dtype
+        # (Every slab holds data: ``_plan`` refuses empty slabs, as for every reduction.)
+        offset = _earlier_totals(local.narrow(dim, local.shape[dim] - 1, 1), group, rank, before=True)
+        return (local + offset).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        ga = g.to(ctx.acc)
+        d = ctx.dim
+        later = _earlier_totals(ga.sum(d, keepdim=True), ctx.group, ctx.rank, before=False)
+        dx = ga.flip(d).cumsum(d).flip(d) + later
+        return dx.to(ctx.in_dtype), None, None, None, None, None
+
+
+def _earlier_totals(t: torch.Tensor, group, rank: int, *, before: bool) -> torch.Tensor:
+    """The sum of ``t`` over the ranks of ``group`` before this one (``before``) or after it."""
+    every = all_gather_stacked(t.detach(), group)
+    part = every[:rank] if before else every[rank + 1 :]
+    return part.sum(0) if part.shape[0] else torch.zeros_like(t)

@@ -11,7 +11,9 @@ an error naming the call, the module and the source line, never silently wrong.
 from __future__ import annotations
 
 import copy
+import warnings
 
+import pytest
 import torch
 
 import sharded_nn as snn
@@ -87,3 +89,68 @@ def test_monai_swin_unetr_off_window_slabs_are_refused_on_every_rank(run):
     msg = out[0]
     assert msg.startswith("ShardedMonaiBasicLayer: along token dim 1 the slabs (16, 16)"), msg
     assert "must start on window boundaries of 7 tokens" in msg and "snn.alignment" in msg, msg
+
+
+class _Features(torch.nn.Module):
+    """A timm model's feature map (a slab): ``forward_features``, or for XCiT its blocks before
+    the class-attention layers (whose class token is replicated), as a grid."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        m = self.inner
+        if not hasattr(m, "cls_attn_blocks"):
+            return m.forward_features(x)
+        b = x.shape[0]
+        t, (hp, wp) = m.patch_embed(x)
+        t = t + m.pos_embed(b, hp, wp).reshape(b, -1, t.shape[1]).permute(0, 2, 1)
+        for blk in m.blocks:
+            t = blk(t, hp, wp)
+        return t.transpose(1, 2).reshape(b, -1, hp, wp)
+
+
+def _timm_forward_calls(name: str, kwargs: dict, shape, domain: int):
+    """A timm model whose own forward makes a call the guard routes, at P = ``domain``: forward,
+    input gradient and every parameter gradient against the single-device model (float64, eval,
+    randomised norm statistics)."""
+    import timm
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, **kwargs).double().eval()
+    randomise_norms(ref)
+    ref = _Features(ref)
+    with warnings.catch_warnings():
+        # Nothing to report: the guard computes these calls (convert once listed MetaFormer's
+        # GroupNorm1NoBias layers as hazards although the guard routes their F.group_norm).
+        warnings.simplefilter("error", snn.ShardingWarning)
+        model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(*shape, dtype=torch.float64)
+    align = snn.alignment(ref, dims=(2,))[0]
+    errs = check_against_reference(ref, x, m, align=align, sharded=model, atol=1e-9, rtol=1e-9)
+    return max(errs.values())
+
+
+# Found by session 52's sweep of one model per timm family, refused before:
+_ROUTED_MODELS = {
+    # MetaFormer's GroupNorm1NoBias (a GroupNorm1 subclass whose forward is F.group_norm): the
+    # guard routes F.group_norm to the sharded group norm.
+    "poolformerv2_s12": ({}, (1, 3, 64, 32)),
+    # Its Fourier position encoding takes a running sum (`cumsum`) of a mask over the rows:
+    # `snn.reductions.cumsum`.
+    "edgenext_xx_small": ({}, (1, 3, 64, 32)),
+    # Its position grid is `arange(1, H + 1)` and `arange(1, W + 1).repeat(1, H, 1)` of the
+    # slab's token rows: the rows of the global grid.
+    "xcit_nano_12_p8_224": ({"depth": 2}, (1, 3, 64, 32)),
+}
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("name", sorted(_ROUTED_MODELS))
+def test_timm_models_with_routed_calls_are_exact(run, name, domain):
+    kwargs, shape = _ROUTED_MODELS[name]
+    if domain == 3:
+        shape = (*shape[:2], 96, *shape[3:])  # slabs of 32 rows, whole at the models' 1/32 stage
+    assert max(run(domain, _timm_forward_calls, name, kwargs, shape, domain)) < 1e-9

@@ -34,6 +34,10 @@ class Hazards(nn.Module):
             shapes = {"fconv_strided": (4, 2, 3, 3), "fconv_1x1_strided": (4, 4, 1, 1)}
             self.w2 = nn.Parameter(torch.randn(shapes.get(kind, (4, 4, 3, 3))) * 0.3)
             self.b2 = nn.Parameter(torch.randn(4) * 0.1)
+        if kind.endswith("_norm_call") or kind == "instance_norm_running":
+            # Affine parameters of a norm the model's forward calls itself (F.group_norm, ...).
+            self.nw = nn.Parameter(1 + torch.randn(4) * 0.3)
+            self.nb = nn.Parameter(torch.randn(4) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.conv(x))
@@ -112,6 +116,23 @@ class Hazards(nn.Module):
             rows = torch.arange(h.shape[2], dtype=h.dtype).view(-1, 1)
             h = h * (rows / 10) + torch.logspace(0, 1, steps=h.shape[2], dtype=h.dtype).view(1, 1, -1, 1)
             h = h + torch.arange(0, h.shape[2])[None, None, :, None] % 3
+        elif k == "position_offset":  # arange bounds computed from the slab's rows (XCiT's position grid)
+            rows = torch.arange(1, h.shape[2] + 1, dtype=h.dtype)
+            evens = torch.arange(0, 2 * h.shape[2], 2, dtype=h.dtype)
+            h = h * (rows / rows[-1:]).view(1, 1, -1, 1) + (evens % 3).view(1, 1, -1, 1)
+        elif k == "repeat_rows":  # a plain grid tiled to the slab's rows: a slab of the global grid
+            cols = torch.arange(1, h.shape[3] + 1, dtype=h.dtype).repeat(1, h.shape[2], 1)  # (1, H, W)
+            h = h + cols / cols[:, :, -1:]
+        elif k == "repeat_tiles":  # pairs of rows tiled by the slab's half height: not a slab of anything
+            h = h + torch.arange(2, dtype=h.dtype).view(2, 1).repeat(h.shape[2] // 2, 1)
+        elif k == "cumsum_rows":  # a running sum over the sharded rows (EdgeNeXt's mask positions)
+            h = h + torch.cumsum(h, dim=2) * 0.1 + torch.ones_like(h).cumsum(2, dtype=torch.float32).to(h.dtype) / 10
+        elif k == "group_norm_call":  # F.group_norm in the model's own forward (timm's GroupNorm1 subclasses)
+            h = F.group_norm(h, 2, self.nw, self.nb, 1e-5) + F.group_norm(h, 1, self.nw, None, eps=1e-6)
+        elif k == "instance_norm_call":
+            h = F.instance_norm(h, weight=self.nw, bias=self.nb) + F.instance_norm(h)
+        elif k == "instance_norm_running":  # updates running statistics: refused
+            h = F.instance_norm(h, torch.zeros(4, dtype=h.dtype), torch.ones(4, dtype=h.dtype), self.nw, self.nb)
         elif k == "position_step":  # every other row: not a slab of rows
             h = h + torch.arange(0, h.shape[2], 2, dtype=h.dtype).sum()
         elif k == "slice_rows":  # a crop by global position: the first rank loses its first row
@@ -216,7 +237,8 @@ EXACT = [
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
-    "whole_domain_operand", "slice_rows", "view_whole_minus_one",
+    "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
+    "group_norm_call", "instance_norm_call",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -231,6 +253,8 @@ REFUSED = {
     "view_minus_one_inner": "`reshape`.*folds sharded dim 2 into a constant shape .* not the outermost",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",
+    "instance_norm_running": "`instance_norm`.*updates running statistics",
+    "repeat_tiles": "`repeat`.*tiles a tensor of 2 positions along dim 0 by a number computed from a slab's local size",
 }
 
 
@@ -821,3 +845,53 @@ def _einops_warm_cache(domain, sizes, warm):
 @pytest.mark.parametrize("domain,sizes,warm", [(2, (4, 6), (6,)), (3, (2, 5, 3), (5, 2)), (2, (3, 3), ())])
 def test_einops_with_a_warm_recipe_cache(run, domain, sizes, warm):
     assert all(e < 1e-10 for e in run(domain, _einops_warm_cache, domain, sizes, warm, timeout=60))
+
+
+class TokenBatchNorm(nn.Module):
+    """LeViT's ``LinearNorm``: a BatchNorm1d of tokens flattened into the batch dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = self.conv(x)
+        t = h.flatten(2).transpose(1, 2)  # (N, L, C): L sharded
+        t = self.bn(t.flatten(0, 1)).reshape_as(t)
+        return t.transpose(1, 2).reshape(h.shape)
+
+
+def _token_batch_norm(domain, sizes, training):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = TokenBatchNorm().double()
+    with torch.no_grad():
+        ref.bn.running_mean.uniform_(-0.2, 0.2)
+        ref.bn.running_var.uniform_(0.5, 1.5)
+        ref.bn.weight.uniform_(0.5, 1.5)
+    ref.train(training)
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    # A batch of one: tokens flattened into a batch of several samples interleave the slabs of
+    # the samples (a layout the guard does not follow; such a model is refused on every rank).
+    x = torch.randn(1, 2, sum(sizes), 5, dtype=torch.float64)
+    if not training:
+        return max(check_against_reference(ref, x, m, sharded=model, sizes=sizes).values())
+    r = m.get_local_rank("domain")
+    try:
+        model(x.narrow(2, sum(sizes[:r]), sizes[r]))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_eval_batch_norm_of_flattened_tokens_is_exact(run, domain):
+    # Eval mode with running statistics is a per-channel affine map: exact on any layout that
+    # keeps the channels whole (was refused: the layer shards dim 2 of (N, C, L) inputs).
+    assert max(run(domain, _token_batch_norm, domain, _SIZES[domain], False)) < 1e-12
+
+
+def test_training_batch_norm_of_flattened_tokens_is_refused(run):
+    out = run(2, _token_batch_norm, 2, _SIZES[2], True)
+    assert len(set(out)) == 1 and "shards dims (2,) but its input is sharded along dim 0" in out[0], out

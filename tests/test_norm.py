@@ -555,3 +555,42 @@ def _batchnorm_double_backward(world):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_batchnorm_double_backward(run, world):
     assert all(run(world, _batchnorm_double_backward, world))
+
+
+def _functional_group_norm(domain, dims, shape):
+    """``sharded_nn.functional.group_norm`` against ``F.group_norm`` on the whole tensor: affine
+    weight and bias, weight only, none; forward, input gradient and the summed weight gradients."""
+    import torch.nn.functional as F
+
+    m = mesh(domain)
+    gen = torch.Generator().manual_seed(0)
+    x_full = torch.randn(*shape, dtype=torch.float64, generator=gen) * 2 + 0.5
+    c = shape[1]
+    for groups, affine in ((2, "both"), (1, "weight"), (c, "none")):
+        w = (1 + torch.randn(c, dtype=torch.float64, generator=gen) * 0.3) if affine != "none" else None
+        b = torch.randn(c, dtype=torch.float64, generator=gen) * 0.1 if affine == "both" else None
+        params = [p.requires_grad_() for p in (w, b) if p is not None]
+        x = x_full.clone().requires_grad_()
+        y = F.group_norm(x, groups, w, b, 1e-5)
+        g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        ref_grads = torch.autograd.grad((y * g).sum(), [x, *params])
+        lw = w.detach().clone().requires_grad_() if w is not None else None
+        lb = b.detach().clone().requires_grad_() if b is not None else None
+        x_local = snn.shard(x_full, m, dims=dims).requires_grad_()
+        y_local = snn.functional.group_norm(x_local, groups, lw, lb, 1e-5, mesh=m, dims=dims)
+        torch.testing.assert_close(snn.gather(y_local, m, dims=dims), y.detach(), atol=1e-12, rtol=1e-12)
+        local_params = [p for p in (lw, lb) if p is not None]
+        got = torch.autograd.grad((y_local * snn.shard(g, m, dims=dims)).sum(), [x_local, *local_params])
+        torch.testing.assert_close(snn.gather(got[0], m, dims=dims), ref_grads[0], atol=1e-12, rtol=1e-12)
+        for gp, want in zip(got[1:], ref_grads[1:]):
+            # Parameter gradients are this rank's partial sums (the gradient convention).
+            total = gp.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, want, atol=1e-11, rtol=1e-11)
+    return True
+
+
+@pytest.mark.parametrize("domain,dims,shape", [(1, (2,), (2, 4, 9, 5)), (2, (2,), (2, 4, 9, 5)),
+                                               (3, (3,), (1, 6, 4, 11)), ((2, 2), (2, 3), (2, 4, 7, 9))])
+def test_functional_group_norm(run, domain, dims, shape):
+    assert all(run(world_of(domain), _functional_group_norm, domain, dims, shape))

@@ -264,3 +264,63 @@ def test_logsumexp_along_sharded_dims(run, domain):
 
 def test_logsumexp_along_sharded_dims_2x2(run):
     assert all(run(4, _check_logsumexp, (2, 2), (2, 3), ((2, 3), (1, 2, 3))))
+
+
+def _check_cumsum(domain, sharded_dims):
+    """``reductions.cumsum`` along sharded and unsharded dims (float64, an integer input, a
+    float32 input summed in float64) against torch on the whole tensor; the output keeps the
+    input's layout, so its gradient is a slab's."""
+    m = mesh(domain)
+    torch.manual_seed(0)
+    x_full = torch.randn(2, 3, 11, 7, dtype=torch.float64)
+    for dim in (2, 3, 1, -2):
+        x = x_full.clone().requires_grad_()
+        y = torch.cumsum(x, dim)
+        g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        (y * g).sum().backward()
+        x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
+        y_local = snn.reductions.cumsum(x_local, m, dim, sharded_dims=sharded_dims)
+        torch.testing.assert_close(snn.gather(y_local, m, dims=sharded_dims), y.detach(), atol=1e-12, rtol=1e-12)
+        (y_local * snn.shard(g, m, dims=sharded_dims)).sum().backward()
+        gx = snn.gather(x_local.grad, m, dims=sharded_dims)
+        torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"cumsum {dim}: {s}")
+        ints = (x_full * 3).round().long()
+        got = snn.reductions.cumsum(snn.shard(ints, m, dims=sharded_dims), m, dim, sharded_dims=sharded_dims)
+        assert got.dtype == torch.int64
+        assert torch.equal(snn.gather(got, m, dims=sharded_dims), torch.cumsum(ints, dim))
+        got = snn.reductions.cumsum(snn.shard(x_full.float(), m, dims=sharded_dims), m, dim, dtype=torch.float64,
+                                    sharded_dims=sharded_dims)
+        assert got.dtype == torch.float64
+        want = torch.cumsum(x_full.float(), dim, dtype=torch.float64)
+        torch.testing.assert_close(snn.gather(got, m, dims=sharded_dims), want, atol=1e-12, rtol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("domain", [1, 2, 3])
+def test_cumsum_along_sharded_dim(run, domain):
+    assert all(run(domain, _check_cumsum, domain, (2,)))
+
+
+def test_cumsum_along_sharded_dim_2x2(run):
+    assert all(run(4, _check_cumsum, (2, 2), (2, 3)))
+
+
+def _cumsum_uneven_slabs(sizes):
+    m = mesh(len(sizes))
+    r = m.get_local_rank("domain")
+    x_full = torch.randn(2, 3, sum(sizes), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x_full.clone().requires_grad_()
+    y = torch.cumsum(x, 2)
+    g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (y * g).sum().backward()
+    a, n = sum(sizes[:r]), sizes[r]
+    x_local = x_full.narrow(2, a, n).clone().requires_grad_()
+    y_local = snn.reductions.cumsum(x_local, m, 2)
+    (y_local * g.narrow(2, a, n)).sum().backward()
+    torch.testing.assert_close(y_local, y.detach().narrow(2, a, n), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(x_local.grad, x.grad.narrow(2, a, n), atol=1e-12, rtol=1e-12)
+    return True
+
+
+def test_cumsum_on_uneven_slabs(run):
+    assert all(run(3, _cumsum_uneven_slabs, (5, 1, 6)))

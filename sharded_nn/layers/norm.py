@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import all_reduce_sum
 from ..comm.collectives import all_gather_stacked
@@ -364,9 +365,14 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
     _spatial_dims = 8  # GroupNorm takes any number of spatial dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.forward_with(x, self.weight, self.bias)
+
+    def forward_with(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's forward with the given affine ``weight`` and ``bias`` (either may be None)
+        in place of its own: what ``group_norm`` (the functional form) runs."""
         if self._local_only:
             # P=1: torch's group norm itself (every statistic is local).
-            return nn.GroupNorm.forward(self, x)
+            return F.group_norm(x, self.num_groups, weight, bias, self.eps)
         agreed = self._agree(x, ndims=range(2, MAX_NDIM + 1), expected="an (N, C, ...)")
         self._check_channels(x, self.num_channels, agreed, self.dims)
         fmt = memory_format_of(x)
@@ -377,9 +383,43 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
             # one device). In training the copy is what backward keeps.
             x = x.contiguous()
         y = _GroupNormFn.apply(
-            x, self.weight, self.bias, self.num_groups, self.eps, self._domain_group(), _out_dtype(x, "group_norm")
+            x, weight, bias, self.num_groups, self.eps, self._domain_group(), _out_dtype(x, "group_norm")
         )
         return y if fmt == torch.contiguous_format else y.contiguous(memory_format=fmt)
+
+
+def group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    mesh: DeviceMesh,
+    dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``F.group_norm(x_full, num_groups, weight, bias, eps)`` on this rank's slab.
+
+    The functional form of ``ShardedGroupNorm`` (same sharding contract: ``(N, C, S0, ...)``
+    sharded along ``dims``, default the first spatial dims; statistics over the whole sample,
+    exact input gradient, ``weight``/``bias`` gradients partial sums over the domain ranks). For
+    group norms a model writes as ``F.group_norm`` in its own ``forward`` (timm's ``GroupNorm1``
+    subclasses such as MetaFormer's ``GroupNorm1NoBias``): the forward guard routes such calls
+    here. One parameter-free layer is kept per mesh and configuration.
+    """
+    if x.dim() < 3:
+        raise ShardingError(
+            f"sharded_nn.functional.group_norm: expected an (N, C, S0, ...) input with a spatial dim to shard, got "
+            f"local shape {tuple(x.shape)}."
+        )
+    channels = x.shape[1]  # dim 1 is never sharded: the same on every rank
+    dims_key = dims if dims is None or isinstance(dims, int) else tuple(dims)
+    key = ("functional_group_norm", int(num_groups), int(channels), float(eps), dims_key)
+
+    def make() -> ShardedGroupNorm:
+        return ShardedGroupNorm(num_groups, channels, eps=eps, affine=False, mesh=mesh, dims=dims)
+
+    return mesh_cached(mesh, key, make).forward_with(x, weight, bias)
 
 
 class _GroupNormFn(torch.autograd.Function):
