@@ -172,9 +172,13 @@ def _timm_tables() -> dict[type, object]:
 
 
 #: Unregistered subclasses whose position-mixing calls the forward guard computes exactly (or
-#: refuses): see ``forward_guard._GuardMode._h_conv`` and ``_h_spatial_norm`` (the ``F.group_norm``
-#: of timm's ``GroupNorm1`` subclasses, e.g. MetaFormer's ``GroupNorm1NoBias``).
-_GUARD_ROUTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+#: refuses): see ``forward_guard._GuardMode._h_conv``, ``_h_spatial_norm`` (the ``F.group_norm``
+#: of timm's ``GroupNorm1`` subclasses, e.g. MetaFormer's ``GroupNorm1NoBias``) and the pool
+#: handler (timm's TF-"same" ``MaxPool2dSame``/``AvgPool2dSame``: ``F.pad`` then ``F.*_pool2d``).
+_GUARD_ROUTED = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+    nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+)
 #: ``_acts_on`` of a layer whose position-mixing calls the forward guard routes (timm's
 #: ``GlobalResponseNorm``): nothing to report with the guard on, ``MIXES`` with it off.
 _GUARDED = "guarded"
@@ -419,10 +423,10 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
             continue  # (empty) containers have no forward of their own
         if acts is UNKNOWN and guard and isinstance(module, _GUARD_ROUTED):
-            # A convolution or norm subclass with its own forward (timm's StdConv2d,
-            # ScaledStdConv2d, GroupNorm1NoBias): not swapped, but its F.conv*d / F.group_norm runs
-            # under the forward guard, which computes it with the sharded form and the weights it
-            # passes (or refuses it on every rank).
+            # A convolution, norm or pool subclass with its own forward (timm's StdConv2d,
+            # ScaledStdConv2d, GroupNorm1NoBias, MaxPool2dSame): not swapped, but its F.conv*d /
+            # F.group_norm / F.pad and pool calls run under the forward guard, which computes them
+            # with their sharded forms and the weights passed (or refuses them on every rank).
             continue
         checked.append((name, module, acts))
 

@@ -229,6 +229,7 @@ del _op, _name
 def _tagged_compare(base: type, name: str):
     own = getattr(base, name)
     op = getattr(operator, name.strip("_"))
+    ordering = name not in ("__eq__", "__ne__")
 
     def method(self, o):
         v = own(self, o)
@@ -237,7 +238,7 @@ def _tagged_compare(base: type, name: str):
                 v = op(float(self), o)
             else:
                 return v
-        mode = _branch_mode()
+        mode = _branch_mode(ordering)
         return v if mode is None else mode.global_compare(op, self, o)
 
     method.__name__ = name
@@ -252,24 +253,32 @@ def _tagged_bool(self) -> bool:
 
 #: Instructions of a comparison or truth test written in the caller's code (``==``, ``<``, ``if``,
 #: ``and``/``or``, ``not``; names of Python 3.11-3.13). A dict or cache lookup (einops' recipe
-#: cache keyed by shapes), ``in`` or ``min``/``max`` compare the slab's own sizes instead.
+#: cache keyed by shapes) or ``in`` compare the slab's own sizes instead.
 _BRANCH_OPS = frozenset(
     i for i, n in enumerate(dis.opname) if n.startswith(("COMPARE_OP", "POP_JUMP", "JUMP_IF_", "TO_BOOL", "UNARY_NOT"))
 )
+#: Call instructions: an ordering comparison (``<``, ``>``, ...) made from a call in the model's
+#: code is the builtin ``max``/``min``/``sorted`` of sizes (timm's TF-"same" padding
+#: ``max((math.ceil(h / s) - 1) * s + k - h, 0)``); cache lookups compare with ``==`` only.
+_CALL_OPS = frozenset(i for i, n in enumerate(dis.opname) if n in ("CALL", "PRECALL", "CALL_FUNCTION_EX", "CALL_KW"))
 
 
-def _branch_mode():
+def _branch_mode(ordering: bool = False):
     """The guard mode that decides a comparison of a tagged size on the global sizes, or None.
 
     Only a comparison or truth test written as such in a model's own code while its guarded
     forward runs (not in a sharded layer, a reviewed module, a guard handler or sharded_nn's
     code): every rank runs that code alike, so the small all-gather it costs pairs up.
+    ``ordering``: an ordering comparison, which ``max``/``min``/``sorted`` called from that code
+    make too (since session 52: a rank whose slab's local pad amount won ``max(pad, 0)`` kept a
+    tagged amount while another kept the plain 0, and they padded differently).
     """
     mode = getattr(_ACTIVE, "guard", None)
     if mode is None or mode is _SINGLE or mode.suspended:
         return None
     f = sys._getframe(2)  # the frame whose instruction called the comparison method
-    if f.f_code.co_code[f.f_lasti] not in _BRANCH_OPS or not mode.on_stack() or _called_from_library(3):
+    op = f.f_code.co_code[f.f_lasti]
+    if not (op in _BRANCH_OPS or (ordering and op in _CALL_OPS)) or not mode.on_stack() or _called_from_library(3):
         return None
     if f.f_globals.get("__name__", "").split(".")[0] in _LOCAL_SHAPE_LIBRARIES:
         return None
@@ -295,6 +304,31 @@ for _cls in (LocalDerived, LocalFloat):
 del _cls, _name
 LocalDerived.__neg__ = lambda self: _derive(-int(self), self, 0, lambda a, _: -a)  # type: ignore[method-assign]
 LocalFloat.__neg__ = lambda self: _derive(-float(self), self, 0, lambda a, _: -a)  # type: ignore[method-assign]
+
+
+def _tagged_rounding(name: str):
+    """``math.ceil/floor/trunc`` and ``round`` of a tagged number, tagged (``math`` calls the
+    operand's ``__ceil__`` etc. for anything but an exact float): ``math.ceil(h / s)`` in a
+    TF-"same" pad is then the single device's number where it is used as a value. (``int()``,
+    ``float()`` and ``math.sqrt`` still drop the tag.)"""
+    fn = {"__ceil__": math.ceil, "__floor__": math.floor, "__trunc__": math.trunc}.get(name)
+
+    def method(self, *nd):
+        if fn is None:  # __round__(ndigits=None)
+            plain = (float if isinstance(self, float) else int)(self)
+            return _derive(round(plain, *nd), self, nd[0] if nd else None,
+                           lambda a, n: round(a) if n is None else round(a, n))
+        plain = (float if isinstance(self, float) else int)(self)
+        return _derive(fn(plain), self, None, lambda a, _: fn(a))
+
+    method.__name__ = name
+    return method
+
+
+for _cls in (LocalDerived, LocalFloat):
+    for _name in ("__ceil__", "__floor__", "__trunc__", "__round__"):
+        setattr(_cls, _name, _tagged_rounding(_name))
+del _cls, _name
 
 
 class LocalLength(LocalDerived):

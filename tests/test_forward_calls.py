@@ -895,3 +895,55 @@ def test_eval_batch_norm_of_flattened_tokens_is_exact(run, domain):
 def test_training_batch_norm_of_flattened_tokens_is_refused(run):
     out = run(2, _token_batch_norm, 2, _SIZES[2], True)
     assert len(set(out)) == 1 and "shards dims (2,) but its input is sharded along dim 0" in out[0], out
+
+
+class SamePool(nn.Module):
+    """timm's ``MaxPool2dSame`` (TF "same" padding: ``max((math.ceil(h / s) - 1) * s + k - h, 0)``
+    rows, from the input's size) and the same amount written with ``math.floor`` and ``round``."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        from timm.layers import create_pool2d
+
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.pool = create_pool2d("max", k, 2, padding="same")
+        self.k = k
+
+    def forward(self, x):
+        import math
+
+        h = self.conv(x)
+        hh = h.shape[2]
+        extra = max(round(-math.floor(-hh / 2)) * 2 - hh, 0)  # 1 where the (global) height is odd
+        return self.pool(h) + F.pad(h, (0, 0, 0, extra))[:, :, ::2, ::2] * 0.5
+
+
+def _same_pool(domain, sizes, k):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = SamePool(k).double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(1, 2, sum(sizes), 6, dtype=torch.float64)
+    r = m.get_local_rank("domain")
+    if all(s % 2 == 0 for s in sizes[:-1]):
+        return max(check_against_reference(ref, x, m, sharded=model, sizes=sizes).values())
+    try:
+        model(x.narrow(2, sum(sizes[:r]), sizes[r]))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("sizes,k", [((6, 4), 3), ((6, 5), 3), ((6, 4, 4), 1), ((4, 2, 5), 2)])
+def test_tf_same_pads_from_sizes_are_the_global_ones(run, sizes, k):
+    # The pad amount is computed from the slab's size through math.ceil and max(.., 0): before
+    # session 52 each rank padded by its own slab's amount (a refusal on some ranks, a transport
+    # error or a hang on the others); now math.ceil/floor/round keep the guard's tag and max()
+    # decides on the global sizes, so every rank pads as one device does.
+    assert max(run(len(sizes), _same_pool, len(sizes), sizes, k)) < 1e-12
+
+
+@pytest.mark.parametrize("sizes,k", [((5, 6), 3), ((4, 3, 4), 1)])
+def test_tf_same_pool_of_misaligned_slabs_is_refused_on_every_rank(run, sizes, k):
+    out = run(len(sizes), _same_pool, len(sizes), sizes, k)
+    assert len(set(out)) == 1 and "needs every slab to start at a multiple of 2" in out[0], out
