@@ -373,6 +373,19 @@ def convert(
         _DEPTH[0] -= 1
 
 
+def convert_as_model(module: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
+    """``convert(module, mesh, **options)`` as an outermost call, from inside a sharded class's
+    ``from_module``: for a part that runs as a model of its own inside a model whose class is
+    sharded as a whole (a hybrid ViT's CNN stem), which gets its own forward guard and layout
+    scope. (Nested ``convert`` calls install neither: the outer model's guard covers them.)"""
+    depth = _DEPTH[0]
+    _DEPTH[0] = 0
+    try:
+        return convert(module, mesh, **options)
+    finally:
+        _DEPTH[0] = depth
+
+
 def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
     domain_axes(mesh)  # a clear error now for a mesh without a domain axis
     _load_model_families()

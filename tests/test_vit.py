@@ -62,6 +62,10 @@ FAMILIES = {
         "eva02_tiny_patch14_224",
         dict(TINY, num_heads=4, img_size=(70, 42), attn_type="rope", num_kv_heads=2, qkv_fused=False),
     ),
+    # A hybrid ViT (timm's HybridEmbed): a BiT ResNetV2 stem (weight-standardised TF-"same"
+    # convolution, TF-"same" max pool) converted as a model of its own, then 8x8 patches of its
+    # features (32 pixels per token). test_hybrid_resnet_backbone_matches_timm: a whole R26.
+    "hybrid_r_p8": ("vit_tiny_r_s16_p8_224", dict(TINY, img_size=(160, 64))),
     "vit_prr_token": ("vit_tiny_patch16_224", dict(TINY, img_size=(80, 48), global_pool="prr", reg_tokens=1)),
     "vit_prr_avg": (
         "vit_tiny_patch16_224",
@@ -111,8 +115,8 @@ def _grid_local(t, mesh, dims):
     return loc.flatten(1, 2), loc.shape[1:3]
 
 
-def _check_family(domain, family: str, attention: str = "ring", edit=None) -> dict[str, float]:
-    name, kwargs = {**FAMILIES, **ULYSSES}[family]
+def _check_family(domain, family: str, attention: str = "ring", edit=None, extra=None) -> dict[str, float]:
+    name, kwargs = {**FAMILIES, **ULYSSES, **(extra or {})}[family]
     mesh = make_mesh(domain)
     dims = _dims(domain)
     ref, (h_img, w_img) = _build(name, kwargs)
@@ -120,7 +124,9 @@ def _check_family(domain, family: str, attention: str = "ring", edit=None) -> di
         edit(ref)
     model = snn.convert(copy.deepcopy(ref), mesh, plan={"": {"attention": attention}})
     npt = ref.num_prefix_tokens
-    patch = ref.patch_embed.patch_size[0]
+    pe = ref.patch_embed
+    # Image pixels per token (a hybrid's backbone reduction times its patch).
+    patch = pe.feat_ratio(as_scalar=False)[0] if hasattr(pe, "backbone") else pe.patch_size[0]
     hp, wp = -(-h_img // patch), -(-w_img // patch)  # dynamic_img_pad pads a partial last patch
     gen = torch.Generator().manual_seed(2)
     b = 2
@@ -173,6 +179,14 @@ def _check_family(domain, family: str, attention: str = "ring", edit=None) -> di
 def test_family_matches_timm(run, family, domain):
     results = run(world_of(domain), _check_family, domain, family)
     assert len(results) == world_of(domain)
+    assert all(max(r.values()) < 1e-10 for r in results)
+
+
+def test_hybrid_resnet_backbone_matches_timm(run):
+    # R26+ViT: a ResNetV2 of four stages (residual blocks with halos, strided stages) before
+    # the tokens, at 32 pixels per token; 5 token rows over 3 ranks (2, 2, 1).
+    FAMILIES_EXTRA = {"hybrid_r26": ("vit_small_r26_s32_224", dict(TINY, img_size=(160, 64)))}
+    results = run(3, _check_family, 3, "hybrid_r26", "ring", None, FAMILIES_EXTRA)
     assert all(max(r.values()) < 1e-10 for r in results)
 
 

@@ -85,7 +85,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import timm.layers as _timm_layers
 import timm.models.vision_transformer as _tv
-from timm.layers import AttentionPoolLatent, AttentionRope, DropPath, PatchEmbed, resample_abs_pos_embed
+from timm.layers import AttentionPoolLatent, AttentionRope, DropPath, HybridEmbed, PatchEmbed, resample_abs_pos_embed
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint, checkpoint_seq
 from timm.models.deit import VisionTransformerDistilled
@@ -708,17 +708,24 @@ class _ShardedViTMixin:
     def _problems(self) -> list[str]:
         problems = []
         pe = self.patch_embed
-        if type(pe) is not PatchEmbed:
-            problems.append(f"patch_embed is a {type(pe).__name__}; only timm's PatchEmbed is sharded")
+        if type(pe) not in (PatchEmbed, HybridEmbed):
+            problems.append(f"patch_embed is a {type(pe).__name__}; timm's PatchEmbed and HybridEmbed are sharded")
         else:
             proj = pe.proj
-            if not (
+            if type(pe) is HybridEmbed and isinstance(proj, nn.Identity):
+                pass  # the backbone's features are the tokens
+            elif not (
                 isinstance(proj, nn.Conv2d)
                 and tuple(proj.kernel_size) == tuple(pe.patch_size) == tuple(proj.stride)
                 and tuple(proj.padding) == (0, 0)
                 and tuple(proj.dilation) == (1, 1)
             ):
                 problems.append("patch_embed.proj must be a Conv2d with kernel = stride = patch size and no padding")
+            if type(pe) is HybridEmbed:
+                if pe.dynamic_img_pad:
+                    problems.append("patch_embed (HybridEmbed) pads its features dynamically (dynamic_img_pad=True)")
+                if not pe.flatten or pe.output_fmt != "NCHW":
+                    problems.append("patch_embed (HybridEmbed) must flatten its features to tokens (flatten=True)")
         for i, blk in enumerate(self.blocks):
             if type(blk) in self._inline_blocks:
                 continue
@@ -758,6 +765,8 @@ class _ShardedViTMixin:
                 "token/avg/avgmax/max/map/prr pooling, on meshes with 1 or 2 domain axes."
             )
         self.mesh, self.attention, self.mesh_axes = mesh, attention, axes
+        if type(self.patch_embed) is HybridEmbed:
+            self._convert_backbone(mesh)
         self.streams = _Streams(*_agree_seed(mesh, seed))
         npt = self.num_prefix_tokens
         for i, blk in enumerate(self.blocks):
@@ -784,6 +793,18 @@ class _ShardedViTMixin:
                 new = SharedDropout(m.p, self.streams) if in_head else TokenDropout(m.p, npt, self.streams)
                 _set_child(self, mname, new)
 
+    def _convert_backbone(self, mesh: DeviceMesh) -> None:
+        """A hybrid ViT's CNN stem (``HybridEmbed.backbone``: BiT's ResNetV2, ...) converted as a
+        model of its own, with its own forward guard (its weight-standardised convolutions call
+        ``F.conv2d`` in their forward) and layout scope, sharded along the image dims the
+        tokens come from. Its output slab is this rank's rows of the feature map, which
+        ``_token_grid`` checks against the total stride (backbone reduction times patch)."""
+        from sharded_nn.convert import convert_as_model
+
+        pe = self.patch_embed
+        dims = (2,) if len(self.mesh_axes) == 1 else (2, 3)
+        pe.backbone = convert_as_model(pe.backbone, mesh, dims=dims)
+
     def _rebind(self, mesh: DeviceMesh, attention: str | None, seed: int | None) -> None:
         attention = attention or self.attention
         if attention not in _ATTENTION:
@@ -795,6 +816,8 @@ class _ShardedViTMixin:
             )
         new_mesh = mesh is not self.mesh
         self.mesh, self.attention, self.mesh_axes = mesh, attention, domain_axes(mesh)
+        if new_mesh and type(self.patch_embed) is HybridEmbed:
+            self._convert_backbone(mesh)
         for m in self.modules():
             if isinstance(m, _AttentionOptions):
                 m._set_sharding(mesh, m.num_prefix_tokens, attention)
@@ -814,7 +837,8 @@ class _ShardedViTMixin:
         dims = (2,) if len(axes) == 1 else (2, 3)
         layouts = gather_layouts(x.shape, self.mesh, dims, what=name)
         pe = self.patch_embed
-        patch = tuple(pe.patch_size)
+        # Image pixels per token: the patch, times the backbone's reduction for a hybrid.
+        patch = tuple(pe.feat_ratio(as_scalar=False)) if type(pe) is HybridEmbed else tuple(pe.patch_size)
         pad = bool(pe.dynamic_img_pad)
         sizes = [lay.size for lay in layouts] + ([x.shape[3]] if len(dims) == 1 else [])
         for k, lay in enumerate(layouts):
@@ -860,6 +884,11 @@ class _ShardedViTMixin:
             # Only the last slab along an axis can end in a partial patch: padding it pads the image.
             ph, pw = pe.patch_size
             x = F.pad(x, (0, (pw - x.shape[3] % pw) % pw, 0, (ph - x.shape[2] % ph) % ph))
+        if type(pe) is HybridEmbed:
+            x = pe.backbone(x)  # (the converted stem: this rank's rows of the feature map)
+            if isinstance(x, (list, tuple)):
+                x = x[-1]  # timm's HybridEmbed: the last feature of a multi-output backbone
+            return pe.proj(x).permute(0, 2, 3, 1)
         y = pe.proj(x).permute(0, 2, 3, 1)
         return pe.norm(y)
 
