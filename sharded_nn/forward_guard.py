@@ -1495,20 +1495,28 @@ class _GuardMode(TorchFunctionMode):
         nd = out.dim()
         if st is UNKNOWN:
             self._set(out, UNKNOWN)
-        elif st is None:
-            # A plain tensor tiled to a slab's local length along a dim where it has one
-            # position is a slab of a tensor uniform along it, as for ``expand`` (XCiT's
-            # position grid ``arange(1, W + 1).repeat(1, H, 1)``).
+        else:
+            # A tensor tiled to a slab's local length along a dim where it has one position is a
+            # slab of a tensor uniform along it, as for ``expand`` (XCiT's position grid
+            # ``arange(1, W + 1).repeat(1, H, 1)``; on a 2-D mesh the columns' slab tiled by the
+            # rows' local length is sharded along both).
             shape = (1,) * (nd - x.dim()) + tuple(x.shape)
             for i, r in enumerate(reps):
                 if _is_tagged(r) and shape[i] != 1:
                     self.fail("`repeat`", f"it tiles a tensor of {shape[i]} positions along dim {i} by a number "
                               "computed from a slab's local size", "expand a tensor of one position there instead")
-            self._set(out, self._sized_state(reps, "`repeat`"))
-        else:
+            tiled = self._sized_state(reps, "`repeat`")
+            if st is None:
+                self._set(out, tiled)
+                return out
             shifted = tuple(None if d is None else d + nd - x.dim() for d in st)
             if any(d is not None and reps[d] != 1 for d in shifted):
                 self.fail("`repeat`", "it tiles a slab along its sharded dim", "")
+            if tiled is not None:
+                if any(a is not None and b is not None for a, b in zip(shifted, tiled)):
+                    self.fail("`repeat`", f"it tiles a tensor sharded along {self.describe(st)} by the local length "
+                              "of the same mesh axis", "")
+                shifted = tuple(a if a is not None else b for a, b in zip(shifted, tiled))
             self._set(out, shifted)
         return out
 

@@ -321,7 +321,8 @@ def _size_values_2d(kind: str):
 
 
 @pytest.mark.parametrize(
-    "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows"]
+    "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
+             "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a

@@ -5,7 +5,8 @@ must carry each intermediate's layout (which dims are slabs, which values are re
 numbers are local sizes) from one call to the next. Each example draws a program of 2-7 steps,
 each a piece of plain torch code as a model's own ``forward`` writes it (squeeze-excite means,
 vector norms, variances, softmax over rows, interpolation there and back, pads and global crops,
-rolls, pools, sizes used as values and in branches, position grids from ``arange``, token
+rolls, pools, sizes used as values and in branches, position grids from ``arange``, running
+sums, ``F.group_norm``, TF-"same" pads, token
 flattening with attention over all tokens, strided phases, class-token style concatenation and
 removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
@@ -214,19 +215,42 @@ def _chunks(m, x):  # channel split, per-part mixing, stack and mean over the pa
     return torch.cat([a, torch.stack([b, torch.roll(c, 1, 2)]).mean(0), c], 1)
 
 
+def _cumsum_rows(m, x):  # a running sum over the rows (routed: snn.reductions.cumsum)
+    return x + 0.1 * torch.cumsum(x, 2)
+
+
+def _group_norm_fn(m, x):  # group/instance norms written as F calls (routed: snn.functional.group_norm)
+    return F.group_norm(x, 1, m.gn_w, None, 1e-5) + 0.5 * F.instance_norm(x, weight=m.gn_w)
+
+
+def _same_pool(m, x):  # timm's TF-"same" max pool (pad amounts from sizes), then back to the size
+    from timm.layers.padding import pad_same
+
+    y = F.max_pool2d(pad_same(x, (3, 3), (2, 2), value=-float("inf")), 3, 2)
+    return x + F.interpolate(y, size=x.shape[2:], mode="nearest")
+
+
+def _offset_positions(m, x):  # arange bounds from the slab's rows, and a tiled column grid
+    h, w = x.shape[2], x.shape[3]
+    rows = torch.arange(1, h + 1, dtype=x.dtype).view(1, 1, -1, 1)
+    cols = torch.arange(1, w + 1, dtype=x.dtype).repeat(1, h, 1).unsqueeze(1)  # (1, 1, H, W)
+    return x + rows / rows[:, :, -1:] + 0.1 * cols
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
     _tokens_attention, _explicit_attention, _class_token, _phases, _permute_back, _whole_rows_bias,
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
+    _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions,
 )}  # fmt: skip
 
 
 #: Steps that also run on the transposed image (``x.transpose(2, 3)``: the sharded rows become the
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
-                "differences", "pad_valid_pool")
+                "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions")
 
 
 class Program(nn.Module):
@@ -238,6 +262,7 @@ class Program(nn.Module):
         self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1) for s in steps if s == "conv")
         self.cls = nn.Parameter(torch.randn(1, 1, C))
         self.row_bias = nn.Parameter(torch.randn(1, C, height, 1) * 0.3)
+        self.gn_w = nn.Parameter(1 + torch.randn(C) * 0.3)
         self.out = nn.Conv2d(C, 2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -321,6 +346,12 @@ EXAMPLES = [
     # Crops, pads and windows without padding keep the slab boundaries, so their results line up.
     dict(domain=3, sizes=[2, 1, 4], width=5, steps=["differences", "pad_crop", "pad_valid_pool", "T:differences",
                                                     "class_token"], head="slab", seed=11),
+    # Calls routed since session 52: running sums, F.group_norm, TF-"same" pads, offset grids.
+    dict(domain=3, sizes=[4, 2, 6], width=4, steps=["cumsum_rows", "group_norm_fn", "same_pool", "T:same_pool",
+                                                    "offset_positions", "T:cumsum_rows"], head="slab", seed=13),
+    # 2x2 mesh: the column grid (a slab of the columns) tiled by the rows' local length.
+    dict(domain=(2, 2), sizes=[6, 6], width=6, steps=["offset_positions", "T:differences", "interp_round_trip"],
+         head="pool", seed=187),
 ]
 
 
