@@ -89,6 +89,11 @@ MODELS = {
     "timm/convnextv2_atto": (_timm("convnextv2_atto"), (1, 3, 64, 32), "timm CNN"),
     "timm/pvt_v2_b0": (_timm("pvt_v2_b0"), (1, 3, 64, 32), "timm hybrid"),
     "timm/efficientvit_b0": (_timm("efficientvit_b0"), (1, 3, 64, 32), "timm hybrid"),
+    "timm/poolformerv2_s12": (_timm("poolformerv2_s12"), (1, 3, 64, 32), "timm CNN"),
+    "timm/edgenext_xx_small": (_timm("edgenext_xx_small"), (1, 3, 64, 32), "timm hybrid"),
+    "timm/xcit_nano_12_p8_224": (_timm("xcit_nano_12_p8_224", depth=2), (1, 3, 64, 32), "timm ViT"),
+    "timm/vit_tiny_r_s16_p8_224": (_timm("vit_tiny_r_s16_p8_224", img_size=(128, 64), depth=2), (1, 3, 128, 64),
+                                   "timm ViT"),
     "timm/vit_small_patch16_224": (_timm("vit_small_patch16_224", img_size=(64, 32), depth=2), (1, 3, 64, 32),
                                    "timm ViT"),
     "timm/deit_tiny_distilled_patch16_224": (_timm("deit_tiny_distilled_patch16_224", img_size=(64, 32), depth=2),
@@ -171,6 +176,7 @@ def _outputs(y):
 FIXED_SIZE = {"timm/vit_small_patch16_224", "timm/deit_tiny_distilled_patch16_224", "timm/swin_tiny_patch4_window7_224",
               "timm/swinv2_tiny_window8_256", "timm/swinv2_cr_tiny_ns_224", "timm/cait_xxs24_224", "timm/beit_base_patch16_224",
               "timm/eva02_tiny_patch14_224", "timm/vit_relpos_small_patch16_224", "timm/coat_lite_tiny",
+              "timm/vit_tiny_r_s16_p8_224",
               "monai/UNETR-3d"}
 
 
