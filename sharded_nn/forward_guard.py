@@ -602,8 +602,13 @@ class ForwardGuard:
         if self.scope is not None:
             # First, before the guard's mode sees any tensor access; paired with root_post.
             self.scope.enter(module, args, kwargs)
-        if torch.compiler.is_compiling() or guard_active():
+        outer = getattr(_ACTIVE, "guard", None)
+        # A guarded forward already runs, unless it is suspended inside a sharded layer that
+        # holds this model as a part of its own (a hybrid ViT's CNN stem, converted as a model
+        # of its own): then this root's guard runs, and the outer one resumes after it.
+        if torch.compiler.is_compiling() or (outer is not None and (outer is _SINGLE or not outer.suspended)):
             return None
+        module.__dict__["_snn_guard_outer"] = outer
         if self.single:
             _ACTIVE.guard = _SINGLE
             module.__dict__["_snn_guard_mode"] = _SINGLE
@@ -626,7 +631,7 @@ class ForwardGuard:
         mode = module.__dict__.pop("_snn_guard_mode", None)
         if mode is None:
             return None
-        _ACTIVE.guard = None
+        _ACTIVE.guard = module.__dict__.pop("_snn_guard_outer", None)
         if mode is _SINGLE:
             return None
         mode.__exit__(None, None, None)

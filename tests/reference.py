@@ -120,3 +120,14 @@ def compare_on_slabs(ref: nn.Module, model: nn.Module, m, x: torch.Tensor, sizes
         torch.testing.assert_close(grads[name], expected, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
         errs.append((grads[name] - expected).abs().max().item())
     return max(errs)
+
+
+def error_on_slab(model: nn.Module, x: torch.Tensor, m, sizes, dim: int = 2) -> str:
+    """Run ``model`` on this rank's slab of ``x`` (``sizes`` along ``dim``, a 1-D mesh): the
+    ``ShardingError``'s message, or ``"no error"`` (tests that a refusal comes alike on every rank)."""
+    r = m.get_local_rank("domain")
+    try:
+        model(x.narrow(dim, sum(sizes[:r]), sizes[r]))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"

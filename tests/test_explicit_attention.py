@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import sharded_nn as snn
 
 from .harness import mesh
-from .reference import check_against_reference, compare_on_slabs
+from .reference import check_against_reference, compare_on_slabs, error_on_slab
 
 
 class Written(nn.Module):
@@ -160,13 +160,7 @@ class FoldRows(nn.Module):
 def _fold_misaligned(sizes):
     m = mesh(len(sizes))
     model = snn.convert(FoldRows(sum(sizes), 3).double(), m)
-    x = torch.randn(1, 2, sum(sizes), 3, dtype=torch.float64)
-    r = m.get_local_rank("domain")
-    try:
-        model(x.narrow(2, sum(sizes[:r]), sizes[r]))
-    except snn.ShardingError as e:
-        return str(e)
-    return "no error"
+    return error_on_slab(model, torch.randn(1, 2, sum(sizes), 3, dtype=torch.float64), m, sizes)
 
 
 class Deblockify(nn.Module):
@@ -190,13 +184,7 @@ class Deblockify(nn.Module):
 def _deblockify(sizes):
     m = mesh(len(sizes))
     model = snn.convert(Deblockify().double(), m)
-    x = torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64)
-    r = m.get_local_rank("domain")
-    try:
-        model(x.narrow(2, sum(sizes[:r]), sizes[r]))
-    except snn.ShardingError as e:
-        return str(e)
-    return "no error"
+    return error_on_slab(model, torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64), m, sizes)
 
 
 def test_constant_view_that_does_not_fit_the_whole_sample_is_refused_on_every_rank(run):

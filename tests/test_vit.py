@@ -190,6 +190,49 @@ def test_hybrid_resnet_backbone_matches_timm(run):
     assert all(max(r.values()) < 1e-10 for r in results)
 
 
+class _Stem(nn.Module):
+    """A user's model around a hybrid ViT: a convolution and a squeeze-excite of its own (calls
+    the converted root's guard routes), then the ViT (a sharded class whose CNN stem runs its own
+    guard inside it)."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Conv2d(3, 3, 3, padding=1)
+        self.vit = vit
+
+    def forward(self, x):
+        h = self.pre(x)
+        return self.vit(h * torch.sigmoid(h.mean((2, 3), keepdim=True)))
+
+
+def _hybrid_inside_a_model(domain):
+    mesh = make_mesh(domain)
+    ref, (h_img, w_img) = _build("vit_tiny_r_s16_p8_224", dict(TINY, img_size=(160, 64)))
+    ref = _Stem(ref).double().eval()
+    model = snn.convert(copy.deepcopy(ref), mesh)
+    x = torch.randn(2, 3, h_img, w_img, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    xr = x.clone().requires_grad_()
+    y_ref = ref(xr)
+    g = torch.randn(y_ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    (y_ref * g).sum().backward()
+    xl = snn.shard(x, mesh, dims=(2,), align=32).requires_grad_()
+    y = model(xl)
+    torch.testing.assert_close(y, y_ref.detach(), atol=1e-10, rtol=1e-10)
+    snn.losses.share((y * g).sum(), mesh).backward()
+    torch.testing.assert_close(snn.gather(xl.grad, mesh, dims=(2,)), xr.grad, atol=1e-10, rtol=1e-10)
+    grads = reduce_param_grads(model, mesh)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-10, rtol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
+    return (y - y_ref).abs().max().item()
+
+
+def test_hybrid_vit_inside_a_converted_model(run):
+    # The stem's guard runs inside the ViT (a sharded layer, the outer model's guard suspended):
+    # before, the outer guard kept the stem's own unguarded, and its TF-"same" pads and
+    # weight-standardised convolutions ran on each slab alone (silently wrong logits).
+    assert max(run(3, _hybrid_inside_a_model, 3)) < 1e-10
+
+
 class _LowRankQKV(nn.Module):
     """A user's adapter in place of an attention's ``qkv`` Linear (LoRA-like): not an
     ``nn.Linear``, so the sharded attention keeps timm's one projection for it."""
