@@ -165,7 +165,7 @@ def test_mismatch_lists_every_key(tmp_path):
 
 def _sharded_from_checkpoint(domain, name, path, size):
     mesh = make_mesh(domain)
-    patch = 16 if "patch16" in name else 14
+    patch = _PIXELS_PER_TOKEN.get(name, 16 if "patch16" in name else 14)
     model = zoo.create_model(name, mesh=mesh, img_size=size, pretrained_file=path, **TINY).double().eval()
     ref = _timm_pretrained(name, path, img_size=size).double().eval()
     x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -174,11 +174,16 @@ def _sharded_from_checkpoint(domain, name, path, size):
     return type(model).__name__
 
 
-@pytest.mark.parametrize("name", ["vit_small_patch14_reg4_dinov2", "eva02_tiny_patch14_224"])
+#: Image pixels per token of the hybrid ViTs (backbone reduction 4 times patch 8).
+_PIXELS_PER_TOKEN = {"vit_tiny_r_s16_p8_224": 32}
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch14_reg4_dinov2", "eva02_tiny_patch14_224", "vit_tiny_r_s16_p8_224"])
 def test_sharded_model_from_checkpoint_equals_timm(run, tmp_path, name):
     path = tmp_path / "w.safetensors"
     _save(_source(name).state_dict(), path)
-    size = 112 if "patch16" in name else 126
+    # A larger grid than the checkpoint's (the hybrid: 9 tokens of 32 pixels from 7 at 224^2).
+    size = {"vit_tiny_r_s16_p8_224": 288}.get(name, 112 if "patch16" in name else 126)
     out = run(3, _sharded_from_checkpoint, 3, name, str(path), size)
     assert out[0] in ("ShardedVisionTransformer", "ShardedEva") and len(set(out)) == 1
 
