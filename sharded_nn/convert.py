@@ -153,6 +153,11 @@ def _timm_tables() -> dict[type, object]:
                         "FastAdaptiveCatAvgMaxPool"),
         },
         "torchvision.ops.stochastic_depth": {"guarded": ("StochasticDepth",)},
+        # A permutation of dims (torchvision's ConvNeXt and Swin: channels last and back), which
+        # the guard follows; ResNeSt's softmax over the radix groups of pooled features, whose
+        # view and softmax the guard follows (or refuses) like any call of the model's own.
+        "torchvision.ops.misc": {"guarded": ("Permute",)},
+        "timm.layers.split_attn": {"guarded": ("RadixSoftmax",)},
         # einops' layers are torch calls (reshape, permute, reductions, einsum) that the guard
         # follows or routes (MONAI's attention blocks hold ``Rearrange`` layers).
         "einops.layers.torch": {"guarded": ("Rearrange", "Reduce", "EinMix")},
@@ -219,6 +224,10 @@ def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...]
         return () if not m.training or m.p == 0 else _GUARDED
     if isinstance(m, nn.LayerNorm):  # a subclass (the exact class is registered)
         return tuple(range(-len(m.normalized_shape), 0))
+    if isinstance(m, (nn.Flatten, nn.Unflatten)):
+        # A reshape, which the guard follows (a sharded dim merged inside another loses its
+        # layout, refused where used): torchvision's Swin head flattens pooled features.
+        return _GUARDED
     return UNKNOWN
 
 
@@ -435,6 +444,8 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
             continue  # a composite: its children are checked one by one
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
             continue  # (empty) containers have no forward of their own
+        if type(module) is nn.Sequential and not module._modules:
+            continue  # an empty Sequential is the identity (ShuffleNet's and GhostNet's shortcuts)
         if acts is UNKNOWN and guard and isinstance(module, _GUARD_ROUTED):
             # A convolution, norm or pool subclass with its own forward (timm's StdConv2d,
             # ScaledStdConv2d, GroupNorm1NoBias, MaxPool2dSame): not swapped, but its F.conv*d /
