@@ -22,9 +22,10 @@ knows which tensors are slabs, and along which dims:
   call, a fill value, ``torch.tensor``), it is evaluated on the global lengths (``_globalise``).
 
 A call that mixes positions along a sharded dim is then computed exactly by its sharded form
-(``interpolate``, ``pad`` and the pools of ``sharded_nn.layers``; ``mean``/``sum``/``amax``/
-``amin`` through ``sharded_nn.reductions``, replicated and with the library's gradient
-convention; ``torch.roll`` as a periodic halo exchange), or raises a ``ShardingError`` naming the
+(``interpolate``, ``pad``, ``conv``, ``group_norm`` and the pools of ``sharded_nn.layers``;
+``mean``/``sum``/``amax``/``amin``/``cumsum`` and the statistics through ``sharded_nn.reductions``,
+replicated and with the library's gradient convention; ``torch.roll`` as a periodic halo
+exchange; attention over sharded tokens as ring attention), or raises a ``ShardingError`` naming the
 call, the module's qualified name and the source line. A call the guard does not know, on a
 slab or an unknown tensor, raises too: a model that cannot be checked says so. Calls on plain
 tensors (replicated features after a global pool, parameters) run untouched.
@@ -32,8 +33,11 @@ tensors (replicated features after a global pool, parameters) run untouched.
 Every rank runs the same code on tensors of the same layouts, so every rank takes the same
 decision and raises the same error. Branches on sizes (``if x.shape[2] % 2:``, ``if x.shape !=
 skip.shape``) are decided on the global sizes, as one device decides them, so ranks whose slabs
-differ still take the same branch (``_branch_mode``). Routed calls gather every rank's arguments
-and raise on every rank when they differ.
+differ still take the same branch (``_branch_mode``), and so are the ordering comparisons of
+``max``/``min``/``sorted`` called from the model's code; ``math.ceil``/``floor``/``trunc`` and
+``round`` keep the tag. Routed calls gather every rank's arguments and raise on every rank when
+they differ. A guarded root nested inside a sharded layer of another guarded model (a hybrid
+ViT's CNN stem) runs its own guard while the outer one is suspended.
 
 Cost: one Python call per torch call made outside the sharded layers (the mode is popped while
 a sharded layer runs). See the README ("Inside forward") for the measured overhead.
