@@ -224,10 +224,6 @@ def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...]
         return () if not m.training or m.p == 0 else _GUARDED
     if isinstance(m, nn.LayerNorm):  # a subclass (the exact class is registered)
         return tuple(range(-len(m.normalized_shape), 0))
-    if isinstance(m, (nn.Flatten, nn.Unflatten)):
-        # A reshape, which the guard follows (a sharded dim merged inside another loses its
-        # layout, refused where used): torchvision's Swin head flattens pooled features.
-        return _GUARDED
     return UNKNOWN
 
 
@@ -241,8 +237,9 @@ def _replicated_children(m: nn.Module) -> tuple[str, ...]:
     domain ranks. A pool that is not sharded is itself reported.
     """
     # (An nn.Sequential's registration order is its forward order by definition: MetaFormer's
-    # head is one, global pool first.)
-    if not (type(m).__module__.startswith("timm.") or type(m) is nn.Sequential):
+    # head is one, global pool first. torchvision's models register theirs in forward order
+    # too: its Swin's norm, permute, avgpool, flatten, head.)
+    if not (type(m).__module__.startswith(("timm.", "torchvision.")) or type(m) is nn.Sequential):
         return ()
     names = list(m._modules)
     if type(m).__name__ == "SelectAdaptivePool2d":
@@ -252,7 +249,11 @@ def _replicated_children(m: nn.Module) -> tuple[str, ...]:
 
 
 def _is_global_pool(m: nn.Module | None) -> bool:
-    """A timm ``SelectAdaptivePool2d`` pooling to one value per channel (its default)."""
+    """A timm ``SelectAdaptivePool2d`` or a torch adaptive pool, pooling to one value per channel."""
+    if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+                      nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+        size = m.output_size
+        return all(s == 1 for s in (size if isinstance(size, tuple) else (size,)))
     if type(m).__name__ != "SelectAdaptivePool2d" or m.is_identity():
         return False
     return getattr(m.pool, "output_size", 1) in (1, (1, 1))  # timm's fast pools always give 1
