@@ -924,6 +924,18 @@ class _States:
         return e[1]
 
 
+def _interpolated_lengths(in_lengths: Sequence[int], out: int) -> tuple[int, ...]:
+    """Every rank's slab length of a sharded interpolation to ``out`` positions from slabs of
+    ``in_lengths``: the rule of ``layers/upsample.interpolate`` (each rank holds the outputs from
+    the one its input slab's start maps to)."""
+    from .layers.upsample import _out_range
+
+    total = sum(in_lengths)
+    starts = [sum(in_lengths[:r]) for r in range(len(in_lengths))]
+    bounds = [_out_range(a, total, out) for a in starts] + [out]
+    return tuple(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+
+
 def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     """The slab lengths of a tensor of global length ``total`` that keeps the slab boundaries of
     ``source`` (every rank's slab length along the axis): rank r holds ``[a_r, a_{r+1})`` cut to
@@ -2885,15 +2897,32 @@ class _GuardMode(TorchFunctionMode):
                 facts += [int(isinstance(v, LocalLength)), int(v), int(x.shape[d])]
             rows = self._gather_with_coords(facts, "forward guard: interpolate")
             glob = list(sizes)
+            moves = []  # (dim, axis, output lengths by rank, wanted lengths by rank)
             for k, d in enumerate(dims):
                 col = [(r[3 * k], r[3 * k + 1], r[3 * k + 2]) for r in self._along_axis(rows, k)]
                 glob[d - 2] = self._global_size(col, d, sizes[d - 2])
+                if col[0][0]:
+                    moves.append((d, k, _interpolated_lengths([c[2] for c in col], glob[d - 2]),
+                                  tuple(c[1] for c in col)))
             size = [int(v) for v in glob]
         return_state = st
         out = interpolate(
             x, self.guard.mesh, size, call["scale_factor"], call["mode"], call["align_corners"],
             call["recompute_scale_factor"], call["antialias"], dims=dims, what="F.interpolate (forward guard)",
         )
+        if size is not None:
+            # A size read from a tensor (``size=skip.shape[2:]``, GhostNet-v3's gate
+            # ``size=out.shape[-2:]``): the output is laid out as that tensor, which the model then
+            # adds to it or concatenates with it, as on one device. The interpolation's own layout
+            # follows its input's slabs (each rank the outputs its input rows start), which differs
+            # where a pool floored an odd length: the rows move to the size's slabs (before session
+            # 52 the sum raised on the ranks whose lengths differed and ran on the others, a hang).
+            from .comm import axis_peers
+            from .comm.rebalance import move_rows
+
+            for d, k, have, want in moves:
+                if have != want:
+                    out = move_rows(out, d, have, want, axis_peers(self.guard.mesh, self.guard.axes[k]))
         self._set(out, return_state)
         return out
 

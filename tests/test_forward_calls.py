@@ -938,3 +938,39 @@ def test_tf_same_pads_from_sizes_are_the_global_ones(run, sizes, k):
 def test_tf_same_pool_of_misaligned_slabs_is_refused_on_every_rank(run, sizes, k):
     out = run(len(sizes), _same_pool, len(sizes), sizes, k)
     assert len(set(out)) == 1 and "needs every slab to start at a multiple of 2" in out[0], out
+
+
+class GateFromPooled(nn.Module):
+    """GhostNet-v3's DFC gate: a pooled branch interpolated back to the tensor's size
+    (``size=out.shape[-2:]``) and multiplied in; a UNet-style bilinear skip concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.short = nn.Conv2d(4, 4, 1)
+        self.head = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        res = self.short(F.avg_pool2d(h, kernel_size=2, stride=2))  # floors an odd height
+        h = h * torch.sigmoid(F.interpolate(res, size=(h.shape[-2], h.shape[-1]), mode="nearest"))
+        up = F.interpolate(res, size=h.shape[2:], mode="bilinear", align_corners=False)
+        return self.head(torch.cat([h, up], 1))
+
+
+def _gate_from_pooled(domain, sizes):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = GateFromPooled().double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)
+    x = torch.randn(2, 2, sum(sizes), 5, dtype=torch.float64)
+    return max(check_against_reference(ref, x, m, sharded=model, sizes=sizes).values())
+
+
+@pytest.mark.parametrize("sizes", [(4, 3), (2, 4, 3), (4, 2, 2, 1)])
+def test_interpolate_to_a_tensors_size_lines_up_with_it(run, sizes):
+    # An odd height pooled by 2 (floored) and interpolated back to the tensor's size: the
+    # interpolation lays its rows out by its input's slabs ((5, 2) for (4, 3)), the tensor has
+    # its own; before session 52 the product failed on the ranks whose lengths differed and ran on
+    # the others (a hang; timm's ghostnetv3 at 224^2). The output now takes the size's layout.
+    assert max(run(len(sizes), _gate_from_pooled, len(sizes), sizes)) < 1e-12
