@@ -157,8 +157,16 @@ def randomise_norms(model: nn.Module, seed: int = 0) -> None:
 #: float64 comparison then sees float32 rounding (checked: with that cast removed they agree to
 #: 1e-15), so they are held to 1e-5 relative, with this reason shown.
 FLOAT32_INSIDE = {
-    "efficientvit_b0": "LiteMLA computes its linear attention in float32 (`q.float()`); tolerance 1e-5",
+    # Every EfficientViT-MIT size (b0-b3, l1-l3): the same LiteMLA.
+    "efficientvit_b": "LiteMLA computes its linear attention in float32 (`q.float()`); tolerance 1e-5",
+    "efficientvit_l": "LiteMLA computes its linear attention in float32 (`q.float()`); tolerance 1e-5",
 }
+
+
+def _float32_inside(name: str) -> str | None:
+    """The reason a model (by table or timm name) computes part of itself in float32, if it does."""
+    base = name.split("/")[-1]
+    return next((why for prefix, why in FLOAT32_INSIDE.items() if base.startswith(prefix)), None)
 
 
 def _outputs(y):
@@ -229,7 +237,7 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
                 err = max(err, (full - b).abs().max().item())
                 scale = max(scale, b.abs().max().item())
         rel = err / max(scale, 1e-30)
-        f32 = FLOAT32_INSIDE.get(name.split("/")[-1])
+        f32 = _float32_inside(name)
         out.update(status="exact" if rel <= (1e-5 if f32 else 1e-9) else "WRONG", max_abs_err=err, rel_err=rel)
         if f32:
             out["note"] = f32
@@ -263,8 +271,8 @@ def table(results: list[dict]) -> str:
         what = (
             f"{r['max_abs_err']:.1e}" if r["status"] in ("exact", "WRONG") else _short(r.get("reason", ""))
         )
-        if r["status"] == "exact" and r.get("model", "").split("/")[-1] in FLOAT32_INSIDE:
-            what += f" ({FLOAT32_INSIDE[r['model'].split('/')[-1]]})"
+        if r["status"] == "exact" and _float32_inside(r.get("model", "")):
+            what += f" ({_float32_inside(r['model'])})"
         shape = "x".join(str(s) for s in r.get("shape", [])[2:])
         lines.append(f"| {r['model']} | {r['family']} | {shape} | {r['status']} | {what} |")
     counts = {s: sum(r["status"] == s for r in results) for s in ("exact", "refused", "WRONG", "error", "skipped")}
