@@ -2270,6 +2270,7 @@ class _GuardMode(TorchFunctionMode):
         lengths = self._axis_lengths(order, "forward guard: arange")
         if any(col != lengths[0] for col in lengths):
             return None  # sizes of slabs laid out differently: no one row layout to follow
+
         def bounds_at(value_of: dict) -> dict:  # the bounds with every leaf given a value
             return {k: (v._fn([value_of[id(leaf)] for leaf in v._leaves]) if _is_tagged(v) else v)
                     for k, v in bounds.items()}
@@ -2928,20 +2929,14 @@ class _GuardMode(TorchFunctionMode):
 
     def _global_size(self, col, d: int, v) -> int:
         """The global output size along sharded ``d`` from the axis ranks' (tagged, size, input size)."""
-        from .layers.upsample import _out_range
-
         if any(c[0] for c in col) and not all(c[0] for c in col):
             self.fail("`interpolate`", "ranks disagree on where the size comes from", "")
         if col[0][0]:
             # A local length of a slab: the global size is the sum over the axis.
             return sum(c[1] for c in col)
         values = {c[1] for c in col}
-        in_sizes = [c[2] for c in col]
-        total_in = sum(in_sizes)
-        starts = [sum(in_sizes[:r]) for r in range(len(in_sizes))]
         total_local = sum(c[1] for c in col)
-        bounds = [_out_range(a, total_in, total_local) for a in starts] + [total_local]
-        as_local = [hi - lo for lo, hi in zip(bounds, bounds[1:])] == [c[1] for c in col]
+        as_local = _interpolated_lengths([c[2] for c in col], total_local) == tuple(c[1] for c in col)
         as_global = len(values) == 1 and not _is_tagged(v)
         if as_local and not as_global:
             return total_local
