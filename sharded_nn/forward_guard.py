@@ -318,11 +318,10 @@ def _tagged_rounding(name: str):
     fn = {"__ceil__": math.ceil, "__floor__": math.floor, "__trunc__": math.trunc}.get(name)
 
     def method(self, *nd):
+        plain = (float if isinstance(self, float) else int)(self)
         if fn is None:  # __round__(ndigits=None)
-            plain = (float if isinstance(self, float) else int)(self)
             return _derive(round(plain, *nd), self, nd[0] if nd else None,
                            lambda a, n: round(a) if n is None else round(a, n))
-        plain = (float if isinstance(self, float) else int)(self)
         return _derive(fn(plain), self, None, lambda a, _: fn(a))
 
     method.__name__ = name

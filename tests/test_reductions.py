@@ -200,23 +200,32 @@ def test_stat_bad_input_raises_on_every_rank(run):
     assert all(run(2, _stat_errors))
 
 
+def _assert_keeps_layout(m, x_full, sharded_dims, torch_fn, sharded_fn, what: str) -> None:
+    """``sharded_fn`` (slab -> slab of the same layout) against ``torch_fn`` on the whole tensor:
+    the gathered output, and the input gradient of a loss whose output gradient is a slab's."""
+    x = x_full.clone().requires_grad_()
+    y = torch_fn(x)
+    g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (y * g).sum().backward()
+    x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
+    y_local = sharded_fn(x_local)
+    torch.testing.assert_close(snn.gather(y_local, m, dims=sharded_dims), y.detach(), atol=1e-12, rtol=1e-12)
+    # The output keeps the input's layout: its gradient is a slab's, nothing shared.
+    (y_local * snn.shard(g, m, dims=sharded_dims)).sum().backward()
+    gx = snn.gather(x_local.grad, m, dims=sharded_dims)
+    torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"{what}: {s}")
+
+
 def _check_softmax(domain, sharded_dims):
     m = mesh(domain)
     torch.manual_seed(0)
     x_full = torch.randn(2, 3, 11, 7, dtype=torch.float64) * 3
     for op in ("softmax", "log_softmax"):
         for dim in (2, 3, 1, -1):
-            x = x_full.clone().requires_grad_()
-            y = getattr(torch, op)(x, dim)
-            g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-            (y * g).sum().backward()
-            x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
-            y_local = getattr(snn.reductions, op)(x_local, m, dim, sharded_dims=sharded_dims)
-            torch.testing.assert_close(snn.gather(y_local, m, dims=sharded_dims), y.detach(), atol=1e-12, rtol=1e-12)
-            # The output keeps the input's layout: its gradient is a slab's, nothing shared.
-            (y_local * snn.shard(g, m, dims=sharded_dims)).sum().backward()
-            gx = snn.gather(x_local.grad, m, dims=sharded_dims)
-            torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"{op} {dim}: {s}")
+            _assert_keeps_layout(
+                m, x_full, sharded_dims, lambda x: getattr(torch, op)(x, dim),
+                lambda xl: getattr(snn.reductions, op)(xl, m, dim, sharded_dims=sharded_dims), f"{op} {dim}",
+            )
     return True
 
 
@@ -274,16 +283,10 @@ def _check_cumsum(domain, sharded_dims):
     torch.manual_seed(0)
     x_full = torch.randn(2, 3, 11, 7, dtype=torch.float64)
     for dim in (2, 3, 1, -2):
-        x = x_full.clone().requires_grad_()
-        y = torch.cumsum(x, dim)
-        g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        (y * g).sum().backward()
-        x_local = snn.shard(x_full, m, dims=sharded_dims).requires_grad_()
-        y_local = snn.reductions.cumsum(x_local, m, dim, sharded_dims=sharded_dims)
-        torch.testing.assert_close(snn.gather(y_local, m, dims=sharded_dims), y.detach(), atol=1e-12, rtol=1e-12)
-        (y_local * snn.shard(g, m, dims=sharded_dims)).sum().backward()
-        gx = snn.gather(x_local.grad, m, dims=sharded_dims)
-        torch.testing.assert_close(gx, x.grad, atol=1e-12, rtol=1e-12, msg=lambda s: f"cumsum {dim}: {s}")
+        _assert_keeps_layout(
+            m, x_full, sharded_dims, lambda x: torch.cumsum(x, dim),
+            lambda xl: snn.reductions.cumsum(xl, m, dim, sharded_dims=sharded_dims), f"cumsum {dim}",
+        )
         ints = (x_full * 3).round().long()
         got = snn.reductions.cumsum(snn.shard(ints, m, dims=sharded_dims), m, dim, sharded_dims=sharded_dims)
         assert got.dtype == torch.int64
