@@ -164,6 +164,9 @@ class LocalDerived(int):
 
     _leaves: tuple | None = None
     _fn: Callable | None = None
+    #: Computed through a floor division, a remainder or a rounding (``h // ws``): a view by it
+    #: fits a slab only where the slab is a whole number of blocks (``_GuardMode._h_reshape``).
+    _lossy: bool = False
 
     def __repr__(self) -> str:
         return int.__repr__(self)
@@ -174,16 +177,20 @@ class LocalFloat(float):
 
     _leaves: tuple | None = None
     _fn: Callable | None = None
+    _lossy: bool = False
 
     def __repr__(self) -> str:
         return float.__repr__(self)
 
 
-def _derive(v, a, b, op):
-    """``v = op(a, b)`` where ``a`` is tagged, as a tagged number that remembers the expression."""
+def _derive(v, a, b, op, lossy: bool = False):
+    """``v = op(a, b)`` where ``a`` is tagged, as a tagged number that remembers the expression
+    (``lossy``: ``op`` rounds, as ``//`` does)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return v
     out = LocalDerived(v) if isinstance(v, int) else LocalFloat(v)
+    if lossy or a._lossy or getattr(b, "_lossy", False):
+        out._lossy = True
     la = a._leaves
     if la is None:
         return out
@@ -205,6 +212,7 @@ def _tagged_binary(base: type, name: str):
     fwd = getattr(operator, plain.strip("_"))
     # ``op(self_value, other)`` in the operand order of the original expression.
     op = (lambda a, b: fwd(b, a)) if name != plain else fwd
+    lossy = plain in ("__floordiv__", "__mod__")
 
     def method(self, o):
         v = own(self, o)
@@ -213,7 +221,7 @@ def _tagged_binary(base: type, name: str):
                 v = op(float(self), o)
             else:
                 return v
-        return _derive(v, self, o, op)
+        return _derive(v, self, o, op, lossy)
 
     method.__name__ = name
     return method
@@ -321,8 +329,8 @@ def _tagged_rounding(name: str):
         plain = (float if isinstance(self, float) else int)(self)
         if fn is None:  # __round__(ndigits=None)
             return _derive(round(plain, *nd), self, nd[0] if nd else None,
-                           lambda a, n: round(a) if n is None else round(a, n))
-        return _derive(fn(plain), self, None, lambda a, _: fn(a))
+                           lambda a, n: round(a) if n is None else round(a, n), lossy=True)
+        return _derive(fn(plain), self, None, lambda a, _: fn(a), lossy=True)
 
     method.__name__ = name
     return method
@@ -1088,7 +1096,9 @@ class _GuardMode(TorchFunctionMode):
                 self.fail(f"`{base}`", f"the guard does not know this call, and it receives {self._what(stateful, tagged)}",
                           "")
             out = handler(self, func, base, args, kwargs, stateful)
-        if inplace and args and isinstance(args[0], torch.Tensor):
+        if inplace and args and isinstance(args[0], torch.Tensor) and not (out is None and kind == "setitem"):
+            # (An index assignment returns None: its handler accepted the target's layout, which
+            # it keeps; dropping it made ``out[:, :h] = y`` a non-slab for the next layer.)
             st = states.get(out) if isinstance(out, torch.Tensor) else None
             if st is None:
                 states.pop(args[0], None)
@@ -1387,6 +1397,13 @@ class _GuardMode(TorchFunctionMode):
                     and (-1 not in request or not _minus_one_takes_sharded(x, st, request))
                     and not _called_from_local_shape_library()):
                 return self._reshape_global(func, x, st, request, args, kwargs)
+            # (Not from einops: its recipes cache sizes by the slab's shape, so that a rank whose
+            # cache answers passes plain numbers where another passes tagged ones; the agreement
+            # would then pair up with nothing.)
+            if (request is not None and any(d is not None for d in st)
+                    and any(_is_tagged(v) and v._lossy for v in request)
+                    and not _called_from_local_shape_library()):
+                return self._reshape_rounded(func, base, args, kwargs, stateful, st, request)
         try:
             return self._h_reshape_moved(func, base, args, kwargs, stateful)
         except RuntimeError as e:
@@ -1400,6 +1417,30 @@ class _GuardMode(TorchFunctionMode):
                       f"{self.describe(st)}; a constant in it is probably a size of the whole sample",
                       "take the sizes along the sharded dims from the tensor's shape (x.shape[d]), which the guard "
                       "maps, or give every size as a constant (read as the whole sample's shape)")
+
+    def _reshape_rounded(self, func, base, args, kwargs, stateful, st, request):
+        """A view by sizes computed from slab lengths through ``//``, ``%`` or rounding: window
+        partitions (``x.view(b, h // ws, ws, w // ws, ws, c)``, timm DaViT, TinyViT, Twins,
+        EfficientViT-M). It fits a slab only where the slab is a whole number of windows, which
+        differs by rank: the ranks whose slab does not fit would refuse alone while the others
+        went on to their next collective (a hang). Every rank says whether its view fits (one
+        small all-gather of one number) and, where one does not, all refuse alike."""
+        try:
+            out, fits = self._h_reshape_moved(func, base, args, kwargs, stateful), 1
+        except RuntimeError as e:
+            if "invalid for input of size" not in str(e):
+                raise
+            out, fits = None, 0
+        rows = self._gather_with_coords([fits], f"forward guard: `{base}` by sizes computed from slab lengths")
+        misfits = [i for i, r in enumerate(rows) if r[-1] == 0]
+        if misfits:
+            self.fail(f"`{base}`", f"the requested shape, computed from slab lengths by floor division or rounding "
+                      f"(a window partition), does not fit the slabs of domain ranks {misfits} of a tensor sharded "
+                      f"along {self.describe(st)}: their slabs are not whole numbers of the view's blocks",
+                      "shard the input with an alignment that makes every slab but the last a whole number of "
+                      "windows (snn.shard(x, mesh, align=...): the window size times the model's downsampling "
+                      "at that stage, e.g. 7 x 32 = 224 rows for windows of 7 tokens at 1/32)")
+        return out
 
     def _reshape_global(self, func, x, st, request, args, kwargs):
         """``x.view(sizes)`` with every size a constant, on a slab: the sizes are the single
@@ -1580,8 +1621,10 @@ class _GuardMode(TorchFunctionMode):
         dim = _arg(args, kwargs, 1, "dim") % x.dim()
         start, length = _arg(args, kwargs, 2, "start"), _arg(args, kwargs, 3, "length")
         self._require_known(base, stateful)
-        if st is not None and dim in st and not (start == 0 and _is_tagged(length) and length == x.shape[dim]):
-            # Constant positions are the whole domain's, as for slices (``_crop_global``).
+        if st is not None and dim in st:
+            # Constant positions are the whole domain's, as for slices (``_crop_global``); so are
+            # lengths read from slabs (``x.narrow(1, 0, h)``, ``h`` read before a pad), which
+            # keep a whole slab on some ranks only: decided on the global bounds, alike on every rank.
             if isinstance(start, torch.Tensor) or isinstance(length, torch.Tensor):
                 self.fail("`narrow`", f"its start or length along sharded dim {dim} is a tensor", "")
             crop = [(0, dim, slice(start, start + length))]
@@ -1650,7 +1693,7 @@ class _GuardMode(TorchFunctionMode):
                     return self._h_getitem(func, base, (y, rest), kwargs, [y])
             else:
                 mapping[src] = out_dim
-                if src in st and not _full_slice(i, x.shape[src]):
+                if src in st and not _full_slice(i):
                     if _phase_slice(i):
                         phases.append((src, i.step))
                     elif i.step in (None, 1):
@@ -1846,11 +1889,27 @@ class _GuardMode(TorchFunctionMode):
             exp: list = []
             for i in items:
                 exp += [slice(None)] * (x.dim() - n_real) if i is Ellipsis else [i]
-            ok = st is not UNKNOWN and all(_full_slice(exp[d], x.shape[d]) for d in st if d is not None and d < len(exp))
+            ok = st is not UNKNOWN and self._keeps_slabs(x, st, exp)
         if not ok:
             self.fail("index assignment", f"it writes local positions of a tensor sharded along {self.describe(st)}",
                       "build position masks on the full tensor before sharding, or register a sharded class")
         return func(*args, **kwargs)
+
+    def _keeps_slabs(self, x, st, index: list) -> bool:
+        """Whether the slices of ``index`` keep every slab whole along every sharded dim (as
+        ``x[:, :h] = y`` does where ``h`` is the whole sample's length), decided alike on every
+        rank: bounds read from slab sizes are evaluated on the global sizes."""
+        crops = []
+        for d in st:
+            if d is None or d >= len(index) or _full_slice(index[d]):
+                continue
+            i = index[d]
+            if not (isinstance(i, slice) and i.step in (None, 1)):
+                return False
+            crops.append((d, d, i))
+        if not crops:
+            return True
+        return all(a == 0 and b == total for a, b, _s0, _n, total, _lens in self._global_bounds(x, st, crops))
 
     def _h_split(self, func, base, args, kwargs, stateful):
         x = args[0]
@@ -3258,13 +3317,14 @@ def _phase_slice(i) -> bool:
     return isinstance(start, int) and 0 <= start < i.step
 
 
-def _full_slice(i, length: int) -> bool:
-    """A slice that keeps the whole slab whatever its global position: ``x[:, :]``, ``x[:, 0:]``,
-    or a stop read from a slab's size (``x[:, :h]``). A constant stop is a global position."""
+def _full_slice(i) -> bool:
+    """A slice that keeps the whole slab whatever its global position: ``x[:, :]``, ``x[:, 0:]``.
+    A constant stop is a global position; so is a stop read from slab sizes (``x[:, :h]``, with
+    ``h`` read before a pad): it keeps the whole slab on some ranks and crops the padded one on
+    others, which only the global bounds decide alike on every rank (``_global_bounds``)."""
     if not isinstance(i, slice):
         return False
-    start, stop, step = i.start, i.stop, i.step
-    return (start in (None, 0)) and (step in (None, 1)) and (stop is None or (_is_tagged(stop) and stop >= length))
+    return i.start in (None, 0) and i.step in (None, 1) and i.stop is None
 
 
 _CLASSIFIED: dict = {}
@@ -3360,13 +3420,51 @@ def _groups(in_shape, out_shape):
     return groups
 
 
+def _tagged_by_axis(v, axis: int) -> bool:
+    """Whether ``v`` was computed from a slab length along mesh axis ``axis`` (and only such)."""
+    leaves = getattr(v, "_leaves", None) if _is_tagged(v) else None
+    return bool(leaves) and all(isinstance(leaf, LocalLength) and leaf.axis == axis for leaf in leaves)
+
+
+def _sharded_request_dim(request, axis: int) -> int | None:
+    """The output dim of a view request that takes the sharded dim of mesh axis ``axis``: the one
+    size read from that axis' slab lengths, or else (no size read from slabs) the one -1."""
+    tagged = [o for o, v in enumerate(request) if _tagged_by_axis(v, axis)]
+    if len(tagged) == 1:
+        return tagged[0]
+    if not tagged and not any(_is_tagged(v) for v in request) and list(request).count(-1) == 1:
+        return list(request).index(-1)
+    return None
+
+
+#: A factor no real size shares: ``_map_reshape`` stands it in for a sharded dim of local size 1.
+_PROBE_FACTOR = 1_000_003
+
+
 def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
     """The layout after a reshape (see the module docstring), or ``UNKNOWN``."""
     if 0 in in_shape:
         return UNKNOWN
+    if request is not None and len(request) == len(out_shape):
+        # A sharded dim of local size 1 (a slab of one window or one row) groups with either
+        # neighbour, and torch's sizes alone cannot say which (``windows.view(-1, ws, ws, c)`` of
+        # ``(b, 1, 1, ws, ws, c)`` put it with the window rows, while the next rank, two windows,
+        # put it with the -1). The request says which output dim takes it on every rank: the one
+        # size read from this axis' slab lengths, or else the -1. Mapped on the shapes with both
+        # scaled by a probe factor, where the grouping is the one of the ranks with larger slabs.
+        for k, d in enumerate(st):
+            if d is None or in_shape[d] != 1:
+                continue
+            o = _sharded_request_dim(request, k)
+            if o is not None and out_shape[o] == 1:
+                scaled_in = tuple(n * _PROBE_FACTOR if i == d else n for i, n in enumerate(in_shape))
+                scaled_out = tuple(n * _PROBE_FACTOR if i == o else n for i, n in enumerate(out_shape))
+                probe = _map_reshape(scaled_in, scaled_out, st, request)
+                if probe is not UNKNOWN and probe[k] == o:
+                    return probe
     groups = _groups(in_shape, out_shape)
     result = []
-    for d in st:
+    for k, d in enumerate(st):
         if d is None:
             result.append(None)
             continue
