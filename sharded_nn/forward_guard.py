@@ -54,7 +54,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -2031,7 +2030,6 @@ class _GuardMode(TorchFunctionMode):
         the whole domain is ``before + all slabs + after``, so the first rank along the axis holds
         ``before`` and the last ``after``. The slabs' lengths change: the layout scope forgets."""
         from .comm.sizes import scope_forget
-        from .mesh import axis_size
 
         self._routing("`cat`")
         axis = self.guard.axes[st.index(dim)]
@@ -3672,6 +3670,3 @@ _EAGER: list = []
 #: (the calls a torch module makes when the root calls it come from the model, not from us).
 _PASS_THROUGH_CODES = frozenset({_GuardedEntry.__call__.__code__, _eager_guarded_forward_impl.__code__})
 
-
-def _unused(*_: Any) -> None:  # keep linters quiet about weakref in type comments
-    del weakref
