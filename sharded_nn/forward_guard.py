@@ -52,6 +52,7 @@ import operator
 import os
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -688,25 +689,29 @@ class _LayerHooks:
 
     # -- the shared halves
 
-    def _enter(self, mode: _GuardMode, module: nn.Module, args):
-        """Check the input, suspend the mode; returns the input's layout state for ``_leave``."""
+    def _enter(self, mode: _GuardMode, module: nn.Module, args, per_sample: bool = False):
+        """Check the input, suspend the mode; returns the input's layout state for ``_leave``
+        and whether the layer runs its torch counterpart's forward (``per_sample``: the caller
+        can run it; see ``_check_layer_input``)."""
         x = None
         for a in args:
             if isinstance(a, torch.Tensor):
                 x = a
                 break
         state = mode.states.get(x) if x is not None else None
+        plain = False
         if self.check:
             if self.needs_ndim:  # (under the mode ``x.dim()`` is itself a guarded call: only where used)
                 module.__dict__["_snn_guard_ndim"] = x.dim() if x is not None else 0
-            _check_layer_input(mode, module, state)
+            plain = _check_layer_input(mode, module, state, per_sample)
         mode.suspend()
-        return state
+        return state, plain
 
-    def _leave(self, mode: _GuardMode, module: nn.Module, state, output) -> None:
-        """Resume the mode and record the output's layout (after ``_enter`` suspended it)."""
+    def _leave(self, mode: _GuardMode, module: nn.Module, state, output, same: bool = False) -> None:
+        """Resume the mode and record the output's layout (after ``_enter`` suspended it);
+        ``same``: the input's, whatever the layer."""
         mode.resume()
-        out_state = state if self.same_state else _layer_output_state(module, state)
+        out_state = state if self.same_state or same else _layer_output_state(module, state)
         states = mode.states
         for t in (output,) if isinstance(output, torch.Tensor) else _flat_tensors(output):
             if out_state is None:
@@ -729,8 +734,9 @@ class _LayerHooks:
             return call(*args, **kwargs)
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         dims = module.__dict__.get("dims") if self.check else None
+        plain = False
         if x is None or self.needs_ndim or type(dims) is not tuple or not dims:
-            state = self._enter(mode, module, args)
+            state, plain = self._enter(mode, module, args, per_sample=True)
         else:
             entries = mode.states._d
             e = entries.get(id(x))
@@ -739,13 +745,16 @@ class _LayerHooks:
             # ``_check_layer_input``'s accepting case: the input sharded along the layer's dims
             # (then unsharded); anything else takes the full check, which raises or accepts.
             if state is None or state is UNKNOWN or state[:n] != dims or any(d is not None for d in state[n:]):
-                _check_layer_input(mode, module, state)
+                plain = _check_layer_input(mode, module, state, per_sample=True)
             mode.suspend()
         try:
-            output = call(*args, **kwargs)
+            output = _with_torch_forward(module, call, args, kwargs) if plain else call(*args, **kwargs)
         except BaseException:
             mode.resume()
             raise
+        if plain:
+            self._leave(mode, module, state, output, same=True)
+            return output
         if not self.same_state or not isinstance(output, torch.Tensor):
             self._leave(mode, module, state, output)
             return output
@@ -768,7 +777,7 @@ class _LayerHooks:
         if mode.suspended:
             stack.append(_SKIP)  # inside a sharded layer or a reviewed module: its own business
             return None
-        stack.append(self._enter(mode, module, args))
+        stack.append(self._enter(mode, module, args)[0])
         return None
 
     def post(self, module: nn.Module, args, output):
@@ -809,13 +818,67 @@ def _running_stats_batch_norm(module: nn.Module) -> bool:
             and module.running_var is not None)
 
 
-def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
+def _per_sample_layer(module: nn.Module) -> bool:
+    """A layer that computes every sample (dim 0) on its own: convolutions, pools, upsampling,
+    and norms whose statistics are each sample's (group, layer, instance norm without running
+    statistics in training; batch norm with its running statistics is handled before)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.conv import _ConvNd
+    from torch.nn.modules.instancenorm import _InstanceNorm
+    from torch.nn.modules.pooling import (
+        _AdaptiveAvgPoolNd,
+        _AdaptiveMaxPoolNd,
+        _AvgPoolNd,
+        _LPPoolNd,
+        _MaxPoolNd,
+    )
+
+    if isinstance(module, _InstanceNorm):
+        return not (module.training and module.track_running_stats)
+    if isinstance(module, _BatchNorm):
+        return False  # batch statistics (running ones: ``_running_stats_batch_norm``)
+    return isinstance(module, (_ConvNd, _MaxPoolNd, _AvgPoolNd, _LPPoolNd, _AdaptiveAvgPoolNd, _AdaptiveMaxPoolNd,
+                               nn.GroupNorm, nn.LayerNorm, nn.Upsample))  # fmt: skip
+
+
+_TORCH_FORWARD: dict[type, Callable] = {}
+
+
+def _torch_forward(cls: type) -> Callable:
+    """The ``forward`` of the class a sharded layer class shards: the first class after the
+    sharded ones in its MRO that defines one (``nn.Conv2d``; timm's ``StdConv2d``)."""
+    fwd = _TORCH_FORWARD.get(cls)
+    if fwd is None:
+        fwd = next(c.__dict__["forward"] for c in cls.__mro__
+                   if not c.__module__.startswith("sharded_nn") and "forward" in c.__dict__)  # fmt: skip
+        _TORCH_FORWARD[cls] = fwd
+    return fwd
+
+
+def _with_torch_forward(module: nn.Module, call: Callable, args, kwargs):
+    """``call(*args, **kwargs)`` (the layer's ``nn.Module.__call__``, its hooks included) with the
+    torch counterpart's ``forward`` in place of the sharded one for this call."""
+    module.__dict__["forward"] = types.MethodType(_torch_forward(type(module)), module)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        del module.__dict__["forward"]
+
+
+def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: bool = False) -> bool:
+    """Refuse a sharded layer's input whose layout the layer cannot take (on every rank: the
+    layout is a fact every rank shares). Returns whether the layer runs its torch counterpart's
+    forward instead of its sharded one (``per_sample``: the caller can; else such an input is
+    refused): the input is sharded only along dim 0, samples the layer computes each on its own
+    (window attention folds its windows into the batch, timm EfficientViT-M's convolutions on
+    windows), so each rank's samples are whole; parameter gradients are then this rank's partial
+    sums, as everywhere."""
     dims = _layer_dims(module)
     if dims is None:
-        return
+        return False
     if state is None:
         if _pointwise_on_dims(module):
-            return
+            return False
         mode.fail(
             type(module).__name__,
             f"the sharded layer received a replicated (non-slab) tensor, which it would treat as a slab "
@@ -832,14 +895,16 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
         if 1 in state:
             mode.fail(type(module).__name__, f"its channels (dim 1) are sharded ({mode.describe(state)})", "",
                       module=module)
-        return
+        return False
+    if per_sample and 0 in state and all(d in (None, 0) for d in state) and _per_sample_layer(module):
+        return True
     if not dims and isinstance(module, nn.LayerNorm):
         # Nothing sharded among its normalised dims: plain LayerNorm over trailing (channel) dims.
         k = len(module.normalized_shape)
         if any(d is not None and d >= _ndim_hint(module) - k for d in state):
             mode.fail(type(module).__name__, f"it normalises over trailing dims that include a sharded dim "
                       f"({mode.describe(state)})", "pass dims=... to shard the LayerNorm", module=module)
-        return
+        return False
     expected = tuple(dims) + (None,) * (len(state) - len(dims))
     if tuple(state) != expected:
         mode.fail(
@@ -848,6 +913,7 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state) -> None:
             "pass dims=... (convert's dims or a plan entry) matching the tensor's layout",
             module=module,
         )
+    return False
 
 
 def _ndim_hint(module: nn.Module) -> int:

@@ -175,3 +175,77 @@ def test_timm_window_attention_models_are_exact(run, name, domain, slabs):
     align = _TIMM_WINDOWED[name][1]
     sizes = [int(s * align) for s in slabs]
     assert max(run(domain, _timm_windowed, name, domain, sizes)) < 1e-9
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded layers on windows folded into the batch: each rank's windows are whole samples
+
+
+class ConvOnWindows(nn.Module):
+    """Windows folded into the batch (channels first, as timm's EfficientViT-M), then sharded
+    layers that compute each sample on its own: a depthwise convolution, a group norm, a max
+    pool and an adaptive pool that broadcasts back; ``norm``: ``batch_train`` puts a training
+    BatchNorm there instead (batch statistics over every rank's windows: refused)."""
+
+    def __init__(self, norm: str = "group") -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.dw = nn.Conv2d(4, 4, 3, padding=1, groups=4, padding_mode="reflect")
+        self.norm = nn.GroupNorm(2, 4) if norm == "group" else nn.BatchNorm2d(4)
+        self.pool = nn.MaxPool2d(3, stride=1, padding=1)
+        self.gate = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.stem(x))
+        b, c, h, w = x.shape
+        win = x.view(b, c, h // WS, WS, w // WS, WS).permute(0, 2, 4, 1, 3, 5).reshape(-1, c, WS, WS)
+        y = self.pool(self.norm(self.dw(win)))
+        y = y * torch.sigmoid(self.gate(y))
+        y = y.view(b, h // WS, w // WS, c, WS, WS).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+        return self.head(y + x)
+
+
+def _conv_on_windows(domain, sizes, norm):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = ConvOnWindows(norm).double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if norm == "group":
+        return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
+    return error_on_slab(model, x, m, sizes)
+
+
+@pytest.mark.parametrize("domain, sizes", [(2, [4, 8]), (2, [8, 4]), (3, [4, 4, 8]), (3, [8, 4, 4])])
+def test_sharded_layers_on_windows_in_the_batch_are_exact(run, domain, sizes):
+    assert max(run(domain, _conv_on_windows, domain, sizes, "group")) < 1e-10
+
+
+def test_batch_statistics_over_windows_in_the_batch_are_refused_on_every_rank(run):
+    out = run(2, _conv_on_windows, 2, [4, 8], "batch_train")
+    assert len(set(out)) == 1 and "shards dims (2,) but its input is sharded along dim 0" in out[0], out
+
+
+def _efficientvit_m(domain):
+    import timm
+
+    from bench.compat import randomise_norms
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    size = 256 * domain  # windows of 4 tokens at 1/64: slabs of 256 rows
+    ref = timm.create_model("efficientvit_m0", pretrained=False, num_classes=5, img_size=size, embed_dim=(16, 32, 48),
+                            depth=(1, 1, 1), num_heads=(2, 2, 2), window_size=(4, 4, 4), kernels=(3, 3, 3, 3))
+    ref = ref.double().eval()
+    randomise_norms(ref)
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 3, size, size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return compare_on_slabs(ref, model, m, x, [256] * domain)
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_timm_efficientvit_m_is_exact(run, domain):
+    # Its window attention runs depthwise convolutions on windows folded into the batch.
+    pytest.importorskip("timm")
+    assert max(run(domain, _efficientvit_m, domain)) < 1e-9
