@@ -112,6 +112,15 @@ MODELS = {
     "timm/vit_relpos_small_patch16_224": (_timm("vit_relpos_small_patch16_224", img_size=(64, 32), depth=2),
                                           (1, 3, 64, 32), "timm ViT"),
     "timm/coat_lite_tiny": (_timm("coat_lite_tiny", img_size=(64, 32)), (1, 3, 64, 32), "timm ViT"),
+    # Window attention written with views in the model's own forward (snn.alignment finds the
+    # windows: 4 tokens at 1/32, 128 rows); EfficientViT-M is built for one size (its own).
+    "timm/davit_tiny": (_timm("davit_tiny", window_size=4, depths=(1, 1, 2, 1)), (1, 3, 64, 32), "timm window"),
+    "timm/tiny_vit_5m_224": (_timm("tiny_vit_5m_224", window_sizes=(4, 4, 4, 4), depths=(1, 1, 2, 1)),
+                             (1, 3, 64, 32), "timm window"),
+    "timm/twins_svt_small": (_timm("twins_svt_small", wss=(4, 4, 4, 4), depths=(1, 1, 2, 1)), (1, 3, 64, 32),
+                             "timm window"),
+    "timm/efficientvit_m0": (_timm("efficientvit_m0", img_size=512, window_size=(4, 4, 4)), (1, 3, 512, 512),
+                             "timm window"),
     "monai/UNETR-3d": (_monai("UNETR", in_channels=1, out_channels=2, img_size=(64, 32, 32), feature_size=4,
                               hidden_size=32, mlp_dim=64, num_heads=2), (1, 1, 64, 32, 32), "MONAI 3-D"),
     "monai/BasicUNet-2d": (_monai("BasicUNet", spatial_dims=2, in_channels=1, out_channels=2,
@@ -184,7 +193,7 @@ def _outputs(y):
 FIXED_SIZE = {"timm/vit_small_patch16_224", "timm/deit_tiny_distilled_patch16_224", "timm/swin_tiny_patch4_window7_224",
               "timm/swinv2_tiny_window8_256", "timm/swinv2_cr_tiny_ns_224", "timm/cait_xxs24_224", "timm/beit_base_patch16_224",
               "timm/eva02_tiny_patch14_224", "timm/vit_relpos_small_patch16_224", "timm/coat_lite_tiny",
-              "timm/vit_tiny_r_s16_p8_224",
+              "timm/vit_tiny_r_s16_p8_224", "timm/efficientvit_m0",
               "monai/UNETR-3d"}
 
 

@@ -10,6 +10,13 @@ input keeps its spatial dims elsewhere than at the end (channels-last tokens ``(
 as in a Swin block, whose windows must not span two slabs) also names them in
 ``alignment_dims`` (the input's dims holding the model input's spatial dims, in order).
 
+Window attention written with views in a model's own code (timm's DaViT, TinyViT, Twins-SVT:
+``x.view(b, h // ws, ws, w // ws, ws, c)``) needs slabs of whole windows: ``f * ws`` rows where
+the windows are cut at ``1/f`` of the input. No module states that, so ``alignment`` finds such
+views in shape-only passes (``_window_needs``): a view that splits a dim growing with the sharded
+input dim into an outer factor that grows with it and inner factors that stay constant when any
+input dim grows (a window, not the unflattening of tokens into rows of the current width).
+
 ``f`` depends on the model's graph, not only on its modules: a ResNet's strided shortcut runs
 beside its strided conv, not after it, so multiplying every stride of the module tree would
 overcount. ``alignment`` therefore follows one forward pass on the meta device (shapes only: no
@@ -154,6 +161,17 @@ def _torch_forwards(model: nn.Module) -> Iterator[None]:
             del module.forward
 
 
+def _runs_sharded_code(model: nn.Module) -> bool:
+    """Whether a shape-only forward of ``model`` runs a sharded module's own forward (one that
+    ``_torch_forwards`` does not swap: the zoo's sharded ViT attention, Transolver, ...)."""
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__.startswith("Sharded") and cls.__module__.split(".")[0] in ("sharded_nn", "zoo"):
+            if next((b for b in cls.__mro__[1:] if registered(b) is cls), None) is None:
+                return True
+    return False
+
+
 def _probe_shape(model: nn.Module, dims: tuple[int, ...]) -> tuple[int, ...]:
     """``(1, C_in, S, S, ...)`` from the first convolution (in registration order)."""
     for module in model.modules():
@@ -226,8 +244,9 @@ def alignment(
     dtype = floats[0].dtype if floats else torch.get_default_dtype()
     x = torch.empty(shape, dtype=dtype, device="meta")
     handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+    views = _ViewLog()
     try:
-        with torch.no_grad(), _torch_forwards(model), _attributes_restored(model), _on_meta(model):
+        with torch.no_grad(), _torch_forwards(model), _attributes_restored(model), _on_meta(model), views:
             model(x)
     except Exception as e:  # noqa: BLE001 - any failure of the probe pass means "tell us the shape"
         raise ValueError(
@@ -238,5 +257,92 @@ def alignment(
     finally:
         for h in handles:
             h.remove()
+    if (input_shape is None and any(_splits(in_shape, out_shape) for in_shape, out_shape in views.calls)
+            and not _runs_sharded_code(model)):
+        # (Only where the probe made a view that splits a dim: most CNNs make none, and convert
+        # asks for the alignment of every model it converts. Not through sharded modules that
+        # keep their own forward in the probe, such as the ViT zoo's ring attention: its Python
+        # loops over tiles grow with the probe's many rows.)
+        for d, need in _window_needs(model, shape, dims, dtype).items():
+            needs[d] = math.lcm(needs[d], need)
     out = tuple(needs[d] for d in dims)
     return out[0] if single else out
+
+
+#: The shape-only passes that find window views grow the probe's spatial size by this odd factor
+#: (times 1024: rows 1024 * 315 and twice that), so that windows of 3, 5, 7, 9, their multiples
+#: by powers of two (14, 28...) and products (15, 21, 35...) divide every stage and the model
+#: pads nothing: the downsampling at a view is then the exact ratio of sizes.
+_WINDOW_PROBE_FACTOR = 3 * 3 * 5 * 7
+
+_VIEW_CALLS = frozenset({"view", "reshape", "unflatten"})
+
+
+class _ViewLog(torch.overrides.TorchFunctionMode):
+    """Records the input and output shapes of every view, reshape and unflatten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in _VIEW_CALLS and args and isinstance(args[0], torch.Tensor) and isinstance(
+            out, torch.Tensor
+        ):
+            self.calls.append((tuple(args[0].shape), tuple(out.shape)))
+        return out
+
+
+def _splits(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """The groups of a view that split one input dim into two or more factors other than 1."""
+    from .forward_guard import _groups
+
+    return [(gi, go) for gi, go in _groups(in_shape, out_shape)
+            if len(gi) == 1 and sum(1 for o in go if out_shape[o] != 1) >= 2]  # fmt: skip
+
+
+def _view_log(model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> list | None:
+    """The views of one shape-only forward on an input of ``shape``, or None where it fails."""
+    log = _ViewLog()
+    try:
+        with torch.no_grad(), _torch_forwards(model), _attributes_restored(model), _on_meta(model), log:
+            model(torch.empty(shape, dtype=dtype, device="meta"))
+    except Exception:  # noqa: BLE001 - a model that cannot run at these sizes: no windows found
+        return None
+    return log.calls
+
+
+def _window_needs(model: nn.Module, shape: tuple[int, ...], dims: tuple[int, ...], dtype: torch.dtype) -> dict[int, int]:
+    """Per dim of ``dims``: the rows a slab must be a whole number of for the windows the model's
+    own views cut (``f * ws``, lcm over views; 1 where none). One shape-only pass at rows
+    ``1024 * 315`` along ``dims``, then one per spatial input dim with that dim doubled: a view's
+    input dim belongs to sharded dim ``d`` where it grows with ``d`` alone; its inner factors
+    are a window where they stay constant in every pass. Nothing is found (no need added) where
+    a pass fails or the passes make different views (a model that branches on its input size)."""
+    spatial = range(2, len(shape))
+    base = tuple(n * _WINDOW_PROBE_FACTOR if d in dims else n for d, n in enumerate(shape))
+    logs = [_view_log(model, base, dtype)]
+    for e in spatial:
+        logs.append(_view_log(model, tuple(n * 2 if d == e else n for d, n in enumerate(base)), dtype))
+    if any(log is None or len(log) != len(logs[0]) for log in logs):
+        return {}
+    needs: dict[int, int] = {}
+    for i, (in0, out0) in enumerate(logs[0]):
+        if any(len(log[i][0]) != len(in0) or len(log[i][1]) != len(out0) for log in logs):
+            return {}
+        for gi, go in _splits(in0, out0):
+            k = gi[0]
+            grows = [e for e, log in zip(spatial, logs[1:]) if log[i][0][k] != in0[k]]
+            if len(grows) != 1 or grows[0] not in dims:
+                continue
+            d = grows[0]
+            inner = [o for o in go[1:] if out0[o] != 1]
+            window = math.prod(out0[o] for o in inner)
+            if window == 1 or any(log[i][1][o] != out0[o] for log in logs for o in inner):
+                continue
+            f = Fraction(base[d], in0[k])
+            if f.denominator != 1:
+                continue  # upsampled, or padded after all: not a window of whole input rows
+            needs[d] = math.lcm(needs.get(d, 1), int(f) * window)
+    return needs

@@ -3527,6 +3527,9 @@ def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
                 if probe is not UNKNOWN and probe[k] == o:
                     return probe
     groups = _groups(in_shape, out_shape)
+    # A sharded dim counts as a real factor even where this rank's slab has one position along
+    # it: the other ranks' slabs have more, and every rank must map alike.
+    sharded = {d for d in st if d is not None}
     result = []
     for k, d in enumerate(st):
         if d is None:
@@ -3536,18 +3539,20 @@ def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
         if g is None:
             return UNKNOWN
         gi, go = g
-        before = [k for k in gi if k < d and in_shape[k] != 1]
+        before = [j for j in gi if j < d and (in_shape[j] != 1 or j in sharded)]
         if before:
             return UNKNOWN  # the sharded dim is not the outermost of a merged group
-        if len(gi) - sum(1 for k in gi if in_shape[k] == 1) > 1 and len([o for o in go if out_shape[o] != 1]) > 1:
+        real = sum(1 for j in gi if in_shape[j] != 1 or j in sharded)
+        if real > 1 and len([o for o in go if out_shape[o] != 1]) > 1:
             return UNKNOWN  # many-to-many regroup
         nontriv = [o for o in go if out_shape[o] != 1] or go[:1]
         outer = nontriv[0]
         if request is not None and len(request) == len(out_shape):
             # A slab of one row makes its output factor 1 here and not on the other ranks: the
             # requested size read from the slab (tagged) names the sharded factor on every rank
-            # alike (``t.reshape(b, c, hh, ww)`` with ``hh = x.shape[2]`` on a one-row slab).
-            tagged = [o for o in go if _is_tagged(request[o])]
+            # alike (``t.reshape(b, c, hh, ww)`` with ``hh = x.shape[2]`` on a one-row slab);
+            # of several, the one read from this axis' slab lengths.
+            tagged = [o for o in go if _tagged_by_axis(request[o], k)] or [o for o in go if _is_tagged(request[o])]
             if len(tagged) == 1:
                 outer = tagged[0]
         inner = [o for o in go if o > outer]
@@ -3557,6 +3562,8 @@ def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
         elif inner and request is None:
             return UNKNOWN
         result.append(outer)
+    if len({o for o in result if o is not None}) < len([o for o in result if o is not None]):
+        return UNKNOWN  # two mesh axes folded into one dim (windows of a 2-D mesh in the batch)
     return tuple(result)
 
 

@@ -121,3 +121,51 @@ def test_monai_dynunet_runs_after_alignment():
     y0 = m(x)
     assert snn.alignment(m, 2) == 4
     assert torch.equal(m(x), y0)
+
+
+class _Views(nn.Module):
+    """A stride-2 convolution, then one view of the model's own code, chosen by ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(3, 6, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        b, c, h, w = x.shape
+        if self.kind == "windows":  # windows of 3 (channels last, padded to whole windows, as timm's DaViT)
+            t = torch.nn.functional.pad(x.permute(0, 2, 3, 1), (0, 0, 0, (3 - w % 3) % 3, 0, (3 - h % 3) % 3))
+            h, w = t.shape[1:3]
+            t = t.view(b, h // 3, 3, w // 3, 3, c)
+            return t.permute(0, 1, 3, 2, 4, 5).reshape(-1, 9, c)
+        if self.kind == "space_to_depth":
+            return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+        if self.kind == "tokens":  # flattened tokens back into rows of the current width
+            return x.flatten(2).transpose(1, 2).reshape(b, h, w, c)
+        return x.view(b, 2, 3, h, w)  # channels split into groups
+
+
+@pytest.mark.parametrize("kind, expected", [("windows", 6), ("space_to_depth", 4), ("tokens", 2), ("channels", 2)])
+def test_windows_cut_by_views_in_the_model_code(kind, expected):
+    # A view whose inner factors stay constant when any input dim grows cuts windows: slabs must
+    # hold whole windows at that scale (stride 2 x window 3 = 6 rows). The rows of the current
+    # width (tokens) and channel groups are no windows.
+    model = _Views(kind)
+    assert alignment(model, 2) == expected
+    assert alignment(model, (2, 3)) == (expected, expected)
+    # A given input shape (a model built for a fixed size) is not grown: strides only.
+    assert alignment(model, 2, input_shape=(1, 3, 64, 64)) == 2
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("davit_tiny", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 128), num_heads=(1, 2, 4, 8), window_size=4)),
+    ("tiny_vit_5m_224", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 128), num_heads=(1, 2, 4, 8),
+                             window_sizes=(4, 4, 4, 4))),
+    ("twins_svt_small", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 128), num_heads=(1, 2, 4, 8),
+                             wss=(4, 4, 4, 4))),
+    ("davit_tiny", {}),  # windows of 7 down to 1/32: 224 rows
+])  # fmt: skip
+def test_timm_window_attention_alignment(name, kwargs):
+    expected = 32 * (kwargs.get("window_size") or (kwargs.get("window_sizes") or kwargs.get("wss") or (7,))[0])
+    assert alignment(timm.create_model(name, pretrained=False, **kwargs), (2, 3)) == (expected, expected)

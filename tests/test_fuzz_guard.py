@@ -6,7 +6,8 @@ numbers are local sizes) from one call to the next. Each example draws a program
 each a piece of plain torch code as a model's own ``forward`` writes it (squeeze-excite means,
 vector norms, variances, softmax over rows, interpolation there and back, pads and global crops,
 rolls, pools, sizes used as values and in branches, position grids from ``arange``, running
-sums, ``F.group_norm``, TF-"same" pads, token
+sums, ``F.group_norm``, TF-"same" pads, window partitions (attention in windows, convolutions on
+windows folded into the batch), token
 flattening with attention over all tokens, strided phases, class-token style concatenation and
 removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
@@ -237,20 +238,41 @@ def _offset_positions(m, x):  # arange bounds from the slab's rows, and a tiled 
     return x + rows / rows[:, :, -1:] + 0.1 * cols
 
 
+# Windows folded into the batch with the window rows outermost (the guard maps a sharded dim
+# only as the outermost of a merged dim: timm's batch-major order, as DaViT writes it, is
+# refused at batches over 1, and this fuzzer draws batches of 2).
+def _windows(m, x):  # window attention with DaViT's pad to whole windows, views and crop
+    t = x.permute(0, 2, 3, 1)
+    b, h, w, c = t.shape
+    t = F.pad(t, (0, 0, 0, (2 - w % 2) % 2, 0, (4 - h % 4) % 4))
+    hp, wp = t.shape[1], t.shape[2]
+    win = t.view(b, hp // 4, 4, wp // 2, 2, c).permute(1, 3, 0, 2, 4, 5).reshape(-1, 8, c)
+    y = F.scaled_dot_product_attention(win, win, win)
+    y = y.view(hp // 4, wp // 2, b, 4, 2, c).permute(2, 0, 3, 1, 4, 5).reshape(b, hp, wp, c)
+    return x + y[:, :h, :w].permute(0, 3, 1, 2)
+
+
+def _conv_windows(m, x):  # a convolution on 2x2 windows folded into the batch (EfficientViT-M)
+    b, c, h, w = x.shape
+    win = x.view(b, c, h // 2, 2, w // 2, 2).permute(2, 4, 0, 1, 3, 5).reshape(-1, c, 2, 2)
+    y = m.win_conv(win).view(h // 2, w // 2, b, c, 2, 2).permute(2, 3, 0, 4, 1, 5).reshape(b, c, h, w)
+    return x + y
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
     _tokens_attention, _explicit_attention, _class_token, _phases, _permute_back, _whole_rows_bias,
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
-    _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions,
+    _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows,
 )}  # fmt: skip
 
 
 #: Steps that also run on the transposed image (``x.transpose(2, 3)``: the sharded rows become the
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
-                "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions")
+                "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows")
 
 
 class Program(nn.Module):
@@ -263,6 +285,7 @@ class Program(nn.Module):
         self.cls = nn.Parameter(torch.randn(1, 1, C))
         self.row_bias = nn.Parameter(torch.randn(1, C, height, 1) * 0.3)
         self.gn_w = nn.Parameter(1 + torch.randn(C) * 0.3)
+        self.win_conv = nn.Conv2d(C, C, 3, padding=1)
         self.out = nn.Conv2d(C, 2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -352,6 +375,10 @@ EXAMPLES = [
     # 2x2 mesh: the column grid (a slab of the columns) tiled by the rows' local length.
     dict(domain=(2, 2), sizes=[6, 6], width=6, steps=["offset_positions", "T:differences", "interp_round_trip"],
          head="pool", seed=187),
+    # Session 53: windows of 4 rows on slabs of whole windows, the last one padded; a convolution
+    # on windows folded into the batch.
+    dict(domain=3, sizes=[4, 4, 2], width=4, steps=["windows", "conv_windows", "conv", "T:windows"], head="slab",
+         seed=19),
 ]
 
 
