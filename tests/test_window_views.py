@@ -69,12 +69,18 @@ class WindowBlock(nn.Module):
         return self.head(y.permute(0, 3, 1, 2))
 
 
-def _exact(domain, sizes, crop):
+def _converted(make, domain, sizes, width):
+    """(mesh, single-device model, converted copy, a 2-channel input of ``sum(sizes)`` rows)."""
     m = mesh(domain)
     torch.manual_seed(0)
-    ref = WindowBlock(crop).double()
+    ref = make().double()
     model = snn.convert(copy.deepcopy(ref), m)
-    x = torch.randn(1, 2, sum(sizes), 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, 2, sum(sizes), width, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return m, ref, model, x
+
+
+def _exact(domain, sizes, crop):
+    m, ref, model, x = _converted(lambda: WindowBlock(crop), domain, sizes, 6)
     return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
 
 
@@ -98,10 +104,7 @@ def test_narrow_by_a_length_read_before_the_pad_is_exact(run, domain, sizes):
 
 
 def _refused(domain, sizes, crop="slice"):
-    m = mesh(domain)
-    torch.manual_seed(0)
-    model = snn.convert(WindowBlock(crop).double(), m)
-    x = torch.randn(1, 2, sum(sizes), 6, dtype=torch.float64)
+    m, _ref, model, x = _converted(lambda: WindowBlock(crop), domain, sizes, 6)
     return error_on_slab(model, x, m, sizes)
 
 
@@ -207,11 +210,7 @@ class ConvOnWindows(nn.Module):
 
 
 def _conv_on_windows(domain, sizes, norm):
-    m = mesh(domain)
-    torch.manual_seed(0)
-    ref = ConvOnWindows(norm).double()
-    model = snn.convert(copy.deepcopy(ref), m)
-    x = torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    m, ref, model, x = _converted(lambda: ConvOnWindows(norm), domain, sizes, 8)
     if norm == "group":
         return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
     return error_on_slab(model, x, m, sizes)
