@@ -248,3 +248,19 @@ def test_timm_efficientvit_m_is_exact(run, domain):
     # Its window attention runs depthwise convolutions on windows folded into the batch.
     pytest.importorskip("timm")
     assert max(run(domain, _efficientvit_m, domain)) < 1e-9
+
+
+def _hooks_on_windows(domain):
+    m, ref, model, x = _converted(lambda: ConvOnWindows("group"), domain, [4] * domain, 8)
+    seen = []
+    model.dw.register_forward_hook(lambda mod, args, out: seen.append((tuple(args[0].shape), tuple(out.shape))))
+    r = m.get_local_rank("domain")
+    model(x.narrow(2, 4 * r, 4))
+    return seen, type(model.dw).__name__, "forward" in model.dw.__dict__
+
+
+def test_a_layer_on_windows_keeps_its_hooks_and_its_own_forward(run):
+    # The torch counterpart's forward stands in for this call only, through the layer's own
+    # __call__: a user's forward hook sees the call, and the sharded forward is back afterwards.
+    for seen, name, patched in run(2, _hooks_on_windows, 2):
+        assert seen == [((2, 4, 4, 4), (2, 4, 4, 4))] and name == "ShardedConv2d" and not patched, (seen, name, patched)
