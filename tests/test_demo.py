@@ -114,17 +114,25 @@ def test_suite_collects_the_speedups_benchmarks_print():
 def test_step_peak_is_measured_above_the_current_rss_not_an_earlier_mark():
     """A step below an earlier high-water mark (the launching parent's, inherited through spawn,
     or a freed temporary) still shows its own peak; ``ru_maxrss`` growth showed 0 here."""
-    import torch
+    import mmap
 
     from sharded_nn.demo import PeakRSS, maxrss_mib
 
-    big = torch.ones(96 * 2**18)  # 96 MiB: raises the high-water mark, then is freed
-    del big
+    def touched(mib: int) -> mmap.mmap:
+        # Fresh anonymous pages, every one written: resident whatever the allocators hold (a
+        # torch tensor could reuse heap or host-cache pages that earlier tests in this process
+        # left resident, and then measured 0 in one CI run).
+        buf, chunk = mmap.mmap(-1, mib * 2**20), b"\x01" * 2**20
+        for _ in range(mib):
+            buf.write(chunk)
+        return buf
+
+    touched(96).close()  # 96 MiB: raises the high-water mark, then is freed
     before = maxrss_mib()  # the old measure's baseline: the mark, not the resident memory
     peak = PeakRSS()
     assert peak.exact, "Linux: /proc/self/clear_refs resets the high-water mark"
-    step = torch.ones(48 * 2**18)  # 48 MiB touched by the step
+    step = touched(48)  # 48 MiB touched by the step
     measured = peak.mib()
-    del step
+    step.close()
     assert 44 <= measured <= 60, measured
     assert maxrss_mib() - before < 10  # the old measure (growth of ru_maxrss) misses it
