@@ -64,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import reductions
 from .errors import ShardingError
+from .guard_folds import Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .mesh import axis_index, axis_size, domain_axes, one_rank
 
 __all__ = ["ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_reviewed"]
@@ -361,6 +362,13 @@ class LocalLength(LocalDerived):
         return vals[0]
 
 
+class FoldLength(LocalLength):
+    """The local length of a dim that folds windows of several samples (``B_ = windows.shape[0]``,
+    ``guard_folds.Fold``): tagged with the fold's mesh axis (the sum over the axis is the global
+    length), so that a view by it names the folded dim; a tensor created with it as a size, or
+    positions counted by it, are refused (its rows are not one block of the single device's)."""
+
+
 def _is_tagged(v) -> bool:
     return isinstance(v, (LocalDerived, LocalFloat))
 
@@ -646,7 +654,7 @@ class ForwardGuard:
         if mode is _SINGLE:
             return None
         mode.__exit__(None, None, None)
-        bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN]
+        bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN or type(mode.states.get(t)) is Fold]
         if bad and sys.exc_info()[0] is None:
             raise ShardingError(
                 f"forward guard: the output of {type(module).__name__} is a tensor whose layout the guard "
@@ -744,7 +752,8 @@ class _LayerHooks:
             n = len(dims)
             # ``_check_layer_input``'s accepting case: the input sharded along the layer's dims
             # (then unsharded); anything else takes the full check, which raises or accepts.
-            if state is None or state is UNKNOWN or state[:n] != dims or any(d is not None for d in state[n:]):
+            if (state is None or state is UNKNOWN or type(state) is Fold or state[:n] != dims
+                    or any(d is not None for d in state[n:])):
                 plain = _check_layer_input(mode, module, state, per_sample=True)
             mode.suspend()
         try:
@@ -888,6 +897,18 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: b
         )
     if state is UNKNOWN:
         mode.fail(type(module).__name__, "the sharded layer received a tensor whose layout the guard lost", "", module=module)
+    if type(state) is Fold:
+        # Windows of several samples folded into one dim: exact where the layer keeps the rows of
+        # that dim apart (the batch dim of a per-sample layer; not the channels of a batch norm
+        # with running statistics, nor the trailing dims of a channel LayerNorm).
+        if _running_stats_batch_norm(module) and state.dim != 1:
+            return False
+        if per_sample and state.dim == 0 and _per_sample_layer(module):
+            return True
+        if not dims and isinstance(module, nn.LayerNorm) and state.dim < _ndim_hint(module) - len(module.normalized_shape):
+            return False
+        mode.fail(type(module).__name__, f"the sharded layer received a tensor sharded along {mode.describe(state)}",
+                  "Unfold the windows before the layer, or run with a batch of one per domain group", module=module)
     if _running_stats_batch_norm(module):
         # Eval mode with running statistics: a per-channel affine map (the layer's own
         # pointwise path, no agreement), exact on any layout that keeps the channels (dim 1)
@@ -921,7 +942,7 @@ def _ndim_hint(module: nn.Module) -> int:
 
 
 def _layer_output_state(module: nn.Module, state):
-    if state is None or state is UNKNOWN:
+    if state is None or state is UNKNOWN or type(state) is Fold:
         return state
     dims = _layer_dims(module)
     if dims is None:
@@ -951,6 +972,7 @@ def _dim_map(remap):
         return out
 
     handler.__name__ = remap.__name__
+    handler.remap = remap  # (``guard_folds`` maps a fold's dim with it)
     return handler
 
 
@@ -1018,7 +1040,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(TorchFunctionMode):
+class _GuardMode(FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -1052,6 +1074,8 @@ class _GuardMode(TorchFunctionMode):
     def describe(self, state) -> str:
         if state is UNKNOWN:
             return "an unknown layout"
+        if type(state) is Fold:
+            return state.describe(self.guard.axes)
         parts = [f"dim {d} (mesh axis {self.guard.axes[k]!r})" for k, d in enumerate(state) if d is not None]
         return ", ".join(parts) or "no dim (replicated)"
 
@@ -1106,12 +1130,14 @@ class _GuardMode(TorchFunctionMode):
                 _walk(a, found, 1)
         entries = self.states._d
         stateful: list = []
-        tagged = False
+        tagged = folded = False
         for t in found:
             if isinstance(t, torch.Tensor):
                 e = entries.get(id(t))
                 if e is not None and e[0]() is t:
                     stateful.append(t)
+                    if type(e[1]) is Fold:
+                        folded = True
             else:
                 tagged = True
         if not stateful and not tagged and _classify_cached(func)[0] != "random":
@@ -1122,6 +1148,16 @@ class _GuardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         kind, base, inplace = _classify_cached(func)
         states = self.states
+        if folded:
+            # Windows of several samples folded into one dim (``guard_folds``): calls of their own.
+            out = self._fold_call(kind, func, base, args, kwargs, stateful)
+            if inplace and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+                st = states.get(out)
+                if st is None:
+                    states.pop(args[0], None)
+                else:
+                    states[args[0]] = st
+            return out
         if tagged and kind == "pointwise":
             # Every scalar of a pointwise call is a value: a size read from a slab stands for the
             # global one there (``y * x.shape[2]``, ``s / (h * w)``), as on a single device.
@@ -1575,7 +1611,14 @@ class _GuardMode(TorchFunctionMode):
             sizes = list(_arg(args, kwargs, 2, "sizes"))
             # x.shape here holds plain ints for dims outside the split: they are untouched.
             request = [*[0] * dim, *sizes, *[0] * (x.dim() - dim - 1)]
-        return _map_reshape(tuple(x.shape), tuple(out.shape), st, request)
+        mapped = _map_reshape(tuple(x.shape), tuple(out.shape), st, request)
+        if mapped is UNKNOWN and base in ("view", "reshape", "flatten", "unflatten"):
+            # The sharded dim merged behind unsharded ones (windows of a batch over one sample
+            # folded into one dim): followed as a ``Fold`` where the request names the dim.
+            if base not in ("view", "reshape"):
+                request = _flatten_request(base, args, kwargs, tuple(x.shape))
+            mapped = fold_of_reshape(tuple(x.shape), tuple(out.shape), st, list(request))
+        return mapped
 
     def _h_expand(self, func, base, args, kwargs, stateful):
         x = args[0]
@@ -1604,6 +1647,10 @@ class _GuardMode(TorchFunctionMode):
         state = [None] * len(self.guard.axes)
         any_tag = False
         for i, v in enumerate(sizes):
+            if isinstance(v, FoldLength) or (_is_tagged(v) and any(isinstance(f, FoldLength) for f in v._leaves or ())):
+                self.fail(call, f"size {i} is read from a dim that folds windows of several samples, whose "
+                          "rows are not one block of the single device's", "build the tensor from the folded one "
+                          "(torch.zeros_like) or after unfolding the windows")
             if isinstance(v, LocalLength):
                 state[v.axis] = i
                 any_tag = True
@@ -2352,7 +2399,7 @@ class _GuardMode(TorchFunctionMode):
         else:
             at = 2 if len(args) > 2 else None
             n = args[2] if at is not None else kwargs.get("steps")
-        if not isinstance(n, LocalLength):
+        if not isinstance(n, LocalLength) or isinstance(n, FoldLength):
             return None
         self._routing(f"`{base}`")
         k = n.axis
@@ -2385,7 +2432,7 @@ class _GuardMode(TorchFunctionMode):
         if not tagged or any(v._leaves is None for v in tagged):
             return None
         leaves = {id(leaf): leaf for v in tagged for leaf in v._leaves}
-        if len({leaf.axis for leaf in leaves.values()}) != 1:
+        if len({leaf.axis for leaf in leaves.values()}) != 1 or any(isinstance(f, FoldLength) for f in leaves.values()):
             return None
         order = list(leaves.values())
         self._routing("`arange`")
@@ -3520,11 +3567,15 @@ def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
             if d is None or in_shape[d] != 1:
                 continue
             o = _sharded_request_dim(request, k)
-            if o is not None and out_shape[o] == 1:
+            if o is not None:
+                # (Also where the named dim holds more than the slab's one position: a batch of
+                # two puts ``(2, 1, 1, ws, ws, c)`` into ``(2, ws, ws, c)``, whose sizes alone
+                # group the slab with the window rows; a rank with two rows folds it with the
+                # batch, ``guard_folds``.)
                 scaled_in = tuple(n * _PROBE_FACTOR if i == d else n for i, n in enumerate(in_shape))
                 scaled_out = tuple(n * _PROBE_FACTOR if i == o else n for i, n in enumerate(out_shape))
                 probe = _map_reshape(scaled_in, scaled_out, st, request)
-                if probe is not UNKNOWN and probe[k] == o:
+                if probe is UNKNOWN or probe[k] == o:
                     return probe
     groups = _groups(in_shape, out_shape)
     # A sharded dim counts as a real factor even where this rank's slab has one position along

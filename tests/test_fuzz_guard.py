@@ -7,7 +7,7 @@ each a piece of plain torch code as a model's own ``forward`` writes it (squeeze
 vector norms, variances, softmax over rows, interpolation there and back, pads and global crops,
 rolls, pools, sizes used as values and in branches, position grids from ``arange``, running
 sums, ``F.group_norm``, TF-"same" pads, window partitions (attention in windows, convolutions on
-windows folded into the batch), token
+windows folded into the batch, window-row-major and batch-major), token
 flattening with attention over all tokens, strided phases, class-token style concatenation and
 removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
@@ -238,9 +238,9 @@ def _offset_positions(m, x):  # arange bounds from the slab's rows, and a tiled 
     return x + rows / rows[:, :, -1:] + 0.1 * cols
 
 
-# Windows folded into the batch with the window rows outermost (the guard maps a sharded dim
-# only as the outermost of a merged dim: timm's batch-major order, as DaViT writes it, is
-# refused at batches over 1, and this fuzzer draws batches of 2).
+# Windows folded into the batch with the window rows outermost (a slab of windows), and in
+# timm's batch-major order (``batch_*``: this fuzzer draws batches of 2, so each rank's windows
+# are two blocks of dim 0, the guard's ``Fold``; refused before session 54).
 def _windows(m, x):  # window attention with DaViT's pad to whole windows, views and crop
     t = x.permute(0, 2, 3, 1)
     b, h, w, c = t.shape
@@ -259,20 +259,42 @@ def _conv_windows(m, x):  # a convolution on 2x2 windows folded into the batch (
     return x + y
 
 
+def _batch_windows(m, x):  # DaViT's window attention in timm's batch-major order, written out
+    t = x.permute(0, 2, 3, 1)
+    b, h, w, c = t.shape
+    t = F.pad(t, (0, 0, 0, (2 - w % 2) % 2, 0, (4 - h % 4) % 4))
+    hp, wp = t.shape[1], t.shape[2]
+    win = t.view(b, hp // 4, 4, wp // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 8, c)
+    n = win.shape[0]
+    a = torch.softmax(win @ win.transpose(-2, -1) * c**-0.5, dim=-1) @ win
+    y = F.layer_norm(a.reshape(n, 8, c), (c,)).view(-1, hp // 4, wp // 2, 4, 2, c)
+    y = y.permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+    return x + y[:, :h, :w].permute(0, 3, 1, 2)
+
+
+def _batch_conv_windows(m, x):  # a convolution on 2x2 windows in timm's batch-major order
+    b, c, h, w = x.shape
+    win = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(-1, c, 2, 2)
+    y = m.win_conv(win).view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+    return x + y
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
     _tokens_attention, _explicit_attention, _class_token, _phases, _permute_back, _whole_rows_bias,
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
-    _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows,
+    _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
+    _batch_conv_windows,
 )}  # fmt: skip
 
 
 #: Steps that also run on the transposed image (``x.transpose(2, 3)``: the sharded rows become the
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
-                "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows")
+                "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
+                "batch_windows")
 
 
 class Program(nn.Module):
@@ -379,6 +401,10 @@ EXAMPLES = [
     # on windows folded into the batch.
     dict(domain=3, sizes=[4, 4, 2], width=4, steps=["windows", "conv_windows", "conv", "T:windows"], head="slab",
          seed=19),
+    # Session 54: the same in timm's batch-major order (a batch of 2: each rank's windows are two
+    # blocks of dim 0), with one window row on the first rank and a padded last slab.
+    dict(domain=3, sizes=[4, 8, 2], width=4, steps=["batch_windows", "batch_conv_windows", "T:batch_windows"],
+         head="slab", seed=23),
 ]
 
 

@@ -226,7 +226,7 @@ def test_batch_statistics_over_windows_in_the_batch_are_refused_on_every_rank(ru
     assert len(set(out)) == 1 and "shards dims (2,) but its input is sharded along dim 0" in out[0], out
 
 
-def _efficientvit_m(domain):
+def _efficientvit_m(domain, batch=1, width=None):
     import timm
 
     from bench.compat import randomise_norms
@@ -239,7 +239,7 @@ def _efficientvit_m(domain):
     ref = ref.double().eval()
     randomise_norms(ref)
     model = snn.convert(copy.deepcopy(ref), m)
-    x = torch.randn(1, 3, size, size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(batch, 3, size, width or size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     return compare_on_slabs(ref, model, m, x, [256] * domain)
 
 
