@@ -202,7 +202,7 @@ def _entry(name: str):
     return MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
 
 
-def _check_one(name: str, size_scale: int = 1) -> dict:
+def _check_one(name: str, size_scale: int = 1, batch: int = 1) -> dict:
     import sharded_nn as snn
 
     make, shape, family = _entry(name)
@@ -226,6 +226,7 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
         h = max(shape[2], 4 * align)  # deep 5x5 stages need slabs of >= 2 rows at 1/32
         h = -(-h // align) * align
         shape = (*shape[:2], h * size_scale, *shape[3:])
+    shape = (batch, *shape[1:])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     out = {"model": name, "family": family, "shape": list(shape), "align": align, "note": note}
@@ -257,12 +258,12 @@ def _check_one(name: str, size_scale: int = 1) -> dict:
     return out
 
 
-def run_model(name: str, timeout: float) -> dict:
+def run_model(name: str, timeout: float, batch: int = 1) -> dict:
     import sharded_nn as snn
 
     t0 = time.perf_counter()
     try:
-        res = snn.launch(_check_one, 2, name, timeout=timeout, device_type="cpu", threads=1)
+        res = snn.launch(_check_one, 2, name, 1, batch, timeout=timeout, device_type="cpu", threads=1)
     except Exception as e:  # noqa: BLE001 - a hang or a rank-asymmetric failure
         res = {"model": name, "family": _entry(name)[2], "status": "error", "reason": f"{type(e).__name__}: {e}"}
     res["seconds"] = round(time.perf_counter() - t0, 1)
@@ -342,11 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="", help="comma-separated names of the table or any timm model (default: the table)")
     ap.add_argument("--out", default="bench/compat.md")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--batch", type=int, default=1, help="samples per input (the table: 1); the batch stays whole")
     ap.add_argument("--overhead", default="", help="model name: time the guard's per-forward overhead instead")
     ap.add_argument("--size", default="224", help="input H x W for --overhead: 224 or 512x256")
     ap.add_argument("--reps", type=int, default=20, help="--overhead: forwards timed per launch")
     ap.add_argument("--rounds", type=int, default=3, help="--overhead: launches of each kind, alternated")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch: expected a positive number of samples, got {args.batch}")
     if args.overhead:
         try:
             hw = tuple(int(v) for v in args.size.lower().split("x"))
@@ -364,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.models.split(",") if n] or list(MODELS)
     results = []
     for name in names:
-        r = run_model(name, args.timeout)
+        r = run_model(name, args.timeout, args.batch)
         print(json.dumps({k: v for k, v in r.items() if k != "warnings"})[:400], flush=True)
         results.append(r)
     md = table(results)

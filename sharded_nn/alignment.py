@@ -263,7 +263,13 @@ def alignment(
         # asks for the alignment of every model it converts. Not through sharded modules that
         # keep their own forward in the probe, such as the ViT zoo's ring attention: its Python
         # loops over tiles grow with the probe's many rows.)
-        for d, need in _window_needs(model, shape, dims, dtype).items():
+        found = _window_needs(model, shape, dims, dtype)
+        if not found and len(dims) > 1:
+            # Every sharded dim grown at once can make a tensor too large even for meta shapes
+            # (MobileViT's attention over all tokens: its storage size overflows): one dim at a time.
+            for d in dims:
+                found.update(_window_needs(model, shape, (d,), dtype))
+        for d, need in found.items():
             needs[d] = math.lcm(needs[d], need)
     out = tuple(needs[d] for d in dims)
     return out[0] if single else out
@@ -295,11 +301,12 @@ class _ViewLog(torch.overrides.TorchFunctionMode):
 
 
 def _splits(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """The groups of a view that split one input dim into two or more factors other than 1."""
+    """The groups of a view that make two or more output factors other than 1: one input dim
+    split (``x.view(b, h // ws, ws, ...)``), or split with its outer part merged into the dims
+    before it (MobileViT's ``x.reshape(b * c * (h // ph), ph, ...)``)."""
     from .forward_guard import _groups
 
-    return [(gi, go) for gi, go in _groups(in_shape, out_shape)
-            if len(gi) == 1 and sum(1 for o in go if out_shape[o] != 1) >= 2]  # fmt: skip
+    return [(gi, go) for gi, go in _groups(in_shape, out_shape) if sum(1 for o in go if out_shape[o] != 1) >= 2]
 
 
 def _view_log(model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> list | None:
@@ -332,15 +339,20 @@ def _window_needs(model: nn.Module, shape: tuple[int, ...], dims: tuple[int, ...
         if any(len(log[i][0]) != len(in0) or len(log[i][1]) != len(out0) for log in logs):
             return {}
         for gi, go in _splits(in0, out0):
-            k = gi[0]
-            grows = [e for e, log in zip(spatial, logs[1:]) if log[i][0][k] != in0[k]]
-            if len(grows) != 1 or grows[0] not in dims:
+            # The one input dim of the group that grows with a spatial dim (the rows it holds):
+            # its outer part goes to the group's first output factor, with the dims before it.
+            growing = [(j, [e for e, log in zip(spatial, logs[1:]) if log[i][0][j] != in0[j]]) for j in gi]
+            growing = [(j, g) for j, g in growing if g]
+            if len(growing) != 1 or len(growing[0][1]) != 1 or growing[0][1][0] not in dims:
                 continue
-            d = grows[0]
-            inner = [o for o in go[1:] if out0[o] != 1]
+            (k, (d,)), = growing
+            first = next(o for o in go if out0[o] != 1)
+            inner = [o for o in go if o > first and out0[o] != 1]
+            after = math.prod(in0[j] for j in gi if j > k)  # dims after k that the inner factors also hold
             window = math.prod(out0[o] for o in inner)
-            if window == 1 or any(log[i][1][o] != out0[o] for log in logs for o in inner):
+            if window % after or window // after == 1 or any(log[i][1][o] != out0[o] for log in logs for o in inner):
                 continue
+            window //= after
             f = Fraction(base[d], in0[k])
             if f.denominator != 1:
                 continue  # upsampled, or padded after all: not a window of whole input rows

@@ -3552,31 +3552,31 @@ def _sharded_request_dim(request, axis: int) -> int | None:
 _PROBE_FACTOR = 1_000_003
 
 
-def _map_reshape(in_shape, out_shape, st, request) -> tuple | str:
+def _map_reshape(in_shape, out_shape, st, request, probed: bool = False) -> tuple | str:
     """The layout after a reshape (see the module docstring), or ``UNKNOWN``."""
     if 0 in in_shape:
         return UNKNOWN
-    if request is not None and len(request) == len(out_shape):
-        # A sharded dim of local size 1 (a slab of one window or one row) groups with either
-        # neighbour, and torch's sizes alone cannot say which (``windows.view(-1, ws, ws, c)`` of
-        # ``(b, 1, 1, ws, ws, c)`` put it with the window rows, while the next rank, two windows,
-        # put it with the -1). The request says which output dim takes it on every rank: the one
-        # size read from this axis' slab lengths, or else the -1. Mapped on the shapes with both
-        # scaled by a probe factor, where the grouping is the one of the ranks with larger slabs.
+    if not probed and request is not None and len(request) == len(out_shape):
+        # Torch's sizes alone group a slab's dim with neighbours by this rank's length: a local
+        # size of 1 groups with either neighbour (``windows.view(-1, ws, ws, c)`` of ``(b, 1, 1,
+        # ws, ws, c)`` put it with the window rows, while the next rank, two windows, put it with
+        # the -1), and a length equal to a neighbour's size pairs with it (MobileViT's
+        # ``x.reshape(b * c * (h // 2), 2, w // 2, 2)`` of a slab of 2 rows paired them with the
+        # patch's 2 rows; a slab of 4 rows merged them with the channels). The request says which
+        # output dim takes the sharded dim on every rank: the one size read from this axis' slab
+        # lengths, or else the -1. Mapped on the shapes with both scaled by a probe factor no
+        # real size shares, where every rank groups alike.
+        scaled_in, scaled_out, named = list(in_shape), list(out_shape), {}
         for k, d in enumerate(st):
-            if d is None or in_shape[d] != 1:
-                continue
-            o = _sharded_request_dim(request, k)
-            if o is not None:
-                # (Also where the named dim holds more than the slab's one position: a batch of
-                # two puts ``(2, 1, 1, ws, ws, c)`` into ``(2, ws, ws, c)``, whose sizes alone
-                # group the slab with the window rows; a rank with two rows folds it with the
-                # batch, ``guard_folds``.)
-                scaled_in = tuple(n * _PROBE_FACTOR if i == d else n for i, n in enumerate(in_shape))
-                scaled_out = tuple(n * _PROBE_FACTOR if i == o else n for i, n in enumerate(out_shape))
-                probe = _map_reshape(scaled_in, scaled_out, st, request)
-                if probe is UNKNOWN or probe[k] == o:
-                    return probe
+            o = None if d is None else _sharded_request_dim(request, k)
+            if o is not None and o not in named.values():
+                scaled_in[d] *= _PROBE_FACTOR
+                scaled_out[o] *= _PROBE_FACTOR
+                named[k] = o
+        if named:
+            probe = _map_reshape(tuple(scaled_in), tuple(scaled_out), st, request, probed=True)
+            if probe is UNKNOWN or all(probe[k] == o for k, o in named.items()):
+                return probe
     groups = _groups(in_shape, out_shape)
     # A sharded dim counts as a real factor even where this rank's slab has one position along
     # it: the other ranks' slabs have more, and every rank must map alike.

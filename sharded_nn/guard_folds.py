@@ -136,20 +136,40 @@ def _fold_in_group(in_p, out_p, d: int, o: int):
 
 def _probe(in_shape, out_shape, d: int, local: int, o: int):
     """Both shapes with the sharded factor (``local`` positions at input dim ``d``, inside output
-    dim ``o``) replaced by the probe factor: what every rank's shapes have in common. None where
-    output dim ``o`` does not hold a whole multiple of it."""
-    if local <= 0 or out_shape[o] % local:
-        return None
-    in_p = tuple(fg._PROBE_FACTOR if i == d else n for i, n in enumerate(in_shape))
-    out_p = tuple(n // local * fg._PROBE_FACTOR if i == o else n for i, n in enumerate(out_shape))
+    dim ``o``) scaled by the probe factor: the same grouping of dims on every rank (a local size
+    of 1 groups with either neighbour by sizes alone; scaled, it groups as larger ones do)."""
+    in_p = tuple(n * fg._PROBE_FACTOR if i == d else n for i, n in enumerate(in_shape))
+    out_p = tuple(n * fg._PROBE_FACTOR if i == o else n for i, n in enumerate(out_shape))
     return in_p, out_p
+
+
+def _tail_split(in_p, out_p, d: int, o: int, request, local: int) -> int | None:
+    """The factor ``q`` the sharded dim splits off behind the named output dim ``o``: MobileViT's
+    ``x.reshape(b * c * (h // ph), ph, w // pw, pw)`` takes the patch rows of the sharded rows
+    into ``o`` and the rows inside a patch into the next dim. Only for a size computed by floor
+    division or rounding (``h // ph``), where torch's own view fits exactly the slabs that are
+    whole patches (the others are refused alike by ``_reshape_rounded``'s agreement); None
+    where the view does not split it so."""
+    v = request[o]
+    if not (fg._is_tagged(v) and v._lossy):
+        return None
+    gi, go = next((gi, go) for gi, go in fg._groups(in_p, out_p) if d in gi)
+    tail = [j for j in go if j > o and out_p[j] != 1]
+    if o not in go or not tail or any(fg._is_tagged(request[j]) or request[j] == -1 for j in tail):
+        return None
+    q = math.prod(out_p[j] for j in tail)
+    after = math.prod(in_p[j] for j in gi if j > d)
+    if q % after or q // after < 2 or local % (q // after):
+        return None
+    return q // after
 
 
 def _named_probe(in_shape, out_shape, d: int, local: int, request, axis: int):
     """``(o, in_p, out_p, d)``: the output dim ``o`` the request names for the sharded factor
     (``local`` positions at input dim ``d``) and both shapes as every rank has them
-    (``_probe``; dims the request's constants split, split: ``_refined``), or None where the
-    request names no dim or does not fit every rank alike."""
+    (``_probe``; dims the request's constants split, split: ``_refined``; the sharded dim split
+    where the view splits it: ``_tail_split``), or None where the request names no dim or does
+    not fit every rank alike."""
     o = _named_dim(request, axis)
     if o is None or len(request) != len(out_shape):
         return None
@@ -158,8 +178,12 @@ def _named_probe(in_shape, out_shape, d: int, local: int, request, axis: int):
         if refined is None:
             return None
         in_shape, d = refined
-    probe = _probe(in_shape, out_shape, d, local, o)
-    return None if probe is None else (o, *probe, d)
+    in_p, out_p = _probe(in_shape, out_shape, d, local, o)
+    q = _tail_split(in_p, out_p, d, o, request, local)
+    if q is not None:
+        in_shape = (*in_shape[:d], local // q, q, *in_shape[d + 1 :])
+        in_p, out_p = _probe(in_shape, out_shape, d, local // q, o)
+    return o, in_p, out_p, d
 
 
 def _flatten_request(base: str, args, kwargs, in_shape) -> list | None:

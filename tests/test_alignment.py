@@ -141,12 +141,15 @@ class _Views(nn.Module):
             return t.permute(0, 1, 3, 2, 4, 5).reshape(-1, 9, c)
         if self.kind == "space_to_depth":
             return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+        if self.kind == "patches":  # patch rows of 2 folded with the channels (timm MobileViT's unfold)
+            return x.reshape(b * c * (h // 2), 2, w // 2, 2)
         if self.kind == "tokens":  # flattened tokens back into rows of the current width
             return x.flatten(2).transpose(1, 2).reshape(b, h, w, c)
         return x.view(b, 2, 3, h, w)  # channels split into groups
 
 
-@pytest.mark.parametrize("kind, expected", [("windows", 6), ("space_to_depth", 4), ("tokens", 2), ("channels", 2)])
+@pytest.mark.parametrize("kind, expected", [("windows", 6), ("space_to_depth", 4), ("patches", 4), ("tokens", 2),
+                                            ("channels", 2)])
 def test_windows_cut_by_views_in_the_model_code(kind, expected):
     # A view whose inner factors stay constant when any input dim grows cuts windows: slabs must
     # hold whole windows at that scale (stride 2 x window 3 = 6 rows). The rows of the current
@@ -169,3 +172,9 @@ def test_windows_cut_by_views_in_the_model_code(kind, expected):
 def test_timm_window_attention_alignment(name, kwargs):
     expected = 32 * (kwargs.get("window_size") or (kwargs.get("window_sizes") or kwargs.get("wss") or (7,))[0])
     assert alignment(timm.create_model(name, pretrained=False, **kwargs), (2, 3)) == (expected, expected)
+
+
+def test_timm_mobilevit_alignment():
+    # Patches of 2 at its last transformer stage (1/32), cut by a view that folds the patch rows
+    # of the slab with the channels and splits off the rows inside a patch: 64 rows.
+    assert alignment(timm.create_model("mobilevit_xxs", pretrained=False), (2, 3)) == (64, 64)

@@ -259,3 +259,44 @@ def test_views_that_split_the_folded_dim_by_constants():
     assert map_folded_reshape((12 * 16, 8), (12, 16, 8), wide, [-1, 16, 8]) == fold
     # A constant that cuts the window columns apart from the rows: not one rank-independent view.
     assert map_folded_reshape((12, 16, 8), (4, 3, 16, 8), fold, [4, -1, 16, 8]) is UNKNOWN
+
+
+# --------------------------------------------------------------------------------------------
+# Patches folded with the channels (timm MobileViT's unfold)
+
+
+def _mobilevit(domain, sizes, batch):
+    import timm
+
+    from bench.compat import randomise_norms
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = timm.create_model("mobilevit_xxs", pretrained=False, num_classes=5).double().eval()
+    randomise_norms(ref)
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(batch, 3, sum(sizes), 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return compare_on_slabs(ref, model, m, x, sizes)
+
+
+@pytest.mark.parametrize("domain, sizes, batch", [(2, [64, 64], 1), (2, [128, 64], 2), (3, [64, 128, 64], 1)])
+def test_timm_mobilevit_unfold_is_exact(run, domain, sizes, batch):
+    # ``x.reshape(b * c * (h // 2), 2, w // 2, 2)`` folds the channels with the patch rows of the
+    # slab (and splits off the rows inside a patch), then ``reshape(b, c, n, 4)`` unfolds it into
+    # a slab of patches: tokens sharded for ring attention, folded back the same way. Slabs of
+    # whole patches at 1/32 (64 rows); refused as a lost layout before session 54.
+    pytest.importorskip("timm")
+    assert max(run(domain, _mobilevit, domain, sizes, batch)) < 1e-9
+
+
+def test_a_view_by_a_slab_length_equal_to_a_neighbour_size_maps_as_longer_slabs_do():
+    # (1, c, 2, w) viewed as (c * (2 // 2), 2, w // 2, 2): sizes alone pair the slab's 2 rows with
+    # the patch's 2 rows (a slab along dim 1), while a slab of 4 rows merges them with the
+    # channels. The size read from the slab names the dim that takes them on every rank.
+    c, w = 8, 4
+    for rows in (2, 4, 6):
+        nh = LocalLength(rows, 0) // 2
+        got = _map_reshape((1, c, rows, w), (c * (rows // 2), 2, w // 2, 2), (2,), [c * nh, 2, w // 2, 2])
+        assert got is UNKNOWN, (rows, got)  # then followed as a fold (``fold_of_reshape``)
+        assert fold_of_reshape((1, c, rows, w), (c * (rows // 2), 2, w // 2, 2), (2,),
+                               [c * nh, 2, w // 2, 2]) == Fold(0, 0, c, 1, 1)
