@@ -188,6 +188,27 @@ def test_batch_statistics_over_windows_of_a_batch_are_refused_on_every_rank(run)
     assert len(set(out)) == 1 and "ShardedBatchNorm2d" in out[0] and "folding 2 blocks" in out[0], out
 
 
+class UnpackedWindows(WindowBlock):
+    """WindowBlock whose attention unpacks q, k, v by iterating (``q, k, v = qkv``), attends with
+    the product written out, and splits heads with ``chunk``: calls along other dims of a fold."""
+
+    def attend(self, windows: torch.Tensor) -> torch.Tensor:
+        b, n, c = windows.shape
+        q, k, v = self.qkv(windows).reshape(b, n, 3, c).permute(2, 0, 1, 3)
+        attn = (q @ k.transpose(-2, -1) * c**-0.5).softmax(dim=-1)
+        halves = torch.cat([h.amax(-1, keepdim=True) - h for h in (attn @ v).chunk(2, dim=-1)], dim=-1)
+        return self.proj(F.layer_norm(halves, (c,)))
+
+
+def _unpacked(domain, sizes, batch):
+    return _batched(UnpackedWindows, domain, sizes, batch, 6)
+
+
+@pytest.mark.parametrize("domain, sizes, batch", [(2, [4, 6], 2), (3, [4, 8, 1], 3)])
+def test_unpacked_attention_on_windows_of_a_batch_is_exact(run, domain, sizes, batch):
+    assert max(run(domain, _unpacked, domain, sizes, batch)) < 1e-10
+
+
 # --------------------------------------------------------------------------------------------
 # Dropout on windows of a batch
 
