@@ -757,7 +757,12 @@ class _LayerHooks:
                 plain = _check_layer_input(mode, module, state, per_sample=True)
             mode.suspend()
         try:
-            output = _with_torch_forward(module, call, args, kwargs) if plain else call(*args, **kwargs)
+            if plain is True:
+                output = _with_torch_forward(module, call, args, kwargs)
+            elif plain:
+                output = _with_twin(module, plain, call, args, kwargs)
+            else:
+                output = call(*args, **kwargs)
         except BaseException:
             mode.resume()
             raise
@@ -874,14 +879,68 @@ def _with_torch_forward(module: nn.Module, call: Callable, args, kwargs):
         del module.__dict__["forward"]
 
 
-def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: bool = False) -> bool:
+def _other_spatial_dims(module: nn.Module, state, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The spatial dims an input of layout ``state`` is sharded along, where a layer sharding
+    other spatial ``dims`` computes the same with its dims set to them (``_with_twin``): a
+    convolution (not transposed) or a batch, group or instance norm, whose sharded forms take
+    any spatial dims, by the same mesh axes; None otherwise."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.conv import _ConvNd
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    if not isinstance(module, (_ConvNd, _BatchNorm, _InstanceNorm, nn.GroupNorm)) or getattr(module, "transposed", False):
+        return None
+    n = len(dims)
+    new = tuple(state[:n])
+    if any(d is None for d in new) or any(d is not None for d in state[n:]) or len(set(new)) != n:
+        return None
+    spatial = getattr(module, "_spatial_dims", 0)
+    return new if all(2 <= d < 2 + spatial for d in new) else None
+
+
+def _with_twin(module: nn.Module, dims: tuple[int, ...], call: Callable, args, kwargs):
+    """``call(*args, **kwargs)`` (the layer's ``nn.Module.__call__``, its hooks included) with the
+    sharded forward of a twin that shards ``dims`` in place of the layer's own for this call.
+
+    The twin is a shallow copy made once per dims (kept on the layer, outside its modules and
+    state): it shares the layer's parameter and buffer dicts (the same tensors, so gradients and
+    running statistics land on the layer), with its sharding set up afresh for ``dims`` (its own
+    plan caches: a plan for other dims is never reused). MobileViT-v2 norms and projects its
+    patches, sharded along its token dim 3, with layers converted for dim 2."""
+    import copy
+
+    twins = module.__dict__.setdefault("_snn_twins", {})
+    twin = twins.get(dims)
+    if twin is None:
+        twin = copy.copy(module)
+        twin.__dict__.pop("_snn_twins", None)
+        before = dict(twin.__dict__)
+        options = {o: getattr(module, o) for o in getattr(module, "_sharding_options", ()) if o != "dims" and hasattr(module, o)}
+        twin._init_sharding(module.mesh, dims, **options)
+        # What the twin's sharding set up is its own; the rest follows the layer on every call.
+        twin.__dict__["_snn_twin_own"] = frozenset(k for k, v in twin.__dict__.items() if k not in before or before[k] is not v)
+        twins[dims] = twin
+    own = twin.__dict__["_snn_twin_own"]
+    for k, v in module.__dict__.items():
+        # (``training`` after ``model.eval()``, a changed ``momentum`` or ``eps``: the layer's.)
+        if k not in own and k != "forward" and not k.startswith("_snn_"):
+            twin.__dict__[k] = v
+    module.__dict__["forward"] = twin.forward
+    try:
+        return call(*args, **kwargs)
+    finally:
+        del module.__dict__["forward"]
+
+
+def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: bool = False):
     """Refuse a sharded layer's input whose layout the layer cannot take (on every rank: the
     layout is a fact every rank shares). Returns whether the layer runs its torch counterpart's
     forward instead of its sharded one (``per_sample``: the caller can; else such an input is
     refused): the input is sharded only along dim 0, samples the layer computes each on its own
     (window attention folds its windows into the batch, timm EfficientViT-M's convolutions on
     windows), so each rank's samples are whole; parameter gradients are then this rank's partial
-    sums, as everywhere."""
+    sums, as everywhere. Or (``per_sample`` callers too) the spatial dims a layer sharding other
+    ones runs as a twin sharding them (``_other_spatial_dims``)."""
     dims = _layer_dims(module)
     if dims is None:
         return False
@@ -928,6 +987,9 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: b
         return False
     expected = tuple(dims) + (None,) * (len(state) - len(dims))
     if tuple(state) != expected:
+        other = _other_spatial_dims(module, state, tuple(dims)) if per_sample else None
+        if other is not None:
+            return other  # (run as a twin sharding the input's dims: ``_with_twin``)
         mode.fail(
             type(module).__name__,
             f"the sharded layer shards dims {dims} but its input is sharded along {mode.describe(state)}",

@@ -475,13 +475,15 @@ def test_guard_installed_once_and_survives_deepcopy(run):
 
 
 class LayerMisuse(nn.Module):
-    """Hands a sharded 3x3 convolution a tensor it must refuse, chosen by ``kind``."""
+    """Hands a sharded 3x3 convolution a tensor it must refuse, chosen by ``kind`` (a transposed
+    one for ``other_dim``: since session 54 a convolution given a slab along another spatial dim
+    runs as a twin sharding that dim, ``tests/test_layer_other_dims.py``; a transposed one not)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.stem = nn.Conv2d(2, 2, 3, padding=1)
-        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.conv = nn.ConvTranspose2d(2, 2, 3, padding=1) if kind == "other_dim" else nn.Conv2d(2, 2, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.stem(x))
@@ -514,7 +516,8 @@ def _misuse(domain, kind):
 def test_sharded_layer_refuses_a_wrong_input_layout(run, kind, expected, domain):
     out = run(domain, _misuse, domain, kind)
     assert len(set(out)) == 1, out  # the same error on every rank
-    assert expected in out[0] and "module 'conv' (ShardedConv2d)" in out[0], out[0]
+    layer = "ShardedConvTranspose2d" if kind == "other_dim" else "ShardedConv2d"
+    assert expected in out[0] and f"module 'conv' ({layer})" in out[0], out[0]
 
 
 def _layer_alone_and_guard_removed(domain):
