@@ -45,6 +45,7 @@ a sharded layer runs). See the README ("Inside forward") for the measured overhe
 
 from __future__ import annotations
 
+import copy
 import dis
 import linecache
 import math
@@ -907,8 +908,6 @@ def _with_twin(module: nn.Module, dims: tuple[int, ...], call: Callable, args, k
     running statistics land on the layer), with its sharding set up afresh for ``dims`` (its own
     plan caches: a plan for other dims is never reused). MobileViT-v2 norms and projects its
     patches, sharded along its token dim 3, with layers converted for dim 2."""
-    import copy
-
     twins = module.__dict__.setdefault("_snn_twins", {})
     twin = twins.get(dims)
     if twin is None:
@@ -1210,21 +1209,14 @@ class _GuardMode(FoldCalls, TorchFunctionMode):
             return func(*args, **kwargs)
         kind, base, inplace = _classify_cached(func)
         states = self.states
-        if folded:
-            # Windows of several samples folded into one dim (``guard_folds``): calls of their own.
-            out = self._fold_call(kind, func, base, args, kwargs, stateful)
-            if inplace and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
-                st = states.get(out)
-                if st is None:
-                    states.pop(args[0], None)
-                else:
-                    states[args[0]] = st
-            return out
-        if tagged and kind == "pointwise":
+        if tagged and kind == "pointwise" and not folded:
             # Every scalar of a pointwise call is a value: a size read from a slab stands for the
             # global one there (``y * x.shape[2]``, ``s / (h * w)``), as on a single device.
             args, kwargs = self._globalise(f"`{base}`", args, kwargs)
-        if kind == "pointwise":
+        if folded:
+            # Windows of several samples folded into one dim (``guard_folds``): calls of their own.
+            out = self._fold_call(kind, func, base, args, kwargs, stateful)
+        elif kind == "pointwise":
             try:
                 out = func(*args, **kwargs)
             except RuntimeError:

@@ -65,23 +65,14 @@ class Fold:
 # ------------------------------------------------------------------------------- views
 
 
-def _axis_tagged(v, axis: int) -> bool:
-    """``v`` was computed from local lengths of mesh axis ``axis`` only (slab or fold lengths)."""
-    leaves = getattr(v, "_leaves", None) if fg._is_tagged(v) else None
-    return bool(leaves) and all(isinstance(leaf, fg.LocalLength) and leaf.axis == axis for leaf in leaves)
-
-
 def _named_dim(request, axis: int) -> int | None:
-    """The output dim of a view request that takes the sharded factor: the one size read from
-    this axis' local lengths, or else (no size read from local lengths) the one -1."""
-    if request is None:
+    """The output dim of a view request that takes the sharded factor (``_sharded_request_dim``:
+    the one size read from this axis' local lengths, slab or fold ones, or else the one -1),
+    where no other size is read from local lengths."""
+    o = None if request is None else fg._sharded_request_dim(request, axis)
+    if o is None or any(fg._is_tagged(v) for j, v in enumerate(request) if j != o):
         return None
-    tagged = [o for o, v in enumerate(request) if _axis_tagged(v, axis)]
-    if len(tagged) == 1 and all(not fg._is_tagged(v) for o, v in enumerate(request) if o != tagged[0]):
-        return tagged[0]
-    if not any(fg._is_tagged(v) for v in request) and list(request).count(-1) == 1:
-        return list(request).index(-1)
-    return None
+    return o
 
 
 def _refined(shape, d: int, request, o: int):
@@ -267,6 +258,13 @@ class FoldCalls:
         st = self.states.get(t) if isinstance(t, torch.Tensor) else None
         return st if type(st) is Fold else None
 
+    def _kept(self, func, args, kwargs, fold):
+        """``func(*args, **kwargs)``, its output folded as its input (a call checked to keep the
+        rows of the folded dim apart and the dim where it is)."""
+        out = func(*args, **kwargs)
+        self._set_fold(out, fold)
+        return out
+
     def _set_fold(self, out, fold) -> None:
         """Give every output tensor ``fold``."""
         for t in [out] if isinstance(out, torch.Tensor) else fg._flat_tensors(out):
@@ -354,9 +352,7 @@ class FoldCalls:
         if base in ("dropout", "alpha_dropout") or base in fg._FEATURE_DROPOUT:
             p = float(fg._arg(args, kwargs, 1, "p", 0.5))
             if not fg._arg(args, kwargs, 2, "training", True) or p == 0.0:
-                out = func(*args, **kwargs)
-                self._set_fold(out, fold)
-                return out
+                return self._kept(func, args, kwargs, fold)
         elif base not in ("rand_like", "randn_like", "bernoulli", "randint_like"):
             self._fold_fail(base, fold)
         # Every window is drawn by the one rank that holds it, from the slab's stream (the law of
@@ -386,7 +382,9 @@ class FoldCalls:
         elif base in ("view", "reshape"):
             request = fg._reshape_request(args, kwargs)
         else:
-            request = _flatten_request(base, args, kwargs, in_shape)
+            # (The folded dim's size tagged: where the flatten or unflatten leaves it alone, it
+            # names the dim that holds it.)
+            request = _flatten_request(base, args, kwargs, self._sizes_of(x))
         if request is None:
             self._fold_fail(base, fold, "it views the values as another dtype")
         lossy = any(fg._is_tagged(v) and v._lossy for v in request)
@@ -403,9 +401,7 @@ class FoldCalls:
             misfits = [i for i, r in enumerate(rows) if r[-1] == 0]
             if misfits:
                 self._fold_fail(base, fold, f"the requested shape does not fit the windows of domain ranks {misfits}")
-        mapped = _flat_mapping(in_shape, tuple(out.shape), fold, base, args, kwargs)
-        if mapped is None:
-            mapped = map_folded_reshape(in_shape, tuple(out.shape), fold, request)
+        mapped = map_folded_reshape(in_shape, tuple(out.shape), fold, request)
         if mapped is fg.UNKNOWN:
             self._fold_fail(base, fold, "the view splits or merges the folded dim in a way "
                             "the guard cannot follow (its size must be read from the tensor's shape, or be the -1)")
@@ -536,17 +532,13 @@ class FoldCalls:
         shape = fg._arg(args, kwargs, 1, "normalized_shape")
         if self._fold_of(x) is None or fold.dim >= x.dim() - (1 if isinstance(shape, int) else len(shape)):
             self._fold_fail(base, fold, "it normalises over the folded dim")
-        out = func(*args, **kwargs)
-        self._set_fold(out, fold)
-        return out
+        return self._kept(func, args, kwargs, fold)
 
     def _f_linear(self, func, base, args, kwargs, stateful, fold):
         x = args[0]
         if self._fold_of(x) is None or fold.dim == x.dim() - 1:
             self._fold_fail(base, fold, "it contracts the folded dim")
-        out = func(*args, **kwargs)
-        self._set_fold(out, fold)
-        return out
+        return self._kept(func, args, kwargs, fold)
 
     def _f_matmul(self, func, base, args, kwargs, stateful, fold):
         a, b = (args[1], args[0]) if base == "rmatmul" else (args[0], args[1])
@@ -604,9 +596,7 @@ class FoldCalls:
 
     def _f_conv(self, func, base, args, kwargs, stateful, fold):
         self._per_sample(base, args, kwargs, fold)
-        out = func(*args, **kwargs)
-        self._set_fold(out, fold)
-        return out
+        return self._kept(func, args, kwargs, fold)
 
     _f_pool = _f_conv
     _f_interpolate = _f_conv
@@ -623,18 +613,14 @@ class FoldCalls:
         training = fg._arg(args, kwargs, 5, "training", False)
         if self._fold_of(x) is None or fold.dim == 1 or training or fg._arg(args, kwargs, 1, "running_mean") is None:
             self._fold_fail(base, fold, "it takes batch statistics (training mode) or its channels are folded")
-        out = func(*args, **kwargs)
-        self._set_fold(out, fold)
-        return out
+        return self._kept(func, args, kwargs, fold)
 
     def _f_pad(self, func, base, args, kwargs, stateful, fold):
         x = args[0]
         pad = list(fg._arg(args, kwargs, 1, "pad"))
         if self._fold_of(x) is None or fold.dim >= x.dim() - len(pad) // 2 or any(fg._is_tagged(p) for p in pad):
             self._fold_fail(base, fold, "it pads the folded dim, or by sizes read from a slab")
-        out = func(*args, **kwargs)
-        self._set_fold(out, fold)
-        return out
+        return self._kept(func, args, kwargs, fold)
 
     def _f_roll(self, func, base, args, kwargs, stateful, fold):
         x = args[0]
@@ -644,33 +630,12 @@ class FoldCalls:
         shifts = [shifts] if not isinstance(shifts, (list, tuple)) else list(shifts)
         if not dims or any(d % x.dim() == fold.dim for d in dims) or any(fg._is_tagged(s) for s in shifts):
             self._fold_fail(base, fold, "it rolls along the folded dim (or the flattened tensor)")
-        out = func(*args, **kwargs)
-        self._set_fold(out, fold)
-        return out
+        return self._kept(func, args, kwargs, fold)
 
     def _f_create(self, func, base, args, kwargs, stateful, fold):
         # (``x.new_zeros(sizes)``: the layout follows the sizes, not ``x``; a fold length among
         # them is refused by ``_sized_state``.)
         return self._h_create(func, base, args, kwargs, stateful)
-
-
-def _flat_mapping(in_shape, out_shape, fold: Fold, base: str, args, kwargs):
-    """``flatten`` / ``unflatten`` that leave the folded dim alone move it (None otherwise)."""
-    nd = len(in_shape)
-    if base == "flatten":
-        s = fg._arg(args, kwargs, 1, "start_dim", 0) % max(nd, 1)
-        e = fg._arg(args, kwargs, 2, "end_dim", -1) % max(nd, 1)
-        if fold.dim < s:
-            return fold
-        if fold.dim > e:
-            return fold.at(fold.dim - (e - s))
-    elif base == "unflatten":
-        dim = fg._arg(args, kwargs, 1, "dim") % nd
-        if fold.dim < dim:
-            return fold
-        if fold.dim > dim:
-            return fold.at(fold.dim + len(out_shape) - nd)
-    return None
 
 
 _FOLD_HANDLERS = {name[3:]: fn for name, fn in vars(FoldCalls).items() if name.startswith("_f_") and callable(fn)}
