@@ -202,30 +202,37 @@ def _entry(name: str):
     return MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
 
 
-def _check_one(name: str, size_scale: int = 1, batch: int = 1) -> dict:
+def _check_one(name: str, size_scale: int = 1, batch: int = 1, grid: bool = False) -> dict:
     import sharded_nn as snn
 
     make, shape, family = _entry(name)
-    mesh = snn.init_mesh(domain=2, device_type="cpu")
+    # ``grid``: a 2x2 domain mesh sharding H and W (both sized for it), instead of 2 ranks on H.
+    mesh = snn.init_mesh(domain=(2, 2) if grid else 2, device_type="cpu")
     torch.manual_seed(0)
     ref = make().double().eval()
     randomise_norms(ref)
-    dims = (2,)
+    dims = (2, 3) if grid else (2,)
     fixed = name in FIXED_SIZE or f"timm/{name}" in FIXED_SIZE
     try:
-        align = snn.alignment(ref, dims=dims, input_shape=shape if fixed else None)[0]
+        aligns = snn.alignment(ref, dims=dims, input_shape=shape if fixed else None)
     except ValueError as e:  # alignment's shape-only forward failed: fall back to the model's stride
-        align = 32
+        aligns = (32,) * len(dims)
         note = f"snn.alignment failed ({str(e)[:80]}...); align 32 used"
     else:
         note = ""
-    if align > 256:
+    align = aligns[0] if not grid else tuple(aligns)
+    if max(aligns) > 256:
         return {"model": name, "family": family, "shape": list(shape), "align": align, "status": "skipped",
                 "reason": f"snn.alignment(model) = {align} rows: too large an input for this table"}
+    if fixed and grid and any(shape[2 + i] // a < 2 for i, a in enumerate(aligns)):
+        return {"model": name, "family": family, "shape": list(shape), "align": align, "status": "skipped",
+                "reason": f"built for {tuple(shape[2:])} only: fewer than 2 blocks of {align} along a dim of the 2x2 mesh"}
     if not fixed:
-        h = max(shape[2], 4 * align)  # deep 5x5 stages need slabs of >= 2 rows at 1/32
-        h = -(-h // align) * align
-        shape = (*shape[:2], h * size_scale, *shape[3:])
+        sizes = list(shape[2:])
+        for i, a in enumerate(aligns):
+            n = max(shape[2 + i], 4 * a)  # deep 5x5 stages need slabs of >= 2 rows at 1/32
+            sizes[i] = -(-n // a) * a * (size_scale if i == 0 else 1)
+        shape = (*shape[:2], *sizes)
     shape = (batch, *shape[1:])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -258,12 +265,13 @@ def _check_one(name: str, size_scale: int = 1, batch: int = 1) -> dict:
     return out
 
 
-def run_model(name: str, timeout: float, batch: int = 1) -> dict:
+def run_model(name: str, timeout: float, batch: int = 1, grid: bool = False) -> dict:
     import sharded_nn as snn
 
     t0 = time.perf_counter()
     try:
-        res = snn.launch(_check_one, 2, name, 1, batch, timeout=timeout, device_type="cpu", threads=1)
+        res = snn.launch(_check_one, 4 if grid else 2, name, 1, batch, grid, timeout=timeout, device_type="cpu",
+                         threads=1)
     except Exception as e:  # noqa: BLE001 - a hang or a rank-asymmetric failure
         res = {"model": name, "family": _entry(name)[2], "status": "error", "reason": f"{type(e).__name__}: {e}"}
     res["seconds"] = round(time.perf_counter() - t0, 1)
@@ -344,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/compat.md")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--batch", type=int, default=1, help="samples per input (the table: 1); the batch stays whole")
+    ap.add_argument("--mesh", default="2", choices=["2", "2x2"],
+                    help="domain mesh: 2 ranks sharding H (the table), or 2x2 sharding H and W (4 processes)")
     ap.add_argument("--overhead", default="", help="model name: time the guard's per-forward overhead instead")
     ap.add_argument("--size", default="224", help="input H x W for --overhead: 224 or 512x256")
     ap.add_argument("--reps", type=int, default=20, help="--overhead: forwards timed per launch")
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.models.split(",") if n] or list(MODELS)
     results = []
     for name in names:
-        r = run_model(name, args.timeout, args.batch)
+        r = run_model(name, args.timeout, args.batch, args.mesh == "2x2")
         print(json.dumps({k: v for k, v in r.items() if k != "warnings"})[:400], flush=True)
         results.append(r)
     md = table(results)

@@ -282,6 +282,8 @@ def alignment(
 _WINDOW_PROBE_FACTOR = 3 * 3 * 5 * 7
 
 _VIEW_CALLS = frozenset({"view", "reshape", "unflatten"})
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace",
+                        "logspace", "eye"})
 
 
 class _ViewLog(torch.overrides.TorchFunctionMode):
@@ -292,7 +294,12 @@ class _ViewLog(torch.overrides.TorchFunctionMode):
         self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _FACTORIES and kwargs.get("device") is None:
+            # A tensor the model creates from its input's size (EdgeNeXt's position mask of the
+            # whole grid) would be allocated for real at the probe's huge sizes: on meta too.
+            kwargs = {**kwargs, "device": "meta"}
+        out = func(*args, **kwargs)
         if getattr(func, "__name__", "") in _VIEW_CALLS and args and isinstance(args[0], torch.Tensor) and isinstance(
             out, torch.Tensor
         ):

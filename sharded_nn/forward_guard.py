@@ -65,7 +65,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import reductions
 from .errors import ShardingError
-from .guard_folds import Fold, FoldCalls, _flatten_request, fold_of_reshape
+from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
+from .guard_merged import Merged, MergedCalls, merged_of_reshape
 from .mesh import axis_index, axis_size, domain_axes, one_rank
 
 __all__ = ["ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_reviewed"]
@@ -370,6 +371,24 @@ class FoldLength(LocalLength):
     positions counted by it, are refused (its rows are not one block of the single device's)."""
 
 
+class MergedLength(FoldLength):
+    """The local length of a dim merging the slabs of several mesh axes (``guard_merged.Merged``:
+    ``n = x.shape[1]`` of tokens on a 2-D domain mesh), tagged with all of them (``axes``): a view
+    by it names the merged dim, its value as a number is the sum over those axes' ranks, and a
+    tensor created with it as a size is refused, as for a fold."""
+
+    axes: tuple
+
+    def __new__(cls, value: int, axes):
+        obj = super().__new__(cls, value, axes[0])
+        obj.axes = tuple(axes)
+        return obj
+
+
+#: The layouts whose calls ``guard_folds.FoldCalls`` (and, merged, ``guard_merged.MergedCalls``) take.
+FOLDED = frozenset([Fold, Merged])
+
+
 def _is_tagged(v) -> bool:
     return isinstance(v, (LocalDerived, LocalFloat))
 
@@ -635,6 +654,8 @@ class ForwardGuard:
             return None
         if self._root_id != id(module):
             self.refresh(module)
+        if not _EINOPS_TAGGED[0] and "einops.einops" in sys.modules:
+            _tag_einops_recipes()
         mode = _GuardMode(self)
         states = mode.states
         for t in [*args, *kwargs.values()]:
@@ -655,7 +676,7 @@ class ForwardGuard:
         if mode is _SINGLE:
             return None
         mode.__exit__(None, None, None)
-        bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN or type(mode.states.get(t)) is Fold]
+        bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN or type(mode.states.get(t)) in FOLDED]
         if bad and sys.exc_info()[0] is None:
             raise ShardingError(
                 f"forward guard: the output of {type(module).__name__} is a tensor whose layout the guard "
@@ -753,7 +774,7 @@ class _LayerHooks:
             n = len(dims)
             # ``_check_layer_input``'s accepting case: the input sharded along the layer's dims
             # (then unsharded); anything else takes the full check, which raises or accepts.
-            if (state is None or state is UNKNOWN or type(state) is Fold or state[:n] != dims
+            if (state is None or state is UNKNOWN or type(state) in FOLDED or state[:n] != dims
                     or any(d is not None for d in state[n:])):
                 plain = _check_layer_input(mode, module, state, per_sample=True)
             mode.suspend()
@@ -955,7 +976,7 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: b
         )
     if state is UNKNOWN:
         mode.fail(type(module).__name__, "the sharded layer received a tensor whose layout the guard lost", "", module=module)
-    if type(state) is Fold:
+    if type(state) in FOLDED:
         # Windows of several samples folded into one dim: exact where the layer keeps the rows of
         # that dim apart (the batch dim of a per-sample layer; not the channels of a batch norm
         # with running statistics, nor the trailing dims of a channel LayerNorm).
@@ -1003,7 +1024,7 @@ def _ndim_hint(module: nn.Module) -> int:
 
 
 def _layer_output_state(module: nn.Module, state):
-    if state is None or state is UNKNOWN or type(state) is Fold:
+    if state is None or state is UNKNOWN or type(state) in FOLDED:
         return state
     dims = _layer_dims(module)
     if dims is None:
@@ -1101,7 +1122,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(FoldCalls, TorchFunctionMode):
+class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -1135,7 +1156,7 @@ class _GuardMode(FoldCalls, TorchFunctionMode):
     def describe(self, state) -> str:
         if state is UNKNOWN:
             return "an unknown layout"
-        if type(state) is Fold:
+        if type(state) in FOLDED:
             return state.describe(self.guard.axes)
         parts = [f"dim {d} (mesh axis {self.guard.axes[k]!r})" for k, d in enumerate(state) if d is not None]
         return ", ".join(parts) or "no dim (replicated)"
@@ -1197,7 +1218,7 @@ class _GuardMode(FoldCalls, TorchFunctionMode):
                 e = entries.get(id(t))
                 if e is not None and e[0]() is t:
                     stateful.append(t)
-                    if type(e[1]) is Fold:
+                    if type(e[1]) in FOLDED:
                         folded = True
             else:
                 tagged = True
@@ -1672,6 +1693,10 @@ class _GuardMode(FoldCalls, TorchFunctionMode):
             if base not in ("view", "reshape"):
                 request = _flatten_request(base, args, kwargs, tuple(x.shape))
             mapped = fold_of_reshape(tuple(x.shape), tuple(out.shape), st, list(request))
+            if mapped is UNKNOWN:
+                # Slabs of several mesh axes merged into one dim (tokens of a 2-D domain mesh):
+                # followed as ``Merged`` where the request names the dim.
+                mapped = merged_of_reshape(tuple(x.shape), tuple(out.shape), st, list(request))
         return mapped
 
     def _h_expand(self, func, base, args, kwargs, stateful):
@@ -3231,8 +3256,18 @@ class _GuardMode(FoldCalls, TorchFunctionMode):
 
     def _axis_lengths(self, leaves: list, what: str) -> list[list[int]]:
         """Per ``LocalLength`` in ``leaves``: the local lengths of the ranks along its mesh axis that
-        share this rank's other coordinates, in axis order (one all-gather for all of them)."""
-        return self._lengths([(leaf.axis, int(leaf)) for leaf in leaves], what)
+        share this rank's other coordinates, in axis order (one all-gather for all of them); for a
+        ``MergedLength``, of the ranks along all its axes."""
+        rows = self._gather_with_coords([int(leaf) for leaf in leaves], what)
+        n = len(self.guard.axes)
+        mine = [axis_index(self.guard.mesh, a) for a in self.guard.axes]
+        out = []
+        for j, leaf in enumerate(leaves):
+            axes = getattr(leaf, "axes", (leaf.axis,))
+            sel = sorted((r for r in rows if all(r[i] == mine[i] for i in range(n) if i not in axes)),
+                         key=lambda r: [r[i] for i in axes])
+            out.append([r[n + j] for r in sel])
+        return out
 
     def global_compare(self, op, a, b) -> bool:
         """``op(a, b)`` for a tagged ``a`` (and maybe ``b``) on the global sizes: a branch of the
@@ -3419,6 +3454,36 @@ def _same_but_axis(st, full, dim: int) -> bool:
     return st == full or all(a == b or (b == dim and a is None) for a, b in zip(st, full))
 
 
+_EINOPS_TAGGED = [False]
+
+
+def _tag_einops_recipes() -> None:
+    """einops caches each recipe's sizes by the input's shape (``functools.lru_cache``): a slab's
+    shape, whose sizes are ``LocalLength`` under the guard, hashes like the plain ints of an
+    earlier call (a whole tensor, or a slab outside the guard), and the cached sizes come back
+    plain. A plain request says neither which sizes are local nor which mesh axes they come
+    from, and where a slab has one position along a sharded dim the view is ambiguous by sizes
+    alone (``(b, h, 1, c) -> (b, h, c)``: ``w`` merged with ``h``, or with ``c``?). So while a
+    guard runs, a shape with tagged sizes is worked out anew (einops' own uncached function,
+    microseconds of Python), and its requests carry the tags; other calls use the cache."""
+    import einops.einops as ee
+
+    cached, uncached = ee._reconstruct_from_shape, getattr(ee, "_reconstruct_from_shape_uncached", None)
+    if uncached is None or getattr(cached, "_snn_tagged", False):
+        _EINOPS_TAGGED[0] = True
+        return
+
+    def reconstruct(recipe, shape, axes_lengths):
+        if any(_is_tagged(v) for v in shape) or any(_is_tagged(v) for _, v in axes_lengths):
+            return uncached(recipe, shape, axes_lengths)
+        return cached(recipe, shape, axes_lengths)
+
+    reconstruct._snn_tagged = True
+    reconstruct.cache_info, reconstruct.cache_clear = cached.cache_info, cached.cache_clear
+    ee._reconstruct_from_shape = reconstruct
+    _EINOPS_TAGGED[0] = True
+
+
 def _called_from_local_shape_library() -> bool:
     """Whether the torch call being handled was made by a library of ``_LOCAL_SHAPE_LIBRARIES``
     (the first frame outside torch and sharded_nn): einops reshapes a slab to sizes it worked
@@ -3588,7 +3653,8 @@ def _groups(in_shape, out_shape):
 def _tagged_by_axis(v, axis: int) -> bool:
     """Whether ``v`` was computed from a slab length along mesh axis ``axis`` (and only such)."""
     leaves = getattr(v, "_leaves", None) if _is_tagged(v) else None
-    return bool(leaves) and all(isinstance(leaf, LocalLength) and leaf.axis == axis for leaf in leaves)
+    return bool(leaves) and all(isinstance(leaf, LocalLength) and leaf.axis == axis
+                                and not isinstance(leaf, MergedLength) for leaf in leaves)
 
 
 def _sharded_request_dim(request, axis: int) -> int | None:
@@ -3602,6 +3668,22 @@ def _sharded_request_dim(request, axis: int) -> int | None:
     return None
 
 
+def _merges_axes(request, st) -> bool:
+    """Whether a size of the view request was computed from the slab lengths of two or more
+    mesh axes that shard dims of the input (``h * w``): the view merges them into one dim."""
+    sharded = {k for k, d in enumerate(st) if d is not None}
+    if len(sharded) < 2:
+        return False
+    for v in request:
+        if _is_tagged(v) and v._leaves:
+            axes = set()
+            for leaf in v._leaves:
+                axes.update(getattr(leaf, "axes", (leaf.axis,)))
+            if len(axes & sharded) > 1:
+                return True
+    return False
+
+
 #: A factor no real size shares: ``_map_reshape`` stands it in for a sharded dim of local size 1.
 _PROBE_FACTOR = 1_000_003
 
@@ -3610,6 +3692,8 @@ def _map_reshape(in_shape, out_shape, st, request, probed: bool = False) -> tupl
     """The layout after a reshape (see the module docstring), or ``UNKNOWN``."""
     if 0 in in_shape:
         return UNKNOWN
+    if request is not None and _merges_axes(request, st):
+        return UNKNOWN  # two sharded dims merged into one (``guard_merged``), not a slab
     if not probed and request is not None and len(request) == len(out_shape):
         # Torch's sizes alone group a slab's dim with neighbours by this rank's length: a local
         # size of 1 groups with either neighbour (``windows.view(-1, ws, ws, c)`` of ``(b, 1, 1,
@@ -3623,7 +3707,12 @@ def _map_reshape(in_shape, out_shape, st, request, probed: bool = False) -> tupl
         scaled_in, scaled_out, named = list(in_shape), list(out_shape), {}
         for k, d in enumerate(st):
             o = None if d is None else _sharded_request_dim(request, k)
-            if o is not None and o not in named.values():
+            if o is not None and o in named.values():
+                # Two mesh axes name one output dim (both by the -1: ``x.reshape(b, -1, c)`` of
+                # ``(b, h, w, c)``): their dims merge, which no slab state says. (Mapped by sizes
+                # alone, a rank whose ``w`` is 1 put ``w`` with the channels.)
+                return UNKNOWN
+            if o is not None:
                 scaled_in[d] *= _PROBE_FACTOR
                 scaled_out[o] *= _PROBE_FACTOR
                 named[k] = o
@@ -3848,3 +3937,6 @@ _EAGER: list = []
 #: (the calls a torch module makes when the root calls it come from the model, not from us).
 _PASS_THROUGH_CODES = frozenset({_GuardedEntry.__call__.__code__, _eager_guarded_forward_impl.__code__})
 
+#: The merged layout's calls: the fold's (rows kept apart), with those along the merged dim.
+MERGED_HANDLERS = {**_FOLD_HANDLERS, "pointwise": MergedCalls._m_pointwise, "reduce": MergedCalls._m_reduce,
+                   "matmul": MergedCalls._m_matmul, "einsum": MergedCalls._m_einsum, "sdpa": MergedCalls._m_sdpa}

@@ -57,6 +57,15 @@ class Fold:
     def at(self, dim: int) -> Fold:
         return replace(self, dim=dim)
 
+    def length(self, n: int):
+        """The size of the folded dim as ``x.shape`` gives it to the model's code."""
+        return fg.FoldLength(n, self.axis)
+
+    #: What the guard computes on such a tensor, and what to do instead (for messages).
+    allowed = ("pointwise calls, linear layers, matmul and attention batched over it, reductions and norms over "
+               "other dims, per-sample layers where it is the batch dim, views that fold or unfold it")
+    todo = "Unfold the windows first (the reverse view), or run with a batch of one per domain group"
+
     def describe(self, axes) -> str:
         return (f"dim {self.dim} folding {self.outer} blocks of the slab of mesh axis {axes[self.axis]!r} "
                 f"(times {self.inner}): windows of several samples, whose rows are not in one device's order")
@@ -248,15 +257,13 @@ class FoldCalls:
         self.fail(
             f"`{base}`",
             f"it receives a tensor sharded along {fold.describe(self.guard.axes)}; on such a tensor the guard "
-            "computes only calls that keep the rows of that dim apart (pointwise calls, linear layers, matmul and "
-            "attention batched over it, reductions and norms over other dims, per-sample layers where it is the "
-            "batch dim, views that fold or unfold it)" + (f", and {why}" if why else ""),
-            "Unfold the windows first (the reverse view), or run with a batch of one per domain group",
+            f"computes only {fold.allowed}" + (f", and {why}" if why else ""),
+            fold.todo,
         )
 
     def _fold_of(self, t):
         st = self.states.get(t) if isinstance(t, torch.Tensor) else None
-        return st if type(st) is Fold else None
+        return st if type(st) in fg.FOLDED else None
 
     def _kept(self, func, args, kwargs, fold):
         """``func(*args, **kwargs)``, its output folded as its input (a call checked to keep the
@@ -273,12 +280,12 @@ class FoldCalls:
     def _fold_call(self, kind: str, func, base: str, args, kwargs, stateful):
         """A torch call with a folded tensor among its arguments (``_GuardMode.__torch_function__``)."""
         states = [self.states.get(t) for t in stateful]
-        folds = [s for s in states if type(s) is Fold]
+        folds = [s for s in states if type(s) in fg.FOLDED]
         fold = folds[0]
-        handler = _FOLD_HANDLERS.get(kind)
+        handler = (_FOLD_HANDLERS if type(fold) is Fold else fg.MERGED_HANDLERS).get(kind)
         if handler is None:
             self._fold_fail(base, fold)
-        if kind not in ("cat", "stack", "copy", "view_as") and any(s is not None and type(s) is not Fold for s in states):
+        if kind not in ("cat", "stack", "copy", "view_as") and any(s is not None and type(s) not in fg.FOLDED for s in states):
             self._fold_fail(base, fold, "it combines that tensor with a slab of another layout")
         return handler(self, func, base, args, kwargs, stateful, fold)
 
@@ -293,19 +300,19 @@ class FoldCalls:
         if self._fold_of(x) is None:
             return out
         if isinstance(out, torch.Size):
-            return torch.Size([fg.FoldLength(v, fold.axis) if i == fold.dim else v for i, v in enumerate(out)])
+            return torch.Size([fold.length(v) if i == fold.dim else v for i, v in enumerate(out)])
         dim = fg._arg(args, kwargs, 1, "dim")
         if isinstance(out, int) and dim is not None and dim % x.dim() == fold.dim:
-            return fg.FoldLength(out, fold.axis)
+            return fold.length(out)
         return out
 
     def _f_len(self, func, base, args, kwargs, stateful, fold):
         out = func(*args, **kwargs)
-        return fg.FoldLength(out, fold.axis) if fold.dim == 0 else out
+        return fold.length(out) if fold.dim == 0 else out
 
     def _f_numel(self, func, base, args, kwargs, stateful, fold):
         out = func(*args, **kwargs)
-        return fg.FoldLength(args[0].shape[fold.dim], fold.axis) * (out // args[0].shape[fold.dim])
+        return fold.length(args[0].shape[fold.dim]) * (out // args[0].shape[fold.dim])
 
     def _f_data(self, func, base, args, kwargs, stateful, fold):
         x = args[0]
@@ -387,6 +394,10 @@ class FoldCalls:
             request = _flatten_request(base, args, kwargs, self._sizes_of(x))
         if request is None:
             self._fold_fail(base, fold, "it views the values as another dtype")
+        if (type(fold) is not Fold and base in ("view", "reshape") and -1 not in request
+                and not any(fg._is_tagged(v) for v in request) and not fg._called_from_local_shape_library()):
+            # Constant sizes only: the whole sample's, as for slabs (UNETR's ``proj_feat``).
+            return self._merged_global_view(x, fold, request, base)
         lossy = any(fg._is_tagged(v) and v._lossy for v in request)
         try:
             out, fits = func(*args, **kwargs), 1
@@ -401,11 +412,16 @@ class FoldCalls:
             misfits = [i for i, r in enumerate(rows) if r[-1] == 0]
             if misfits:
                 self._fold_fail(base, fold, f"the requested shape does not fit the windows of domain ranks {misfits}")
-        mapped = map_folded_reshape(in_shape, tuple(out.shape), fold, request)
+        if type(fold) is Fold:
+            mapped = map_folded_reshape(in_shape, tuple(out.shape), fold, request)
+        else:
+            from .guard_merged import map_merged_reshape
+
+            mapped = map_merged_reshape(in_shape, tuple(out.shape), fold, request)
         if mapped is fg.UNKNOWN:
             self._fold_fail(base, fold, "the view splits or merges the folded dim in a way "
                             "the guard cannot follow (its size must be read from the tensor's shape, or be the -1)")
-        if type(mapped) is Fold:
+        if type(mapped) in fg.FOLDED:
             self._set_fold(out, mapped)
         else:
             self._set(out, mapped)
@@ -415,8 +431,8 @@ class FoldCalls:
         """``t.shape`` with the sizes along its sharded or folded dims tagged (what ``t.shape``
         gives the model's code under the guard)."""
         st = self.states.get(t)
-        if type(st) is Fold:
-            return [fg.FoldLength(n, st.axis) if i == st.dim else n for i, n in enumerate(t.shape)]
+        if type(st) in fg.FOLDED:
+            return [st.length(n) if i == st.dim else n for i, n in enumerate(t.shape)]
         if isinstance(st, tuple):
             pos = {d: k for k, d in enumerate(st) if d is not None}
             return [fg.LocalLength(n, pos[i]) if i in pos else n for i, n in enumerate(t.shape)]
@@ -508,14 +524,7 @@ class FoldCalls:
         nd = x.dim()
         keep = base in ("softmax", "log_softmax", "softmin", "normalize", "cumsum", "cumprod", "logcumsumexp",
                         "cummax", "cummin", "sort", "argsort", "topk", "kthvalue")
-        if base == "normalize":
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
-        elif base in ("sort", "argsort"):
-            dim = fg._arg(args, kwargs, 1, "dim", -1)
-        elif base in ("topk", "kthvalue", "quantile", "nanquantile"):
-            dim = fg._arg(args, kwargs, 2, "dim", -1 if base in ("topk", "kthvalue") else None)
-        else:
-            dim = fg._arg(args, kwargs, 1, "dim")
+        dim = self._reduce_dim_arg(base, args, kwargs)
         if dim is None or (isinstance(dim, (list, tuple)) and not dim):
             self._fold_fail(base, fold, "it reduces over every dim, the folded one among them")
         dims = fg._norm_dims(dim, nd)
@@ -526,6 +535,17 @@ class FoldCalls:
         out = func(*args, **kwargs)
         self._set_fold(out, fold.at(fold.dim if keepdim else fold.dim - sum(r < fold.dim for r in dims)))
         return out
+
+    @staticmethod
+    def _reduce_dim_arg(base: str, args, kwargs):
+        """The ``dim`` argument of a reduction or normalisation call (None: every dim)."""
+        if base == "normalize":
+            return kwargs.get("dim", args[2] if len(args) > 2 else 1)
+        if base in ("sort", "argsort"):
+            return fg._arg(args, kwargs, 1, "dim", -1)
+        if base in ("topk", "kthvalue", "quantile", "nanquantile"):
+            return fg._arg(args, kwargs, 2, "dim", -1 if base in ("topk", "kthvalue") else None)
+        return fg._arg(args, kwargs, 1, "dim")
 
     def _f_trailing_norm(self, func, base, args, kwargs, stateful, fold):
         x = args[0]

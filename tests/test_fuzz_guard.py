@@ -8,7 +8,8 @@ vector norms, variances, softmax over rows, interpolation there and back, pads a
 rolls, pools, sizes used as values and in branches, position grids from ``arange``, running
 sums, ``F.group_norm``, TF-"same" pads, window partitions (attention in windows, convolutions on
 windows folded into the batch, window-row-major and batch-major), token
-flattening with attention over all tokens, strided phases, class-token style concatenation and
+flattening with attention over all tokens (fused, written out, einsum, linear, keys of a pooled
+grid; on the 2x2 mesh the guard's merged tokens), strided phases, class-token style concatenation and
 removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
 uneven slabs of the image rows at 1-4 ranks (or rows and columns on a 2x2 mesh), and its output, input gradient and summed
@@ -133,6 +134,20 @@ def _explicit_attention(m, x):  # attention written out: scores, softmax, values
     t = x.flatten(2).transpose(1, 2)  # (B, N, C)
     probs = torch.softmax(t @ t.transpose(-2, -1) * c**-0.5, dim=-1)
     return x + (probs @ t).transpose(1, 2).reshape(b, c, h, w)
+
+
+def _linear_attention(m, x):  # k^T v summed over all tokens, a softmax over them (EfficientViT-MIT)
+    b, c, h, w = x.shape
+    t = x.flatten(2).transpose(1, 2)
+    kv = torch.softmax(t, dim=1).transpose(1, 2) @ t / t.shape[1]
+    return x + (t @ kv).transpose(1, 2).reshape(b, c, h, w)
+
+
+def _reduced_keys(m, x):  # PVT's spatial-reduction attention: keys and values of a pooled grid
+    b, c, h, w = x.shape
+    q = x.flatten(2).transpose(1, 2).unsqueeze(1)
+    k = F.avg_pool2d(x, 2).flatten(2).transpose(1, 2).unsqueeze(1)
+    return x + F.scaled_dot_product_attention(q, k, k).squeeze(1).transpose(1, 2).reshape(b, c, h, w)
 
 
 def _class_token(m, x):  # a token in front of the sequence, used, then dropped
@@ -286,7 +301,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
-    _batch_conv_windows,
+    _batch_conv_windows, _linear_attention, _reduced_keys,
 )}  # fmt: skip
 
 

@@ -387,8 +387,12 @@ class ShardedMixin:
         self._local_only = all(axis_size(mesh, a) == 1 for a in self.mesh_axes)
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
-        """One tensor dim per domain axis: the first spatial dims (``mesh.default_dims``)."""
-        return default_dims(mesh)
+        """One tensor dim per domain axis: the first spatial dims (``mesh.default_dims``), no more
+        than the layer has (a ``BatchNorm1d`` in a 2-D model on a 2x2 mesh, EfficientViT-M's
+        head: its one spatial dim by the first axis; it was refused at convert)."""
+        dims = tuple(default_dims(mesh))
+        n = getattr(self, "_spatial_dims", None)
+        return dims[:n] if isinstance(n, int) and 0 < n < len(dims) else dims
 
     def _check_dims(self, dims: tuple[int, ...], axes: tuple[str, ...]) -> None:
         bad = [d for d in dims if not 2 <= d < 2 + self._spatial_dims]
