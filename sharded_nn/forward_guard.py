@@ -1048,8 +1048,9 @@ def _dim_map(remap):
 
     def handler(self, func, base, args, kwargs, stateful):
         x = args[0]
-        out = func(*args, **kwargs)
         st = self._st(x)
+        call = getattr(remap, "call", None)
+        out = func(*args, **kwargs) if call is None or st in (None, UNKNOWN) else call(x, st, args, kwargs)
         self._set(out, st if st in (None, UNKNOWN) else remap(self, x, out, st, base, args, kwargs))
         return out
 
@@ -1554,14 +1555,10 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
 
     @_dim_map
     def _h_squeeze(self, x, out, st, base, args, kwargs):
-        dim = _arg(args, kwargs, 1, "dim")
-        nd = x.dim()
-        cand = range(nd) if dim is None else _norm_dims(dim, nd)
-        removed = [i for i in cand if x.shape[i] == 1]
-        if any(d in removed for d in st if d is not None):
-            # A slab of local size 1 would lose its sharded dim on this rank only.
-            return UNKNOWN
+        removed = _squeezed(x, st, args, kwargs)
         return tuple(None if d is None else d - sum(r < d for r in removed) for d in st)
+
+    _h_squeeze.remap.call = lambda x, st, args, kwargs: x.squeeze(_squeezed(x, st, args, kwargs))
 
     def _h_reshape(self, func, base, args, kwargs, stateful):
         x = args[0]
@@ -3430,6 +3427,19 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _MODEL_RUNNERS = frozenset(
     _LIB_DIR + name for name in ("demo.py", "cli.py", "__main__.py", "launch.py", "checkpoint.py", "parallel.py")
 )
+
+
+def _squeezed(x: torch.Tensor, st, args, kwargs) -> tuple[int, ...]:
+    """The dims ``squeeze`` removes from ``x`` (layout ``st``): those of size 1 it names (all of
+    them for a bare ``squeeze()``), never a sharded one. A slab with one position along a
+    sharded dim would lose that dim on this rank only, while the whole domain (two or more
+    positions there: every rank's slab is non-empty) keeps it on one device and on the other
+    ranks; the rank then went its own way (refused alone, a hang)."""
+    dim = _arg(args, kwargs, 1, "dim")
+    nd = x.dim()
+    cand = range(nd) if dim is None else _norm_dims(dim, nd)
+    keep = {d for d in st if d is not None}
+    return tuple(i for i in cand if x.shape[i] == 1 and i not in keep)
 
 
 def _called_from_library(depth: int = 2) -> bool:

@@ -285,7 +285,8 @@ class FoldCalls:
         handler = (_FOLD_HANDLERS if type(fold) is Fold else fg.MERGED_HANDLERS).get(kind)
         if handler is None:
             self._fold_fail(base, fold)
-        if kind not in ("cat", "stack", "copy", "view_as") and any(s is not None and type(s) not in fg.FOLDED for s in states):
+        if kind not in ("cat", "stack", "copy", "view_as") and any(
+                s is not None and type(s) not in fg.FOLDED for s in states):
             self._fold_fail(base, fold, "it combines that tensor with a slab of another layout")
         return handler(self, func, base, args, kwargs, stateful, fold)
 
@@ -372,8 +373,10 @@ class FoldCalls:
 
     def _f_dim_map(self, func, base, args, kwargs, stateful, fold):
         x = args[0]
-        out = func(*args, **kwargs)
-        mapped = fg._HANDLERS[fg._classify_cached(func)[0]].remap(self, x, out, fold.slab, base, args, kwargs)
+        remap = fg._HANDLERS[fg._classify_cached(func)[0]].remap
+        call = getattr(remap, "call", None)  # (``squeeze``: never the folded dim, as for slabs)
+        out = func(*args, **kwargs) if call is None or self._fold_of(x) is None else call(x, fold.slab, args, kwargs)
+        mapped = remap(self, x, out, fold.slab, base, args, kwargs)
         if mapped is fg.UNKNOWN or mapped[fold.axis] is None:
             self._fold_fail(base, fold, "it drops the folded dim")
         self._set_fold(out, fold.at(mapped[fold.axis]))

@@ -88,7 +88,8 @@ class Merged:
 
     def describe(self, axes) -> str:
         names = ", ".join(repr(axes[k]) for k in self.axes)
-        what = "tokens of a multi-axis domain mesh" if self.tokens else f"{self.outer} blocks: windows of several samples"
+        what = ("tokens of a multi-axis domain mesh" if self.tokens
+                else f"{self.outer} blocks: windows of several samples")
         return (f"dim {self.dim} merging the slabs of mesh axes ({names}) into one ({what}), whose rows are not one "
                 "block of the single device's")
 
@@ -100,7 +101,8 @@ class Merged:
 
     def factors(self) -> list:
         """The merged dim's sizes written out: ``[outer], *lengths, [inner]`` (ones left out)."""
-        return ([self.outer] if self.outer != 1 else []) + list(self.lengths) + ([self.inner] if self.inner != 1 else [])
+        outer = [self.outer] if self.outer != 1 else []
+        return outer + list(self.lengths) + ([self.inner] if self.inner != 1 else [])
 
     def virtual(self, shape) -> tuple:
         """``(shape, state)``: ``shape`` with the merged dim written as its factors, and the slab
@@ -210,7 +212,8 @@ class MergedCalls:
         from .mesh import group_over
 
         if not merged.tokens:
-            self._fold_fail(call, merged, "its rows hold windows of several samples, which have no single order")
+            self._fold_fail(call.strip("`"), merged,
+                            "its rows hold windows of several samples, which have no single order")
         n = len(self.guard.axes)
         rows = self._gather_with_coords(list(merged.lengths), f"forward guard: {call} (whole merged dim)")
         mine = [fg.axis_index(self.guard.mesh, a) for a in self.guard.axes]
@@ -221,8 +224,8 @@ class MergedCalls:
             for r in rows:
                 per.setdefault(r[k], set()).add(r[n + i])
             if any(len(v) != 1 for v in per.values()):
-                self._fold_fail(call, merged, f"its slabs along mesh axis {self.guard.axes[k]!r} differ in length "
-                                "across the other axes (not one grid of blocks)")
+                self._fold_fail(call.strip("`"), merged, f"its slabs along mesh axis {self.guard.axes[k]!r} differ "
+                                "in length across the other axes (not one grid of blocks)")
             sizes.append([next(iter(per[c])) for c in sorted(per)])
         order = sorted(merged.axes)  # the group's ranks: row-major over the axes in mesh order
         ranked = sorted(rows, key=lambda r: [r[k] for k in order])
@@ -255,8 +258,8 @@ class MergedCalls:
         _, coords, sizes, index = self._merged_grid(merged, call)
         grid = [sum(s) for s in sizes]
         if whole and full.shape[dim] != math.prod(grid) * merged.inner:
-            self._fold_fail(call, merged, f"a plain operand has {full.shape[dim]} positions along it, where the whole "
-                            f"merged dim has {math.prod(grid) * merged.inner}")
+            self._fold_fail(call.strip("`"), merged, f"a plain operand has {full.shape[dim]} positions along it, "
+                            f"where the whole merged dim has {math.prod(grid) * merged.inner}")
         t = full.unflatten(dim, (*grid, *([merged.inner] if merged.inner != 1 else [])))
         for i, c in enumerate(coords[index]):
             t = t.narrow(dim + i, sum(sizes[i][:c]), sizes[i][c])

@@ -979,3 +979,33 @@ def test_interpolate_to_a_tensors_size_lines_up_with_it(run, sizes):
     # its own; before session 52 the product failed on the ranks whose lengths differed and ran on
     # the others (a hang; timm's ghostnetv3 at 224^2). The output now takes the size's layout.
     assert max(run(len(sizes), _gate_from_pooled, len(sizes), sizes)) < 1e-12
+
+
+class BareSqueeze(nn.Module):
+    """``squeeze()`` with no dim at a batch of one: on a slab of one row the sharded dim has
+    size 1 too, and torch dropped it on that rank only (one device keeps it, as the other ranks
+    did); that rank then went its own way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        s = y.sum(1, keepdim=True).squeeze()  # (H, W) on one device
+        return y * torch.sigmoid(s)
+
+
+def _bare_squeeze(domain, sizes):
+    from .reference import compare_on_slabs
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = BareSqueeze().double()
+    x = torch.randn(1, 2, sum(sizes), 5, dtype=torch.float64)
+    return compare_on_slabs(ref, snn.convert(copy.deepcopy(ref), m), m, x, sizes, replicated=False)
+
+
+@pytest.mark.parametrize("domain, sizes", [(2, [1, 4]), (3, [3, 1, 2])])
+def test_bare_squeeze_keeps_a_slab_of_one_row(run, domain, sizes):
+    assert max(run(domain, _bare_squeeze, domain, sizes)) < 1e-10

@@ -200,6 +200,24 @@ class Volume(nn.Module):
         return x + self.out(a.transpose(1, 2).reshape(b, c, d, h, w))
 
 
+class NormHead(nn.Module):
+    """EfficientViT-M's head: tokens pooled, then a ``BatchNorm1d`` (with running statistics) and
+    a ``Linear``. On a 2x2 mesh ``convert`` gives the 1-d layer the first of the mesh's dims (it
+    was refused at convert: two dims for a layer of one)."""
+
+    def __init__(self, c=6):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.norm = nn.BatchNorm1d(c)
+        self.fc = nn.Linear(c, 4)
+        self.norm.running_mean.normal_()
+        self.norm.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        t = self.conv(x).flatten(2).transpose(1, 2)
+        return self.fc(self.norm(t.mean(1)))
+
+
 def _windows():
     from .test_window_views import WindowBlock
 
@@ -220,6 +238,7 @@ _MODELS = {
     "windows": _windows,
     "volume": Volume,
     "whole_sequence": None,  # (built for the case's grid: ``WholeSequence``)
+    "norm_head": lambda: NormHead().eval(),
 }
 
 # Rows and columns per rank: uneven, blocks of one row or column, one of a single token.
@@ -234,7 +253,7 @@ def _case(name, rows, cols, batch):
     shape = {"windows": (batch, 2, sum(rows), sum(cols)), "volume": (batch, 3, sum(rows), sum(cols), 3)}.get(
         name, (batch, 3, sum(rows), sum(cols)))
     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    return compare_on_blocks(ref, model, m, x, rows, cols, replicated=name == "pool")
+    return compare_on_blocks(ref, model, m, x, rows, cols, replicated=name in ("pool", "norm_head"))
 
 
 @pytest.mark.parametrize("rows, cols", _BLOCKS)
