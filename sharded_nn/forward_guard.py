@@ -3949,4 +3949,5 @@ _PASS_THROUGH_CODES = frozenset({_GuardedEntry.__call__.__code__, _eager_guarded
 
 #: The merged layout's calls: the fold's (rows kept apart), with those along the merged dim.
 MERGED_HANDLERS = {**_FOLD_HANDLERS, "pointwise": MergedCalls._m_pointwise, "reduce": MergedCalls._m_reduce,
-                   "matmul": MergedCalls._m_matmul, "einsum": MergedCalls._m_einsum, "sdpa": MergedCalls._m_sdpa}
+                   "matmul": MergedCalls._m_matmul, "einsum": MergedCalls._m_einsum, "sdpa": MergedCalls._m_sdpa,
+                   "cat": MergedCalls._m_cat, "getitem": MergedCalls._m_getitem}

@@ -64,6 +64,10 @@ class Merged:
     outer: int
     inner: int
     naxes: int
+    #: Plain rows in front of the owner's block (class and register tokens: ``torch.cat((cls,
+    #: x), dim=1)``): the owner, the rank at coordinate 0 along every merged axis, holds them
+    #: before its block, as the single device holds them before the grid's tokens.
+    prefix: int = 0
 
     @property
     def axis(self) -> int:
@@ -90,8 +94,9 @@ class Merged:
         names = ", ".join(repr(axes[k]) for k in self.axes)
         what = ("tokens of a multi-axis domain mesh" if self.tokens
                 else f"{self.outer} blocks: windows of several samples")
-        return (f"dim {self.dim} merging the slabs of mesh axes ({names}) into one ({what}), whose rows are not one "
-                "block of the single device's")
+        front = f", {self.prefix} plain rows in front on the first rank" if self.prefix else ""
+        return (f"dim {self.dim} merging the slabs of mesh axes ({names}) into one ({what}{front}), whose rows are "
+                "not one block of the single device's")
 
     #: What the guard computes on such a tensor (for messages).
     allowed = ("pointwise calls, linear layers and norms over other dims, views that move it or unflatten it back "
@@ -183,6 +188,8 @@ def map_merged_reshape(in_shape, out_shape, merged: Merged, request):
     h, w)``), a ``Merged`` (it moves the dim or splits and merges others around it:
     ``qkv.reshape(b, n, 3, heads, c // heads)``), or ``UNKNOWN``. Mapped on the virtual shape with
     the merged dim written as its factors."""
+    if merged.prefix:
+        return _moved_whole(in_shape, out_shape, merged, request)
     if in_shape[merged.dim] != math.prod(merged.factors()) or 0 in in_shape:
         return fg.UNKNOWN
     virtual, st = merged.virtual(in_shape)
@@ -193,6 +200,27 @@ def map_merged_reshape(in_shape, out_shape, merged: Merged, request):
             if mapped is not fg.UNKNOWN and all(mapped[k] == o for k, o in zip(merged.axes, named)):
                 return mapped
     return merged_of_reshape(virtual, tuple(out_shape), st, request)
+
+
+def _moved_whole(in_shape, out_shape, merged: Merged, request):
+    """A view of a merged dim with plain rows in front: followed only where it keeps that dim
+    whole as one output dim (heads split off around it: ``qkv.reshape(b, n, 3, h, d)``), named
+    by the request (its size read from the dim, or the -1); decided on the shapes with the dim
+    scaled by a probe prime."""
+    if request is None or len(request) != len(out_shape) or 0 in in_shape:
+        return fg.UNKNOWN
+    o = _merged_request_dim(request, merged.axes)
+    if o is None:
+        return fg.UNKNOWN
+    in_p, out_p = list(in_shape), list(out_shape)
+    in_p[merged.dim] *= _PRIMES[0]
+    out_p[o] *= _PRIMES[0]
+    group = next(((gi, go) for gi, go in fg._groups(tuple(in_p), tuple(out_p)) if merged.dim in gi), None)
+    if group is None or [j for j in group[0] if in_p[j] != 1] != [merged.dim]:
+        return fg.UNKNOWN
+    if [j for j in group[1] if out_p[j] != 1] != [o]:
+        return fg.UNKNOWN
+    return merged.at(o)
 
 
 # ------------------------------------------------------------------------------- calls
@@ -243,13 +271,39 @@ class MergedCalls:
         merged = self.states.get(t)
         self._routing(call)
         group, coords, sizes, index = self._merged_grid(merged, call)
-        virtual, _ = merged.virtual(tuple(t.shape))
         first = merged.dim
+        head = None
+        if merged.prefix:
+            # The plain rows in front: the owner's, summed over the ranks (zeros elsewhere).
+            head = self._from_owner(t, merged, lambda src: src.narrow(first, 0, merged.prefix), group)
+            if self._owner(merged):
+                t = t.narrow(first, merged.prefix, t.shape[first] - merged.prefix)
+        virtual, _ = merged.virtual(tuple(t.shape))
         dims = tuple(range(first, first + len(merged.axes)))
         full = all_gather_grid(t.reshape(virtual), group, dims, coords, sizes, index)
         out = full.flatten(first, first + len(merged.factors()) - 1)
+        if head is not None:
+            out = torch.cat([head, out], first)
         self.states.pop(out, None)
         return out
+
+    def _owner(self, merged: Merged) -> bool:
+        """Whether this rank holds the plain rows in front (coordinate 0 along every merged axis)."""
+        return all(fg.axis_index(self.guard.mesh, self.guard.axes[k]) == 0 for k in merged.axes)
+
+    def _from_owner(self, t: torch.Tensor, merged: Merged, pick, group) -> torch.Tensor:
+        """``pick(t)`` of the owner's rows in front, on every rank: the owner's, summed over the
+        merged axes' ranks with zeros elsewhere (every rank runs the same differentiable sum, so
+        the backward's sums pair up too; the gradient reaches the owner's rows)."""
+        from .comm import all_reduce_sum
+
+        if self._owner(merged):
+            src = t
+        else:
+            shape = list(t.shape)
+            shape[merged.dim] = merged.prefix
+            src = t.new_zeros(shape).requires_grad_(t.requires_grad)
+        return all_reduce_sum(pick(src), group)
 
     def _own_block(self, full: torch.Tensor, dim: int, merged: Merged, call: str, whole: bool = False) -> torch.Tensor:
         """This rank's block of ``full`` (a plain tensor whose dim ``dim`` holds the whole merged
@@ -257,13 +311,17 @@ class MergedCalls:
         that it does (else refuse alike: a plain operand of another length along the dim)."""
         _, coords, sizes, index = self._merged_grid(merged, call)
         grid = [sum(s) for s in sizes]
-        if whole and full.shape[dim] != math.prod(grid) * merged.inner:
+        p = merged.prefix
+        if whole and full.shape[dim] != p + math.prod(grid) * merged.inner:
             self._fold_fail(call.strip("`"), merged, f"a plain operand has {full.shape[dim]} positions along it, "
-                            f"where the whole merged dim has {math.prod(grid) * merged.inner}")
-        t = full.unflatten(dim, (*grid, *([merged.inner] if merged.inner != 1 else [])))
+                            f"where the whole merged dim has {p + math.prod(grid) * merged.inner}")
+        t = full.narrow(dim, p, full.shape[dim] - p) if p else full
+        t = t.unflatten(dim, (*grid, *([merged.inner] if merged.inner != 1 else [])))
         for i, c in enumerate(coords[index]):
             t = t.narrow(dim + i, sum(sizes[i][:c]), sizes[i][c])
         out = t.flatten(dim, dim + len(grid) - (merged.inner == 1))
+        if p and self._owner(merged):
+            out = torch.cat([full.narrow(dim, 0, p), out], dim)
         self._set_fold(out, merged.at(dim))
         return out
 
@@ -275,8 +333,9 @@ class MergedCalls:
         state); this rank's view is the request with those dims scaled to its block. Decided on
         global sizes (one small all-gather), so alike on every rank."""
         call = f"`{base}`"
-        if not merged.tokens:
-            self._fold_fail(base, merged, "it views windows of several samples by constant sizes")
+        if not merged.tokens or merged.prefix:
+            self._fold_fail(base, merged, "it views windows of several samples, or tokens with plain rows in front, "
+                            "by constant sizes")
         _, _, sizes, _ = self._merged_grid(merged, call)
         grid = [sum(s) for s in sizes]
         glob_virtual, st = merged.virtual(tuple(x.shape))
@@ -297,6 +356,66 @@ class MergedCalls:
         out = x.view(local) if base == "view" else x.reshape(local)
         self._set(out, mapped)
         return out
+
+    # -- rows in front: class and register tokens
+
+    def _m_cat(self, func, base, args, kwargs, stateful, merged):
+        """``torch.cat((cls, x), dim)`` along the merged dim, plain tensors (class and register
+        tokens, the same on every rank) in front of one merged tensor: the owner holds them before
+        its block (``Merged.prefix``), the other ranks their blocks alone, as the single device
+        holds them before the grid's tokens."""
+        tensors = list(fg._arg(args, kwargs, 0, "tensors"))
+        nd = tensors[0].dim() if tensors and isinstance(tensors[0], torch.Tensor) else 0
+        dim = fg._arg(args, kwargs, 1, "dim", 0) % max(nd, 1)
+        states = [self.states.get(t) for t in tensors]
+        folded = [i for i, st in enumerate(states) if st is not None]
+        if base == "stack" or len(folded) != 1 or type(states[folded[0]]) is not Merged \
+                or states[folded[0]].dim != dim:
+            return self._f_cat(func, base, args, kwargs, stateful, merged)
+        i = folded[0]
+        m = states[i]
+        if not m.tokens or i != len(tensors) - 1:
+            self._fold_fail(base, m, "it joins plain tensors along the merged dim other than in front of its tokens")
+        k = sum(int(t.shape[dim]) for t in tensors[:i])
+        self._routing(f"`{base}`")
+        out = func(*args, **kwargs) if self._owner(m) else tensors[i].clone()
+        self._set_fold(out, replace(m, prefix=m.prefix + k))
+        return out
+
+    def _m_getitem(self, func, base, args, kwargs, stateful, merged):
+        """Indexing along a merged dim with plain rows in front: ``x[:, 0]`` and ``x[:, :k]``
+        within them give the owner's rows on every rank (replicated), ``x[:, k:]`` at their end
+        drops them (the tokens' blocks); other dims taken whole. Anything else as on a fold."""
+        x, idx = args[0], args[1]
+        m = self._fold_of(x)
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if m is None or type(m) is not Merged or not m.prefix or any(i is None for i in items):
+            return self._f_getitem(func, base, args, kwargs, stateful, merged)
+        n_real = sum(1 for i in items if i is not Ellipsis)
+        expanded: list = []
+        for i in items:
+            expanded += [slice(None)] * (x.dim() - n_real) if i is Ellipsis else [i]
+        expanded += [slice(None)] * (x.dim() - len(expanded))
+        full = slice(None)
+        if len(expanded) != x.dim() or any(not (isinstance(e, slice) and e == full)
+                                           for j, e in enumerate(expanded) if j != m.dim):
+            return self._f_getitem(func, base, args, kwargs, stateful, merged)
+        e, p = expanded[m.dim], m.prefix
+        from .mesh import group_over
+
+        group = group_over(self.guard.mesh, [self.guard.axes[k] for k in sorted(m.axes)])
+        if type(e) is int and 0 <= e < p or (isinstance(e, slice) and e.step in (None, 1) and type(e.start) in
+                                              (int, type(None)) and type(e.stop) is int and 0 <= (e.start or 0)
+                                              < e.stop <= p):
+            self._routing("indexing")
+            out = self._from_owner(x, m, lambda src: src[tuple(expanded)], group)
+            self._set(out, None)
+            return out
+        if isinstance(e, slice) and e.start == p and e.stop is None and e.step in (None, 1):
+            out = x.narrow(m.dim, p, x.shape[m.dim] - p) if self._owner(m) else x.view_as(x)
+            self._set_fold(out, replace(m, prefix=0))
+            return out
+        return self._f_getitem(func, base, args, kwargs, stateful, merged)
 
     # -- element-wise
 

@@ -6,9 +6,10 @@ device's sequence. The guard follows that layout: per-token calls, sums and mean
 tokens, attention over them (ring attention over the domain), attention written out (the keys
 and values gathered into the single device's order), einsum attention, views back into the
 grid. The converted model must equal the single-device one (float64, forward, input and
-parameter gradients) on uneven blocks, including blocks of one row or column; what needs the
-single device's order along the tokens (a crop of them, a class token in front, positions
-counted by them) is refused with the same message on every rank.
+parameter gradients) on uneven blocks, including blocks of one row or column; class and
+register tokens in front are held by the first rank; what needs the single device's order
+along the tokens (a crop of them, a token behind them, positions counted by them) is refused
+with the same message on every rank.
 """
 
 from __future__ import annotations
@@ -181,6 +182,41 @@ class WholeSequence(nn.Module):
         return x + self.out(o.transpose(1, 2).reshape(b, n, c)).transpose(1, 2).reshape(b, 3, h, w)
 
 
+class ClassTokens(nn.Module):
+    """A class and a register token in front of the tokens (timm's ViT, BEiT, XCiT, CaiT): a
+    position embedding of every token, attention with a relative-position bias over all of
+    them, CaiT's class attention written out (the class token's query over every token), then
+    the tokens back into the grid, scaled by a head on the class token."""
+
+    def __init__(self, n, c=6, heads=2):
+        super().__init__()
+        self.embed = nn.Conv2d(3, c, 3, padding=1)
+        self.cls = nn.Parameter(torch.randn(1, 1, c))
+        self.reg = nn.Parameter(torch.randn(1, 1, c))
+        self.pos = nn.Parameter(torch.randn(1, n + 2, c) * 0.5)
+        self.bias = nn.Parameter(torch.randn(heads, n + 2, n + 2) * 0.5)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.q = nn.Linear(c, c)
+        self.kv = nn.Linear(c, 2 * c)
+        self.out = nn.Linear(c, 3)
+        self.head = nn.Linear(c, 1)
+        self.heads = heads
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        t = self.embed(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls.expand(b, -1, -1), self.reg.expand(b, -1, -1), t], dim=1) + self.pos
+        n, c = t.shape[1], t.shape[2]
+        q, k, v = self.qkv(t).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        t = t + F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.unsqueeze(0)).transpose(1, 2).reshape(
+            b, n, c)
+        kc, vc = self.kv(t).chunk(2, dim=-1)
+        a = (self.q(t[:, 0]).unsqueeze(1) @ kc.transpose(-2, -1) * c**-0.5).softmax(-1)
+        cls = t[:, :1] + a @ vc
+        y = self.out(t[:, 2:]).transpose(1, 2).reshape(b, 3, h, w) + x
+        return y * torch.sigmoid(self.head(cls[:, 0]))[:, :, None, None]
+
+
 class Volume(nn.Module):
     """A volume's voxels as tokens (D and H sharded by the 2x2 mesh, W whole: a merged dim with
     an unsharded inner factor), attention fused and written out, back into the volume."""
@@ -238,6 +274,7 @@ _MODELS = {
     "windows": _windows,
     "volume": Volume,
     "whole_sequence": None,  # (built for the case's grid: ``WholeSequence``)
+    "class_tokens": None,  # (likewise: ``ClassTokens``)
     "norm_head": lambda: NormHead().eval(),
 }
 
@@ -248,7 +285,9 @@ _BLOCKS = [([3, 5], [4, 2]), ([1, 6], [2, 3]), ([2, 2], [1, 1])]
 def _case(name, rows, cols, batch):
     m = mesh((2, 2))
     torch.manual_seed(0)
-    ref = (WholeSequence(sum(rows) * sum(cols)) if name == "whole_sequence" else _MODELS[name]()).double()
+    n = sum(rows) * sum(cols)
+    ref = {"whole_sequence": WholeSequence, "class_tokens": ClassTokens}.get(name, lambda n: _MODELS[name]())(n)
+    ref = ref.double()
     model = snn.convert(copy.deepcopy(ref), m)
     shape = {"windows": (batch, 2, sum(rows), sum(cols)), "volume": (batch, 3, sum(rows), sum(cols), 3)}.get(
         name, (batch, 3, sum(rows), sum(cols)))
@@ -269,15 +308,15 @@ def test_tokens_of_a_2d_mesh_are_exact(run, name, rows, cols):
 # ------------------------------------------------------------------------------- refusals
 
 
-class ClassToken(nn.Module):
+class TrailingToken(nn.Module):
     def __init__(self):
         super().__init__()
         self.cls = nn.Parameter(torch.randn(1, 1, 3))
 
     def forward(self, x):
         b, c, h, w = x.shape
-        t = torch.cat([self.cls.expand(b, -1, -1), x.flatten(2).transpose(1, 2)], 1)
-        return t[:, 1:].transpose(1, 2).reshape(b, c, h, w)
+        t = torch.cat([x.flatten(2).transpose(1, 2), self.cls.expand(b, -1, -1)], 1)
+        return t[:, :-1].transpose(1, 2).reshape(b, c, h, w)
 
 
 class TokenCrop(nn.Module):
@@ -303,10 +342,10 @@ def _refusal(make, rows, cols):
     return "no error"
 
 
-@pytest.mark.parametrize("make, says", [(ClassToken, "its tensors are not all folded alike"),
+@pytest.mark.parametrize("make, says", [(TrailingToken, "other than in front of its tokens"),
                                         (TokenCrop, "indexes along the folded dim"),
                                         (Positions, "grid of positions from a slab's local size")],
-                         ids=["class_token", "crop", "positions"])
+                         ids=["trailing_token", "crop", "positions"])
 def test_order_dependent_calls_on_tokens_are_refused_alike(run, make, says):
     msgs = run(4, _refusal, make, [1, 4], [3, 2])
     assert says in msgs[0] and len(set(msgs)) == 1, msgs
