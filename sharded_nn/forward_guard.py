@@ -1724,9 +1724,10 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
         any_tag = False
         for i, v in enumerate(sizes):
             if isinstance(v, FoldLength) or (_is_tagged(v) and any(isinstance(f, FoldLength) for f in v._leaves or ())):
-                self.fail(call, f"size {i} is read from a dim that folds windows of several samples, whose "
-                          "rows are not one block of the single device's", "build the tensor from the folded one "
-                          "(torch.zeros_like) or after unfolding the windows")
+                self.fail(call, f"size {i} is read from a dim that folds windows of several samples or merges "
+                          "the slabs of several mesh axes, whose rows are not one block of the single device's",
+                          "build the tensor from the folded one (torch.zeros_like), or after unfolding the windows "
+                          "or reshaping the tokens back into the grid")
             if isinstance(v, LocalLength):
                 state[v.axis] = i
                 any_tag = True
