@@ -1598,14 +1598,7 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
         differs by rank: the ranks whose slab does not fit would refuse alone while the others
         went on to their next collective (a hang). Every rank says whether its view fits (one
         small all-gather of one number) and, where one does not, all refuse alike."""
-        try:
-            out, fits = self._h_reshape_moved(func, base, args, kwargs, stateful), 1
-        except RuntimeError as e:
-            if "invalid for input of size" not in str(e):
-                raise
-            out, fits = None, 0
-        rows = self._gather_with_coords([fits], f"forward guard: `{base}` by sizes computed from slab lengths")
-        misfits = [i for i, r in enumerate(rows) if r[-1] == 0]
+        out, misfits = self._fits_everywhere(lambda: self._h_reshape_moved(func, base, args, kwargs, stateful), base)
         if misfits:
             self.fail(f"`{base}`", f"the requested shape, computed from slab lengths by floor division or rounding "
                       f"(a window partition), does not fit the slabs of domain ranks {misfits} of a tensor sharded "
@@ -1614,6 +1607,20 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
                       "windows (snn.shard(x, mesh, align=...): the window size times the model's downsampling "
                       "at that stage, e.g. 7 x 32 = 224 rows for windows of 7 tokens at 1/32)")
         return out
+
+    def _fits_everywhere(self, view: Callable, base: str):
+        """``(view(), the domain ranks where it did not fit)``: a view by sizes computed from slab
+        lengths through ``//``, ``%`` or rounding fits some slabs only; every rank says whether
+        its own fits (one small all-gather of one number), so that all refuse together where one
+        does not (``_reshape_rounded`` on slabs, ``FoldCalls._f_reshape`` on folds)."""
+        try:
+            out, fits = view(), 1
+        except RuntimeError as e:
+            if "invalid for input of size" not in str(e):
+                raise
+            out, fits = None, 0
+        rows = self._gather_with_coords([fits], f"forward guard: `{base}` by sizes computed from slab lengths")
+        return out, [i for i, r in enumerate(rows) if r[-1] == 0]
 
     def _reshape_global(self, func, x, st, request, args, kwargs):
         """``x.view(sizes)`` with every size a constant, on a slab: the sizes are the single

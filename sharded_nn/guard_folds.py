@@ -401,20 +401,14 @@ class FoldCalls:
                 and not any(fg._is_tagged(v) for v in request) and not fg._called_from_local_shape_library()):
             # Constant sizes only: the whole sample's, as for slabs (UNETR's ``proj_feat``).
             return self._merged_global_view(x, fold, request, base)
-        lossy = any(fg._is_tagged(v) and v._lossy for v in request)
-        try:
-            out, fits = func(*args, **kwargs), 1
-        except RuntimeError as e:
-            if not lossy or "invalid for input of size" not in str(e):
-                raise
-            out, fits = None, 0
-        if lossy:
+        if any(fg._is_tagged(v) and v._lossy for v in request):
             # As for slabs (``_reshape_rounded``): sizes computed by floor division fit on some
             # ranks only where the slabs are not whole windows; every rank says, all refuse alike.
-            rows = self._gather_with_coords([fits], f"forward guard: `{base}` by sizes computed from slab lengths")
-            misfits = [i for i, r in enumerate(rows) if r[-1] == 0]
+            out, misfits = self._fits_everywhere(lambda: func(*args, **kwargs), base)
             if misfits:
                 self._fold_fail(base, fold, f"the requested shape does not fit the windows of domain ranks {misfits}")
+        else:
+            out = func(*args, **kwargs)
         if type(fold) is Fold:
             mapped = map_folded_reshape(in_shape, tuple(out.shape), fold, request)
         else:
