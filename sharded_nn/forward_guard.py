@@ -2746,6 +2746,16 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
         self._set(out, res)
         return out
 
+    def _ring_dropout(self, dropout_p: float) -> dict:
+        """``ring_attention``'s dropout options: one mask law on every rank
+        (attention_kernels.dropout_keep), domain rank 0's draw from its default generator, as
+        nn.Dropout draws from it (same law, not the same bits); {} without dropout."""
+        if dropout_p <= 0:
+            return {}
+        seed = int(torch.randint(0, 1 << 62, (1,)).item())
+        rows = self._gather_with_coords([seed], "forward guard: attention dropout seed")
+        return {"dropout_p": dropout_p, "dropout_seed": min(rows)[-1]}
+
     def _sdpa_whole_keys(self, q, k, v, attn_mask, dropout_p, is_causal, scale, gqa):
         """Attention with an ``attn_mask`` (a relative-position bias, a padding or window mask) over
         keys sharded along their tokens: every rank gathers the whole keys and values and attends
@@ -2943,13 +2953,7 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
                       "differ (broadcast batch dims are not routed)", "")
         if q4.shape[1] != k4.shape[1] and not (gqa and q4.shape[1] % k4.shape[1] == 0):
             self.fail(name, f"{q4.shape[1]} query heads against {k4.shape[1]} key/value heads without enable_gqa", "")
-        drop = {}
-        if dropout_p > 0:
-            # One mask law on every rank (attention_kernels.dropout_keep): domain rank 0's draw
-            # from its default generator, as nn.Dropout draws from it. Same law, not the same bits.
-            seed = int(torch.randint(0, 1 << 62, (1,)).item())
-            rows = self._gather_with_coords([seed], "forward guard: attention dropout seed")
-            drop = {"dropout_p": dropout_p, "dropout_seed": min(rows)[-1]}
+        drop = self._ring_dropout(dropout_p)
         mesh = self.guard.mesh
         if sq is not None:
             out = ring_attention(q4, k4, v4, mesh, is_causal, scale, **drop)

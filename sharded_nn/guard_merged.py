@@ -262,7 +262,7 @@ class MergedCalls:
         group = group_over(self.guard.mesh, [self.guard.axes[k] for k in order])
         return group, coords, sizes, index
 
-    def _gather_merged(self, t: torch.Tensor, call: str) -> torch.Tensor:
+    def _gather_merged(self, t: torch.Tensor, call: str, grid_out: list | None = None) -> torch.Tensor:
         """The whole of ``t`` along its merged dim, in the single device's order (a plain
         tensor); differentiable (its backward sums the ranks' gradients and keeps this rank's
         block)."""
@@ -270,7 +270,10 @@ class MergedCalls:
 
         merged = self.states.get(t)
         self._routing(call)
-        group, coords, sizes, index = self._merged_grid(merged, call)
+        grid = self._merged_grid(merged, call)
+        if grid_out is not None:
+            grid_out.append(grid)  # (for ``_own_block`` of this tensor's layout: no second gather)
+        group, coords, sizes, index = grid
         first = merged.dim
         head = None
         if merged.prefix:
@@ -305,11 +308,12 @@ class MergedCalls:
             src = t.new_zeros(shape).requires_grad_(t.requires_grad)
         return all_reduce_sum(pick(src), group)
 
-    def _own_block(self, full: torch.Tensor, dim: int, merged: Merged, call: str, whole: bool = False) -> torch.Tensor:
+    def _own_block(self, full: torch.Tensor, dim: int, merged: Merged, call: str, whole: bool = False,
+                   grid=None) -> torch.Tensor:
         """This rank's block of ``full`` (a plain tensor whose dim ``dim`` holds the whole merged
         dim in the single device's order), merged as ``merged`` at ``dim``. ``whole``: check
         that it does (else refuse alike: a plain operand of another length along the dim)."""
-        _, coords, sizes, index = self._merged_grid(merged, call)
+        _, coords, sizes, index = grid if grid is not None else self._merged_grid(merged, call)
         grid = [sum(s) for s in sizes]
         p = merged.prefix
         if whole and full.shape[dim] != p + math.prod(grid) * merged.inner:
@@ -478,11 +482,12 @@ class MergedCalls:
             return out
         # Any other reduction or normalisation along it (softmax over the tokens, amax, var,
         # logsumexp, ...): on the whole dim in the single device's order.
-        full = self._gather_merged(x, f"`{base}`")
+        grid: list = []
+        full = self._gather_merged(x, f"`{base}`", grid)
         out = func(full, *args[1:], **kwargs)
-        return self._blocks_of(out, x.dim(), m, full.shape[m.dim], base)
+        return self._blocks_of(out, x.dim(), m, full.shape[m.dim], base, grid[0])
 
-    def _blocks_of(self, out, nd: int, merged: Merged, n: int, call: str):
+    def _blocks_of(self, out, nd: int, merged: Merged, n: int, call: str, grid=None):
         """Outputs of a call on the gathered whole: those that keep the merged dim whole (at its
         place, ``n`` positions) back to this rank's block; the others replicated."""
         outs = [out] if isinstance(out, torch.Tensor) else fg._flat_tensors(out)
@@ -490,7 +495,7 @@ class MergedCalls:
         if not kept:
             self._set(out, None)
             return out
-        blocks = {id(t): self._own_block(t, merged.dim, merged, call) for t in kept}
+        blocks = {id(t): self._own_block(t, merged.dim, merged, call, grid=grid) for t in kept}
         for t in outs:
             if id(t) not in blocks:
                 self._set(t, None)
@@ -676,13 +681,7 @@ class MergedCalls:
             out = _replicated_query_attention(q4, k4, v4, domain_peers(mesh), scale)
             state = None
         else:
-            drop = {}
-            if dropout_p > 0:
-                # One mask law on every rank (as ``_route_sdpa``): domain rank 0's seed.
-                seed = int(torch.randint(0, 1 << 62, (1,)).item())
-                rows = self._gather_with_coords([seed], "forward guard: attention dropout seed")
-                drop = {"dropout_p": dropout_p, "dropout_seed": min(rows)[-1]}
-            out = ring_attention(q4, k4, v4, mesh, False, scale, **drop)
+            out = ring_attention(q4, k4, v4, mesh, False, scale, **self._ring_dropout(dropout_p))
             state = fq
         out = out.squeeze(1) if q.dim() == 3 else out
         if state is None:
