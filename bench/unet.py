@@ -123,6 +123,13 @@ def rank_main(case: Case, iters: int) -> RunResult:
     model = build(case, mesh)
     align = alignment(model, 2)
     x = local_input(case, mesh, align)
+    return measure(model, x, mesh, iters, peak)
+
+
+def measure(model, x: torch.Tensor, mesh, iters: int, peak: PeakRSS) -> RunResult:
+    """Time and memory of ``model`` on this rank's ``x`` (forward, then forward + backward), and
+    the consistency data (gathered along dim 2, domain-summed gradients); every rank alike."""
+    p = dist.get_world_size()
 
     def fwd():
         with torch.no_grad():

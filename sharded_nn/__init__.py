@@ -9,7 +9,7 @@ from .host_memory import apply_process_defaults as _apply_process_defaults
 
 _apply_process_defaults()
 
-from . import comm, functional, losses, points, reductions
+from . import comm, fft, functional, losses, points, reductions
 from . import layers as _layers
 from .alignment import alignment
 from .convert import convert
@@ -48,6 +48,7 @@ __all__ = [
     "domain_axes",
     "domain_group",
     "domain_size",
+    "fft",
     "functional",
     "gather",
     "init_mesh",

@@ -192,6 +192,8 @@ _GUARDED = "guarded"
 def _acts_on(m: nn.Module, timm_table: Mapping[type, object]) -> tuple[int, ...] | str:
     """The tensor dims ``m`` combines values along, ``MIXES``, or ``UNKNOWN``."""
     kind = timm_table.get(type(m), UNKNOWN)
+    if kind is UNKNOWN and getattr(type(m), "_sharded_nn_guarded", None) is type(m):
+        kind = "guarded"  # ``forward_guard.mark_guarded``
     if kind == "trailing" or (kind is UNKNOWN and isinstance(m, nn.RMSNorm)):
         return tuple(range(-len(m.normalized_shape), 0))
     if kind == "channels":

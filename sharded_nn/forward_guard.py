@@ -65,11 +65,15 @@ from torch.overrides import TorchFunctionMode
 
 from . import reductions
 from .errors import ShardingError
+from .guard_fft import FftCalls
 from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .guard_merged import Merged, MergedCalls, merged_of_reshape
 from .mesh import axis_index, axis_size, domain_axes, one_rank
 
-__all__ = ["ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_reviewed"]
+__all__ = [
+    "ForwardGuard", "LocalDerived", "LocalFloat", "LocalLength", "guard_active", "install", "mark_guarded",
+    "mark_reviewed",
+]  # fmt: skip
 
 #: A tensor whose layout the guard could not follow (a reshape it cannot map, a call it routes
 #: but whose result it cannot describe). Pointwise work on it is fine; mixing raises.
@@ -345,6 +349,48 @@ for _cls in (LocalDerived, LocalFloat):
 del _cls, _name
 
 
+def _value_mode(frame):
+    """The guard mode that evaluates ``int()``/``float()`` of a tagged number on the global sizes,
+    or None: only where the conversion is written in a model's own code while its guarded forward
+    runs (not in torch, sharded_nn or a library that caches by the slab's shape), which every
+    rank runs alike, so the small all-gather it costs pairs up."""
+    mode = getattr(_ACTIVE, "guard", None)
+    if mode is None or mode is _SINGLE or mode.suspended or not mode.on_stack():
+        return None
+    name = frame.f_code.co_filename
+    if name.startswith(_TORCH_DIR) or (name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS):
+        return None
+    if frame.f_globals.get("__name__", "").split(".")[0] in _LOCAL_SHAPE_LIBRARIES:
+        return None
+    return mode
+
+
+def _tagged_conversion(target: type):
+    """``int()``/``float()`` of a tagged number (and ``math.sqrt`` etc., which call ``__float__``):
+    Python makes a plain number of it, which a tag cannot survive. In a model's own code it is
+    the single device's number, evaluated on the global sizes, as every plain number there is
+    read (constant sizes are the whole sample's): FourCastNet's ``int(total_modes * fraction)``
+    mode count, NesT's ``int(math.sqrt(T))`` grid side. Before session 56 it was this slab's
+    number, used then as a global one: silently wrong."""
+    slot = f"__{target.__name__}__"
+
+    def method(self):
+        plain = getattr(float if isinstance(self, float) else int, slot)(self)
+        mode = _value_mode(sys._getframe(1))
+        if mode is None or self._leaves is None:
+            return plain
+        return target(mode._global_values([self], f"`{target.__name__}()` of a size read from a slab")[id(self)])
+
+    method.__name__ = slot
+    return method
+
+
+for _cls in (LocalDerived, LocalFloat):
+    _cls.__int__ = _tagged_conversion(int)  # type: ignore[method-assign]
+    _cls.__float__ = _tagged_conversion(float)  # type: ignore[method-assign]
+del _cls
+
+
 class LocalLength(LocalDerived):
     """The local length of a slab along the dim that mesh axis ``axis`` shards."""
 
@@ -401,7 +447,8 @@ _POINTWISE_EXTRA = frozenset(
     clone contiguous detach detach_ to type float double half bfloat16 cpu cuda requires_grad_ type_as
     zeros_like ones_like empty_like full_like fill_ zero_ where masked_fill clamp clip
     clamp_min clamp_max nan_to_num pin_memory data alias retain_grad square float_power
-    __and__ __or__ __xor__ __invert__ logical_and logical_or logical_not logical_xor""".split()
+    __and__ __or__ __xor__ __invert__ logical_and logical_or logical_not logical_xor
+    real imag conj conj_physical resolve_conj resolve_neg angle polar complex""".split()
 )
 # Metadata reads and calls that return no slab data.
 _PASSIVE = frozenset(
@@ -527,10 +574,12 @@ def _classify(func) -> tuple[str, str, bool]:
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
         "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
         "embedding": "plain_only", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
-        "new_tensor": "literal",
+        "new_tensor": "literal", "view_as_real": "complex_view", "view_as_complex": "complex_view",
     }  # fmt: skip
     if base in simple:
         return simple[base], base, inplace and base not in ("copy",)
+    if base.startswith("fft_"):  # torch.fft's functions (``guard_fft``)
+        return "fft", base, False
     if base in _RANDOM:
         return "random", base, inplace
     if base in _POOL_NAMES:
@@ -1123,7 +1172,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
+class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -1552,6 +1601,15 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
     def _h_unsqueeze(self, x, out, st, base, args, kwargs):
         d0 = _arg(args, kwargs, 1, "dim") % out.dim()
         return tuple(None if d is None else d + (d >= d0) for d in st)
+
+    @_dim_map
+    def _h_complex_view(self, x, out, st, base, args, kwargs):
+        # ``view_as_real`` adds the (re, im) pair as a last dim, ``view_as_complex`` takes it
+        # away: the other dims keep their places. (Broadcasting rules would align them from the
+        # right, one dim off.)
+        if base == "view_as_complex" and x.dim() - 1 in st:
+            self.fail("`view_as_complex`", f"its last dim (the (re, im) pair) is sharded dim {x.dim() - 1}", "")
+        return st
 
     @_dim_map
     def _h_squeeze(self, x, out, st, base, args, kwargs):
@@ -2085,11 +2143,68 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
             exp: list = []
             for i in items:
                 exp += [slice(None)] * (x.dim() - n_real) if i is Ellipsis else [i]
-            ok = st is not UNKNOWN and self._keeps_slabs(x, st, exp)
+            ok = st is not UNKNOWN and not isinstance(st, tuple(FOLDED))
+            if ok and not self._keeps_slabs(x, st, exp):
+                return self._setitem_global(func, x, st, exp, args[2], kwargs)
+            if ok and any(d is not None and d < len(exp) and not _full_slice(exp[d]) for d in st):
+                # Every slab whole by global bounds (``o[:, n - k:n + k] = v`` with k >= n): bounds
+                # read from slab sizes would cut the slab by its local numbers.
+                exp = [slice(None) if d in st else i for d, i in enumerate(exp)]
+                return func(x, tuple(exp), *args[2:], **kwargs)
         if not ok:
             self.fail("index assignment", f"it writes local positions of a tensor sharded along {self.describe(st)}",
                       "build position masks on the full tensor before sharding, or register a sharded class")
         return func(*args, **kwargs)
+
+    def _setitem_global(self, func, x, st, index: list, value, kwargs):
+        """``x[..., a:b, ...] = value`` along sharded dims by **global** positions, as on one device
+        (a spectral layer writing its kept modes, ``out_ft[:, :, :m1, :m2] = ...``): each slab
+        writes its part of ``[a, b)``. A plain value of the crop's global extent gives each rank
+        its rows; a slab value (a crop of another slab, laid out by ``kept_boundaries``) has its
+        rows moved to the ranks that hold their target (``move_rows``: no messages where nothing
+        moves); a value of extent 1 along the dim broadcasts. Decided alike on every rank from
+        global bounds and gathered lengths."""
+        from .comm import axis_peers
+        from .comm.rebalance import move_rows
+
+        crops = []
+        for d in st:
+            if d is None or _full_slice(index[d]):
+                continue
+            if not (isinstance(index[d], slice) and index[d].step in (None, 1)):
+                self.fail("index assignment", f"slice {index[d]} along sharded dim {d} has a step other than 1", "")
+            crops.append((d, d, index[d]))
+        out_index = list(index)
+        for (p, d, _sl), (a, b, s0, n, _total, lens) in zip(crops, self._global_bounds(x, st, crops)):
+            k = st.index(d)
+            lo = min(max(a - s0, 0), n)
+            hi = max(min(b - s0, n), lo)
+            out_index[p] = slice(lo, hi)
+            if not isinstance(value, torch.Tensor):
+                continue
+            vd = d - (x.dim() - value.dim())
+            vst = self.states.get(value)
+            if vd < 0 or (value.shape[vd] == 1 and (vst is None or vd not in vst)):
+                continue  # broadcast along this dim
+            if vst is None:
+                if value.shape[vd] != b - a:
+                    self.fail("index assignment", f"the value has {value.shape[vd]} rows along dim {d}, and the "
+                              f"assigned range holds {b - a}", "")
+                value = value.narrow(vd, s0 + lo - a, hi - lo)
+                continue
+            if vst is UNKNOWN or type(vst) in FOLDED or (vst[k] if k < len(vst) else None) != vd:
+                self.fail("index assignment", f"the value's layout ({self.describe(vst)}) does not put its rows "
+                          f"along dim {d} on mesh axis {self.guard.axes[k]!r}", "assign a value derived from the "
+                          "same slabs (a crop of them), or a plain tensor of the range's global size")
+            (have,) = self._lengths([(k, int(value.shape[vd]))], "forward guard: index assignment")
+            if sum(have) != b - a:
+                self.fail("index assignment", f"the value has {sum(have)} rows along dim {d} in all, and the "
+                          f"assigned range holds {b - a}", "")
+            starts = [sum(lens[:r]) for r in range(len(lens))]
+            want = [max(min(b - s, m), min(max(a - s, 0), m)) - min(max(a - s, 0), m) for s, m in zip(starts, lens)]
+            value = move_rows(value, vd, tuple(have), tuple(want), axis_peers(self.guard.mesh, self.guard.axes[k]))
+            self._set(value, vst)  # (still a slab: a later cropped dim of a 2-D mesh reads its layout)
+        return func(x, tuple(out_index), value, **kwargs)
 
     def _keeps_slabs(self, x, st, index: list) -> bool:
         """Whether the slices of ``index`` keep every slab whole along every sharded dim (as
@@ -2845,10 +2960,14 @@ class _GuardMode(MergedCalls, FoldCalls, TorchFunctionMode):
         """
         eq = args[0] if args else kwargs.get("equation")
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-        if not isinstance(eq, str) or "..." in eq or not ops or any(not isinstance(t, torch.Tensor) for t in ops):
-            self.fail("`einsum`", "only explicit subscripts (no '...', no sublist form) are mapped, and it receives "
-                      f"{self._what(stateful, False)}", "write it with explicit subscripts, or with matmul / permute")
+        if not isinstance(eq, str) or not ops or any(not isinstance(t, torch.Tensor) for t in ops):
+            self.fail("`einsum`", "only string equations (not the sublist form) are mapped, and it receives "
+                      f"{self._what(stateful, False)}", "write it with a subscript string, or with matmul / permute")
         self._require_known(base, stateful)
+        if "..." in eq:
+            eq = _explicit_einsum(eq, ops)
+            if eq is None:
+                return func(*args, **kwargs)  # torch's own error
         lhs, arrow, rhs = eq.replace(" ", "").partition("->")
         subs = lhs.split(",")
         if not arrow:  # implicit output: the letters used once, in alphabetical order
@@ -3561,6 +3680,31 @@ def _created_sizes(base: str, args, kwargs) -> list:
     return list(sizes) if isinstance(sizes, (list, tuple, torch.Size)) else [sizes]
 
 
+def _explicit_einsum(eq: str, ops) -> str | None:
+    """``eq`` with its ellipsis written out in letters it does not use (``...bi,bio->...bo`` on a
+    4-d and a 3-d operand: ``ABCbi,bio->ABCbo``), the dims it stands for aligned from the right
+    as torch aligns them; ``None`` where the equation does not fit the operands (torch raises)."""
+    import string
+
+    lhs, arrow, rhs = eq.replace(" ", "").partition("->")
+    subs = lhs.split(",")
+    if len(subs) != len(ops):
+        return None
+    counts = [t.dim() - (len(sub) - 3) if "..." in sub else 0 for sub, t in zip(subs, ops)]
+    free = [c for c in string.ascii_letters if c not in eq]
+    n = max(counts)
+    if min(counts) < 0 or n > len(free):
+        return None
+    fill = "".join(free[:n])
+    subs = [sub.replace("...", fill[n - c:]) for sub, c in zip(subs, counts)]
+    if arrow:
+        rhs = rhs.replace("...", fill)
+    else:  # implicit output: the ellipsis dims, then the letters used once, in alphabetical order
+        named = ",".join(subs).replace(",", "")
+        rhs = fill + "".join(sorted(c for c in set(lhs) if c.isalpha() and named.count(c) == 1 and c not in fill))
+    return ",".join(subs) + "->" + rhs
+
+
 def _phase_slice(i) -> bool:
     """``start::step`` with ``0 <= start < step`` (``step > 1``): one phase of a strided split."""
     if not isinstance(i, slice) or i.stop is not None or not isinstance(i.step, int) or i.step < 2:
@@ -3595,7 +3739,8 @@ def _classify_cached(func):
 
 
 #: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
-_HANDLERS = {name[3:]: fn for name, fn in vars(_GuardMode).items() if name.startswith("_h_") and callable(fn)}
+_HANDLERS = {name[3:]: fn for cls in (FftCalls, _GuardMode) for name, fn in vars(cls).items()
+             if name.startswith("_h_") and callable(fn)}
 
 
 def _minus_one_takes_sharded(x: torch.Tensor, st, request) -> bool:
@@ -3794,6 +3939,17 @@ REVIEWED: set[type] = set()
 def mark_reviewed(cls: type[nn.Module]) -> type[nn.Module]:
     """Class decorator: the guard trusts ``cls.forward`` (like ``plan={name: None}`` for every instance)."""
     REVIEWED.add(cls)
+    return cls
+
+
+def mark_guarded(cls: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator: ``cls.forward`` is plain torch code that the guard follows, computing its
+    position-mixing calls with their sharded forms or refusing them on every rank (a spectral
+    convolution's ``torch.fft`` calls), so ``convert`` does not report it as a layer without a
+    sharded version, as it does not report timm's ``GlobalResponseNorm``. The opposite of
+    ``mark_reviewed``, which trusts the forward unchecked. With ``convert(..., guard=False)`` the
+    class is reported as mixing positions. Applies to ``cls`` itself, not to its subclasses."""
+    cls._sharded_nn_guarded = cls
     return cls
 
 

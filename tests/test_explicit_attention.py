@@ -165,35 +165,48 @@ def _fold_misaligned(sizes):
 
 class Deblockify(nn.Module):
     """timm NesT's ``deblockify``: blocks back to a square grid whose side is ``int(math.sqrt(T))``
-    of the block count T, a number ``math`` computes from a slab's size (it loses the guard's tag,
-    so the view asks for constant sizes the whole sample does not have)."""
+    of the block count T, a number ``math`` computes from a slab's size: the whole sample's grid
+    side since session 56 (``int()``/``float()`` of a size read from a slab). ``off``: a side
+    that many blocks short, which the whole sample does not have."""
 
-    def __init__(self) -> None:
+    def __init__(self, off: int = 0) -> None:
         super().__init__()
         self.proj = nn.Conv2d(2, 2, 1)
+        self.off = off
 
     def forward(self, x):
         x = self.proj(x)
         b, c, h, w = x.shape
         t = (h // 2) * (w // 2)  # 2x2 blocks, rows of blocks outermost
         blocks = x.permute(0, 2, 3, 1).reshape(b, h // 2, 2, w // 2, 2, c).transpose(2, 3).reshape(b, t, 4, c)
-        g = int(math.sqrt(t))
-        return blocks.reshape(b, g, g, 2, 2, c).transpose(2, 3).reshape(b, 2 * g, 2 * g, c).sum()
+        g = int(math.sqrt(t)) - self.off
+        return blocks.reshape(b, g, g, 2, 2, c).transpose(2, 3).reshape(b, 2 * g, 2 * g, c).permute(0, 3, 1, 2)
 
 
-def _deblockify(sizes):
+def _deblockify(sizes, off):
     m = mesh(len(sizes))
-    model = snn.convert(Deblockify().double(), m)
-    return error_on_slab(model, torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64), m, sizes)
+    torch.manual_seed(0)
+    ref = Deblockify(off).double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 2, sum(sizes), 8, dtype=torch.float64)
+    if off:
+        return error_on_slab(model, x, m, sizes)
+    return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
 
 
 def test_constant_view_that_does_not_fit_the_whole_sample_is_refused_on_every_rank(run):
     # 8 rows of a 4x4 grid of blocks over 3 ranks: slabs of 2, 2 and 4 rows hold 4, 4 and 8
-    # blocks, whose square roots (2, 2, 2) give views of 16 blocks: the first two ranks' views
-    # fit their slabs (with the wrong grid: 2 blocks per row instead of 4) and ran on while the
-    # third raised torch's size error (a hang, and a silently wrong grid on the other ranks).
-    out = run(3, _deblockify, (2, 2, 4))
+    # blocks. A grid side of 3 fits no slab and not the whole sample: refused alike. (Before
+    # session 56 the side came from each slab's own count, 2, 2 and 2: the first two ranks' views
+    # fit their slabs with the wrong grid and ran on while the third raised torch's size error, a
+    # hang; that became a refusal in session 52.)
+    out = run(3, _deblockify, (2, 2, 4), 1)
     assert len(set(out)) == 1 and "does not fit the whole sample" in out[0], out
+
+
+def test_nest_deblockify_grid_side_from_math_sqrt_is_exact(run):
+    # ``int(math.sqrt(T))`` of the slab's block count is the whole sample's grid side (4): exact.
+    assert max(run(3, _deblockify, (2, 2, 4), 0)) < 1e-10
 
 
 def test_constant_view_of_misaligned_slabs_is_refused_on_every_rank(run):

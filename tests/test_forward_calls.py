@@ -219,7 +219,7 @@ class Hazards(nn.Module):
             h = h.reshape(-1, self.rows * h.shape[3]).reshape(h.shape)
         elif k == "view_minus_one_inner":  # a constant -1 view that puts the sharded rows inside a merged dim
             h = h.reshape(-1, 3).reshape(h.shape)
-        elif k == "setitem_const":  # the first 8 rows of the whole sample (was: every row of short slabs)
+        elif k == "setitem_const":  # the first 8 rows of the whole sample (refused before session 56)
             h = h.clone()
             h[:, :, :8] = 0.0
         elif k == "tolist":
@@ -238,7 +238,7 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call",
+    "group_norm_call", "instance_norm_call", "setitem_const",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -249,7 +249,6 @@ REFUSED = {
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
-    "setitem_const": "index assignment.*writes local positions",
     "view_minus_one_inner": "`reshape`.*folds sharded dim 2 into a constant shape .* not the outermost",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",

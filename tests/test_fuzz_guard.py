@@ -9,7 +9,8 @@ rolls, pools, sizes used as values and in branches, position grids from ``arange
 sums, ``F.group_norm``, TF-"same" pads, window partitions (attention in windows, convolutions on
 windows folded into the batch, window-row-major and batch-major), token
 flattening with attention over all tokens (fused, written out, einsum, linear, keys of a pooled
-grid; on the 2x2 mesh the guard's merged tokens), strided phases, class-token style concatenation and
+grid; on the 2x2 mesh the guard's merged tokens), Fourier transforms (FNO-style mode crops and
+assignments, shifted spectra), strided phases, class-token style concatenation and
 removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
 uneven slabs of the image rows at 1-4 ranks (or rows and columns on a 2x2 mesh), and its output, input gradient and summed
@@ -294,6 +295,21 @@ def _batch_conv_windows(m, x):  # a convolution on 2x2 windows in timm's batch-m
     return x + y
 
 
+def _spectral_modes(m, x):  # FNO style: keep the lowest modes of the 2-D spectrum, assigned by position
+    h, w = x.shape[2], x.shape[3]
+    f = torch.fft.fft2(x, norm="ortho")
+    out = torch.zeros_like(f)
+    out[:, :, :2, :2] = f[:, :, :2, :2] * 2
+    out[:, :, -1:, :2] = f[:, :, -1:, :2]
+    return x + torch.fft.ifft2(out, s=(h, w), norm="ortho").real
+
+
+def _fft_rows(m, x):  # a centred spectrum along the rows, weighted by its frequency
+    f = torch.fft.fftshift(torch.fft.fft(x, dim=2), dim=2)
+    k = torch.fft.fftshift(torch.fft.fftfreq(x.shape[2], dtype=x.dtype))
+    return torch.fft.ifft(torch.fft.ifftshift(f * (1 + k.abs()).view(-1, 1), dim=2), dim=2).real
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
@@ -301,7 +317,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
-    _batch_conv_windows, _linear_attention, _reduced_keys,
+    _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows,
 )}  # fmt: skip
 
 
@@ -309,7 +325,7 @@ STEPS = {f.__name__[1:]: f for f in (
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
-                "batch_windows")
+                "batch_windows", "fft_rows")
 
 
 class Program(nn.Module):
@@ -420,6 +436,12 @@ EXAMPLES = [
     # blocks of dim 0), with one window row on the first rank and a padded last slab.
     dict(domain=3, sizes=[4, 8, 2], width=4, steps=["batch_windows", "batch_conv_windows", "T:batch_windows"],
          head="slab", seed=23),
+    # Session 56: Fourier transforms, mode crops assigned by global positions, shifted spectra,
+    # on uneven slabs and on the 2x2 mesh (both dims sharded).
+    dict(domain=3, sizes=[2, 6, 4], width=4, steps=["spectral_modes", "conv", "fft_rows", "T:fft_rows"],
+         head="slab", seed=29),
+    dict(domain=(2, 2), sizes=[4, 4], width=6, steps=["spectral_modes", "fft_rows", "T:fft_rows"], head="pool",
+         seed=31),
 ]
 
 

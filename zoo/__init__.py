@@ -1,4 +1,4 @@
-"""Ready sharded models (ViT, UNet, Transolver): single-device model code plus ``convert``.
+"""Ready sharded models (ViT, UNet, Transolver, FNO): single-device model code plus ``convert``.
 
 Imported as ``sharded_nn.zoo``. ``create_model(name, mesh=..., **kwargs)`` builds any of them;
 each family lives in its own module and registers its names with ``register_model``.
@@ -19,3 +19,7 @@ __all__ += ["UNet"]
 from .transolver import Transolver  # noqa: E402
 
 __all__ += ["Transolver"]
+# (fno)
+from .fno import FNO  # noqa: E402
+
+__all__ += ["FNO"]

@@ -60,7 +60,7 @@ def create_model(name: str, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
     """Build zoo model ``name``; converted for ``mesh`` (``None``: the plain model).
 
     Args:
-        name: a zoo name (``"unet2d"``, ``"unet3d"``, ``"transolver"``, see ``list_models()``)
+        name: a zoo name (``"unet2d"``, ``"unet3d"``, ``"transolver"``, ``"fno2d"``, see ``list_models()``)
             or a timm model name (``"vit_small_patch16_224"``).
         mesh: a ``DeviceMesh`` with domain axes, or ``None`` for the single-device model.
         **kwargs: the family's options (timm kwargs such as ``img_size``, UNet or Transolver

@@ -37,10 +37,10 @@ __all__ = [
     "metadata_group",
     "scatter_uneven",
 ]
-from .all_to_all import heads_to_seq, seq_to_heads
+from .all_to_all import heads_to_seq, seq_to_heads, transpose_shards
 from .ring_pass import RingHandle, gather_ints, ring_pass
 
-__all__ += ["RingHandle", "gather_ints", "heads_to_seq", "ring_pass", "seq_to_heads"]
+__all__ += ["RingHandle", "gather_ints", "heads_to_seq", "ring_pass", "seq_to_heads", "transpose_shards"]
 from .halo_add import halo_add
 
 __all__ += ["halo_add"]

@@ -3,7 +3,10 @@
 Rolling the global tensor by ``s`` along a sharded dim is, for each rank, a periodic halo of
 ``s`` positions from its left neighbour (or ``G - s`` from its right one, whichever is shorter)
 followed by a crop back to the slab's size: point-to-point between neighbours only, autograd-
-aware through ``halo_cat`` (the gradient of the halo returns to its owner).
+aware through ``halo_cat`` (the gradient of the halo returns to its owner). A shift longer than
+a neighbour's slab (``fftshift``'s half of the domain on more than two ranks, or on uneven
+slabs) fetches each rank's new rows from whichever ranks hold them (``halo_gather``, multi-hop;
+the traffic is the rows that change rank).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout import Layout
-from .halo import HaloSpec, halo_cat
+from .halo import HaloGather, HaloSpec, halo_cat, halo_gather
 from .peers import axis_peers
 from .sizes import gather_layouts
 
@@ -42,8 +45,7 @@ def periodic_shift(
             rank); saves the all-gather of the slab shapes.
 
     Raises:
-        ShardingError: (on every rank alike) when the shift needs more positions than a
-            neighbour's slab holds; use fewer ranks.
+        ShardingError: (on every rank alike) when the layouts disagree (``gather_layouts``).
     """
     from ..mesh import domain_axes
 
@@ -62,10 +64,16 @@ def periodic_shift(
     if s <= layout.size - s:
         # out[i] = in[i - s]: the last s positions of the left neighbour, then our first n - s.
         spec = HaloSpec(dim, (s,) * p, (0,) * p, periodic=True)
-        spec.check(layout.sizes, what)
-        return halo_cat(x, spec, ring).narrow(dim, 0, n)
-    w = layout.size - s
-    # out[i] = in[i + w]: our last n - w positions, then the first w of the right neighbour.
-    spec = HaloSpec(dim, (0,) * p, (w,) * p, periodic=True)
-    spec.check(layout.sizes, what)
-    return halo_cat(x, spec, ring).narrow(dim, w, n)
+        if spec.fits(layout.sizes):
+            return halo_cat(x, spec, ring).narrow(dim, 0, n)
+    else:
+        w = layout.size - s
+        # out[i] = in[i + w]: our last n - w positions, then the first w of the right neighbour.
+        spec = HaloSpec(dim, (0,) * p, (w,) * p, periodic=True)
+        if spec.fits(layout.sizes):
+            return halo_cat(x, spec, ring).narrow(dim, w, n)
+    # Multi-hop: rank r's rows are the global rows [start_r - s, start_r - s + n_r), wrapped.
+    g = layout.size
+    rows = tuple(tuple((a - s + i) % g for i in range(m)) for a, m in zip(layout.starts, layout.sizes))
+    gather = HaloGather(dim, tuple(layout.sizes), rows, ((0, 0),) * p, ((),) * p)
+    return halo_gather(x, gather, ring)

@@ -1,0 +1,174 @@
+"""Fourier neural operator (2-D and 3-D): single-device model code that ``sharded_nn.convert`` shards.
+
+Reads top to bottom: the spectral convolution, the FNO block, the model, the registered entry
+points (``create_model("fno2d" | "fno3d")``).
+
+Nothing here needs a mesh: ``FNO(2, 3, 1)`` is an ordinary ``nn.Module``, written as FNOs are
+written for one device (``torch.fft.rfftn``, a tensor of zeros for the output spectrum, the kept
+modes cropped and assigned corner by corner, ``torch.fft.irfftn`` back to the grid). Converted,
+the 1x1 convolutions are swapped for sharded ones and the forward guard routes the spectral
+code (``sharded_nn/guard_fft.py``): the transforms through ``sharded_nn.fft`` (all-to-alls over
+the sharded dims), the mode crops and assignments by global positions. The sharded model
+computes exactly what this code computes on the whole grid.
+
+Sharding notes:
+    - Shard any spatial dim but the last (the real-to-complex transform halves the last one;
+      ``rfftn`` along a sharded last dim is refused). On a 2-D grid that is H (latitude);
+      on a volume D, or D and H on a 2-D mesh.
+    - Slabs need no alignment (``snn.alignment(model) == (1,)``) and may be uneven.
+    - The low modes of a sharded dim sit at both ends of its spectrum (``[:m]`` and ``[-m:]``),
+      held by the first and the last ranks; the weights' work is on those ranks. The all-to-alls
+      move the whole activation twice per transform (``sharded_nn.fft``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from sharded_nn.convert import convert
+from sharded_nn.errors import ShardingError
+from sharded_nn.forward_guard import mark_guarded
+
+from .factory import register_model
+
+__all__ = ["FNO", "FNOBlock", "SpectralConv"]
+
+
+def _to_tuple(v: int | Sequence[int], n: int, what: str) -> tuple[int, ...]:
+    out = (v,) * n if isinstance(v, int) else tuple(v)
+    if len(out) != n or any(not isinstance(m, int) or m < 1 for m in out):
+        raise ValueError(f"FNO: {what} must be a positive int or {n} positive ints, got {v!r}.")
+    return out
+
+
+@mark_guarded
+class SpectralConv(nn.Module):
+    """A linear map of the lowest Fourier modes, per channel pair (Li et al., 2021).
+
+    ``x`` (N, C_in, *grid) -> (N, C_out, *grid): ``rfftn`` over the grid dims, the ``modes[d]``
+    lowest frequencies of each dim multiplied by a complex weight (both ends of each dim's
+    spectrum but the last, whose spectrum is halved: ``2 ** (k - 1)`` corners of weights), the
+    other modes set to zero, ``irfftn`` back to the grid's size. Weights are stored as real
+    tensors with a trailing (re, im) pair, so ``.double()``/``.half()`` and optimisers treat them
+    as ordinary parameters.
+
+    Sharding contract (converted model, forward guard on): input and output slabs along any grid
+    dim but the last, same layout; exact on uneven slabs.
+    """
+
+    def __init__(self, spatial_dims: int, in_channels: int, out_channels: int, modes: int | Sequence[int]):
+        super().__init__()
+        if spatial_dims not in (1, 2, 3):
+            raise ValueError(f"SpectralConv: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}.")
+        self.spatial_dims = spatial_dims
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.modes = _to_tuple(modes, spatial_dims, "modes")
+        corners = 2 ** (spatial_dims - 1)
+        scale = 1.0 / (in_channels * out_channels)
+        self.weight = nn.Parameter(scale * torch.rand(corners, in_channels, out_channels, *self.modes, 2))
+
+    def corners(self) -> list[tuple[slice, ...]]:
+        """The kept modes: low and high ends of every grid dim but the last, the low end of the last."""
+        ends = [(slice(None, m), slice(-m, None)) for m in self.modes[:-1]]
+        return [(*c, slice(None, self.modes[-1])) for c in itertools.product(*ends)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(-self.spatial_dims, 0))
+        x_ft = torch.fft.rfftn(x, dim=dims)
+        out_ft = torch.zeros(x.shape[0], self.out_channels, *x_ft.shape[2:], dtype=x_ft.dtype, device=x.device)
+        weight = torch.view_as_complex(self.weight)
+        for i, corner in enumerate(self.corners()):
+            idx = (slice(None), slice(None), *corner)
+            out_ft[idx] = torch.einsum("bi...,io...->bo...", x_ft[idx], weight[i].to(x_ft.dtype))
+        return torch.fft.irfftn(out_ft, s=x.shape[2:], dim=dims)
+
+    def extra_repr(self) -> str:
+        return f"{self.spatial_dims}d, {self.in_channels}, {self.out_channels}, modes={self.modes}"
+
+
+class FNOBlock(nn.Module):
+    """``act(spectral(x) + conv1x1(x))``: the global (spectral) and local (pointwise) paths."""
+
+    def __init__(self, spatial_dims: int, width: int, modes: int | Sequence[int], act: type[nn.Module] = nn.GELU):
+        super().__init__()
+        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[spatial_dims - 1]
+        self.spectral = SpectralConv(spatial_dims, width, width, modes)
+        self.pointwise = conv(width, width, 1)
+        self.act = act()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.spectral(x) + self.pointwise(x))
+
+
+class FNO(nn.Module):
+    """Fourier neural operator: lift to ``width`` channels, ``depth`` FNO blocks, project.
+
+    Args:
+        spatial_dims: 1, 2 or 3.
+        in_channels, out_channels: input and output channels (append coordinate channels to the
+            input yourself where the operator needs positions).
+        width: channels of the blocks.
+        modes: kept Fourier modes per grid dim (an int for all); at most the grid's size (and,
+            for the last dim, half of it plus one).
+        depth: number of FNO blocks.
+        projection: hidden channels of the two-layer pointwise projection.
+
+    Input ``(N, in_channels, *grid)``, output ``(N, out_channels, *grid)`` at any grid size.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int,
+        in_channels: int,
+        out_channels: int,
+        *,
+        width: int = 32,
+        modes: int | Sequence[int] = 12,
+        depth: int = 4,
+        projection: int = 128,
+    ):
+        super().__init__()
+        if spatial_dims not in (1, 2, 3):
+            raise ValueError(f"FNO: spatial_dims must be 1, 2 or 3, got {spatial_dims!r}.")
+        if depth < 1:
+            raise ValueError(f"FNO: depth must be >= 1, got {depth!r}.")
+        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[spatial_dims - 1]
+        self.spatial_dims = spatial_dims
+        self.lift = conv(in_channels, width, 1)
+        self.blocks = nn.Sequential(*(FNOBlock(spatial_dims, width, modes) for _ in range(depth)))
+        self.proj = nn.Sequential(conv(width, projection, 1), nn.GELU(), conv(projection, out_channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.blocks(self.lift(x)))
+
+
+@register_model("fno2d", "fno3d")
+def create_fno(
+    name: str, *, mesh: DeviceMesh | None = None, dims: Sequence[int] | int | None = None, **kwargs
+) -> nn.Module:
+    """``FNO(2 or 3, ...)``, converted for ``mesh`` when one is given.
+
+    Args:
+        name: ``"fno2d"`` or ``"fno3d"``.
+        mesh: a mesh with domain axes, or ``None`` for the plain model.
+        dims: tensor dims the domain axes shard (default: the first spatial dims); never the last
+            grid dim (the real transform halves it).
+        **kwargs: ``FNO`` arguments (``in_channels``, ``out_channels``, ``width``, ``modes``, ...).
+    """
+    k = 2 if name == "fno2d" else 3
+    model = FNO(k, **kwargs)
+    if mesh is None:
+        return model
+    if dims is not None:
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        if any(d % (k + 2) == k + 1 for d in dims):
+            raise ShardingError(
+                f"create_model({name!r}): dims {dims} shard the last grid dim, which the real Fourier transform "
+                f"halves; shard the other grid dims (e.g. dims=(2,))."
+            )
+    return convert(model, mesh, dims=dims, strict=True)
