@@ -47,7 +47,12 @@ class FftCalls:
         x = args[0] if args else kwargs.get("input")
         st = self._st(x) if x is not None else None
         if st is None:
-            return self._plain_or_fail(func, base, args, kwargs, stateful)
+            if stateful:
+                return self._plain_or_fail(func, base, args, kwargs, stateful)
+            # A plain (replicated, whole) tensor: sizes read from slabs stand for the global ones
+            # (``irfft2(modes, s=(x.shape[2], x.shape[3]))``: a kernel of the whole grid).
+            args, kwargs = self._globalise(call, args, kwargs)
+            return func(*args, **kwargs)
         self._require_known(call, [x])
         if kwargs.get("out") is not None:
             self.fail(call, "it writes into an `out=` tensor", "assign the result instead")

@@ -245,11 +245,24 @@ class ShiftedSpectrum(nn.Module):
         return torch.fft.ifft(torch.fft.ifftshift(s, dim=2), dim=2, norm="ortho").real
 
 
+class SpectralKernel(nn.Module):
+    """A kernel of the whole grid made from learned modes (a plain tensor sized from the slab's
+    shape, as one device sizes it), applied to the slab."""
+
+    def __init__(self):
+        super().__init__()
+        self.modes = nn.Parameter(torch.randn(3, 4, 3, dtype=torch.complex128))
+
+    def forward(self, x):
+        return x * torch.fft.irfft2(self.modes, s=(x.shape[2], x.shape[3]))
+
+
 MODELS = {
     "fno": lambda: FNO2d(),
     "afno": lambda: AFNONet(1.0),
     "afno_half_modes": lambda: AFNONet(0.5),
     "shifted": lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), ShiftedSpectrum()),
+    "kernel": lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), SpectralKernel()),
 }
 
 
