@@ -39,13 +39,14 @@ MODELS: dict[str, tuple[int, str]] = {
     "unet": (512, "image side in pixels (a multiple of 4)"),
     "transolver": (65536, "number of points"),
     "cnn": (64, "cube side (a multiple of 2)"),
+    "fno": (512, "grid side in points (a multiple of 16)"),
 }
 SEED = 1234
 
 
 @dataclass
 class DemoConfig:
-    """What to run. ``depth``/``width`` shrink the ViT or Transolver (``None``: the defaults)."""
+    """What to run. ``depth`` shrinks the ViT, Transolver or FNO (``None``: the defaults)."""
 
     model: str = "vit"
     nproc: int = 2
@@ -150,6 +151,9 @@ def describe(cfg: DemoConfig) -> tuple[str, tuple[int, ...]]:
     if cfg.model == "transolver":
         depth = 4 if cfg.depth is None else cfg.depth
         return f"Transolver ({depth} layers, 128 hidden, 32 slices) on {s} points", (1, s, 3)
+    if cfg.model == "fno":
+        depth = 4 if cfg.depth is None else cfg.depth
+        return f"zoo FNO 2-D ({depth} blocks, width 32, 16 modes) at {s}x{s}", (1, 3, s, s)
     return f"3-D CNN (4 convs, circular/reflect padding, a stride) on 4x{s}^3", (1, 4, s, s, s)
 
 
@@ -173,6 +177,9 @@ def build_model(cfg: DemoConfig, mesh: Any) -> nn.Module:
         )  # fmt: skip
         if mesh is not None:
             model = snn.convert(model, mesh, strict=True)
+    elif cfg.model == "fno":
+        depth = 4 if cfg.depth is None else cfg.depth
+        model = zoo.create_model("fno2d", mesh=mesh, in_channels=3, out_channels=1, width=32, modes=16, depth=depth)
     else:
         model = nn.Sequential(
             nn.Conv3d(4, 16, 3, padding=1),
@@ -195,7 +202,7 @@ def _shard_dim(cfg: DemoConfig) -> int:
 def _align(cfg: DemoConfig, model: nn.Module) -> int:
     if cfg.model == "vit":
         return 16
-    if cfg.model == "transolver":
+    if cfg.model in ("transolver", "fno"):
         return 1
     from .alignment import alignment
 
@@ -215,7 +222,7 @@ def validate(cfg: DemoConfig) -> None:
     if cfg.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {cfg.nproc}.")
     s = cfg.resolved_size()
-    multiple = {"vit": 16, "unet": 4, "transolver": 1, "cnn": 2}[cfg.model]
+    multiple = {"vit": 16, "unet": 4, "transolver": 1, "cnn": 2, "fno": 16}[cfg.model]
     if s < multiple * 2 or s % multiple:
         raise ValueError(
             f"--size for --model {cfg.model} is the {MODELS[cfg.model][1]}: expected a multiple of "

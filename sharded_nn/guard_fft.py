@@ -15,6 +15,8 @@ ones, as everywhere in the guard.
 
 from __future__ import annotations
 
+import torch
+
 from . import forward_guard as fg
 from .fft import refusal, transform
 
@@ -78,7 +80,10 @@ class FftCalls:
             sizes = list(s) if s is not None else [None] * len(dims)
         dims = [int(d) % nd for d in dims]
         if not any(d in sharded for d in dims):
-            out = func(*args, **kwargs)  # along whole dims only: the slab's own transform is exact
+            # Along whole dims only: the slab's own transform is exact (a length read from a slab
+            # is the global one there too, as on one device).
+            args, kwargs = self._globalise(call, args, kwargs)
+            out = func(*args, **kwargs)
             self._set(out, st)
             return out
         if kind is None:
@@ -117,6 +122,4 @@ class FftCalls:
         for d in dims:
             n = total.get(d, int(x.shape[d]))
             shifts.append(n // 2 if name == "fftshift" else -(n // 2))
-        import torch
-
         return self._h_roll(torch.roll, "roll", (x, shifts, dims), {}, stateful)

@@ -22,7 +22,8 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "model,size,repeat", [("vit", "32", "1"), ("cnn", "16", "2")], ids=["vit", "cnn-repeat2"]
+    "model,size,repeat", [("vit", "32", "1"), ("cnn", "16", "2"), ("fno", "32", "1")],
+    ids=["vit", "cnn-repeat2", "fno"],
 )
 def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str, repeat: str):
     out = tmp_path / "demo"

@@ -257,12 +257,22 @@ class SpectralKernel(nn.Module):
         return x * torch.fft.irfft2(self.modes, s=(x.shape[2], x.shape[3]))
 
 
+class WholeDimTransform(nn.Module):
+    """A transform along a whole dim (W) whose length is read from the sharded one (H): the
+    global length, as on one device."""
+
+    def forward(self, x):
+        f = torch.fft.rfft(x, n=2 * x.shape[2], dim=3)
+        return torch.fft.irfft(f * 0.5, n=x.shape[3], dim=3)
+
+
 MODELS = {
     "fno": lambda: FNO2d(),
     "afno": lambda: AFNONet(1.0),
     "afno_half_modes": lambda: AFNONet(0.5),
     "shifted": lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), ShiftedSpectrum()),
     "kernel": lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), SpectralKernel()),
+    "whole_dim": lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), WholeDimTransform()),
 }
 
 
