@@ -9,9 +9,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 import sharded_nn as snn
-from sharded_nn.zoo.fno import FNO, SpectralConv
+from sharded_nn.forward_guard import mark_guarded
+from sharded_nn.zoo.fno import FNO, ShardedSpectralConv, SpectralConv
 
 from .harness import mesh
 from .reference import compare_on_slabs
@@ -27,6 +29,7 @@ def _one_axis(world, name, sizes, rest):
         warnings.simplefilter("error")  # strict convert, and no warning either
         model = snn.zoo.create_model(name, mesh=m, **OPTIONS).double()
     model.load_state_dict(ref.state_dict())
+    assert all(type(b.spectral) is ShardedSpectralConv for b in model.blocks)  # swapped by convert
     assert snn.alignment(copy.deepcopy(ref), dims=(2,)) == (1,)
     x = torch.randn(2, 2, sum(sizes), *rest, dtype=torch.float64)
     return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
@@ -86,3 +89,67 @@ def test_fno_options_are_checked():
     with pytest.raises(ValueError, match="spatial_dims"):
         SpectralConv(4, 1, 1, 2)
     assert len(SpectralConv(3, 2, 2, 2).corners()) == 4
+
+
+def _standalone(world, sizes):
+    """The sharded layer on its own (no convert, no guard): 2-D, uneven slabs, modes at both ends."""
+    m = mesh(world)
+    torch.manual_seed(0)
+    ref = SpectralConv(2, 3, 4, (3, 2)).double()
+    layer = ShardedSpectralConv(2, 3, 4, (3, 2), mesh=m).double()
+    layer.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, sum(sizes), 7, dtype=torch.float64)
+    return compare_on_slabs(ref, layer, m, x, sizes, replicated=False)
+
+
+@pytest.mark.parametrize("world,sizes", [(2, [1, 8]), (3, [4, 1, 5])])
+def test_sharded_spectral_conv_on_its_own(run, world, sizes):
+    assert max(run(world, _standalone, world, sizes)) < 1e-10
+
+
+def _bad_layer():
+    m = mesh(2)
+    with pytest.raises(snn.ShardingError, match="last grid dim"):
+        ShardedSpectralConv(2, 1, 1, 2, mesh=m, dims=(3,))
+    layer = ShardedSpectralConv(2, 1, 1, 6, mesh=m)
+    with pytest.raises(snn.ShardingError, match="6 modes along dim 2 need a grid of at least that many"):
+        layer(torch.randn(1, 1, 2, 12))  # 4 rows in all
+    return True
+
+
+def test_sharded_spectral_conv_refuses_alike(run):
+    assert all(run(2, _bad_layer))
+
+
+class MyFourierLayer(nn.Module):
+    """A user's own spectral filter, plain torch code the guard follows."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=torch.complex128))
+
+    def forward(self, x):
+        f = torch.fft.rfft2(x)
+        g = f.clone()
+        g[:, :, :3] = f[:, :, :3] * self.w[:, None]
+        return torch.fft.irfft2(g, s=(x.shape[2], x.shape[3]))
+
+
+@mark_guarded
+class MyMarkedFourierLayer(MyFourierLayer):
+    pass
+
+
+def _strict(world, sizes):
+    m = mesh(world)
+    torch.manual_seed(0)
+    with pytest.raises(snn.ShardingNotImplementedError):
+        snn.convert(nn.Sequential(nn.Conv2d(2, 2, 1), MyFourierLayer()).double(), m, strict=True)
+    ref = nn.Sequential(nn.Conv2d(2, 2, 1), MyMarkedFourierLayer()).double()
+    model = snn.convert(copy.deepcopy(ref), m, strict=True)  # marked: not reported
+    x = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64)
+    return compare_on_slabs(ref, model, m, x, sizes, replicated=False)
+
+
+def test_mark_guarded_lets_strict_convert_follow_a_fourier_layer(run):
+    assert max(run(2, _strict, 2, [2, 5])) < 1e-10

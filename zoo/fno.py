@@ -1,15 +1,18 @@
 """Fourier neural operator (2-D and 3-D): single-device model code that ``sharded_nn.convert`` shards.
 
-Reads top to bottom: the spectral convolution, the FNO block, the model, the registered entry
-points (``create_model("fno2d" | "fno3d")``).
+Reads top to bottom: the spectral convolution and its sharded class, the FNO block, the model,
+the registered entry points (``create_model("fno2d" | "fno3d")``).
 
 Nothing here needs a mesh: ``FNO(2, 3, 1)`` is an ordinary ``nn.Module``, written as FNOs are
 written for one device (``torch.fft.rfftn``, a tensor of zeros for the output spectrum, the kept
 modes cropped and assigned corner by corner, ``torch.fft.irfftn`` back to the grid). Converted,
-the 1x1 convolutions are swapped for sharded ones and the forward guard routes the spectral
-code (``sharded_nn/guard_fft.py``): the transforms through ``sharded_nn.fft`` (all-to-alls over
-the sharded dims), the mode crops and assignments by global positions. The sharded model
-computes exactly what this code computes on the whole grid.
+the 1x1 convolutions are swapped for sharded ones and ``SpectralConv`` for
+``ShardedSpectralConv`` (the transforms through ``sharded_nn.fft``, all-to-alls over the sharded
+dims; each rank's kept modes multiplied by its rows of the weights). The same single-device
+code also runs exactly without the sharded class, under the forward guard
+(``sharded_nn/guard_fft.py``: mode crops and assignments by global positions). The sharded model
+computes exactly what this code computes on the whole grid. (``ShardedSpectralConv`` belongs in
+``sharded_nn/layers``; it lives here beside its model, as the UNet's pad classes do.)
 
 Sharding notes:
     - Shard any spatial dim but the last (the real-to-complex transform halves the last one;
@@ -30,13 +33,17 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from sharded_nn.comm import axis_peers
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
-from sharded_nn.forward_guard import mark_guarded
+from sharded_nn.fft import transform
+from sharded_nn.layers.base import ShardedMixin
+from sharded_nn.mesh import axis_index
+from sharded_nn.registry import register
 
 from .factory import register_model
 
-__all__ = ["FNO", "FNOBlock", "SpectralConv"]
+__all__ = ["FNO", "FNOBlock", "ShardedSpectralConv", "SpectralConv"]
 
 
 def _to_tuple(v: int | Sequence[int], n: int, what: str) -> tuple[int, ...]:
@@ -46,7 +53,6 @@ def _to_tuple(v: int | Sequence[int], n: int, what: str) -> tuple[int, ...]:
     return out
 
 
-@mark_guarded
 class SpectralConv(nn.Module):
     """A linear map of the lowest Fourier modes, per channel pair (Li et al., 2021).
 
@@ -89,6 +95,66 @@ class SpectralConv(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spatial_dims}d, {self.in_channels}, {self.out_channels}, modes={self.modes}"
+
+
+@register(SpectralConv)
+class ShardedSpectralConv(ShardedMixin, SpectralConv):
+    """``SpectralConv`` on slabs, usable on its own (``ShardedSpectralConv(2, 32, 32, 16, mesh=mesh)``)
+    and what ``convert`` swaps ``SpectralConv`` for.
+
+    Sharding contract: input ``(N, C_in, *grid)`` sharded along ``dims`` (any grid dims but the
+    last, whose spectrum is halved; uneven slabs, no alignment); output ``(N, C_out, *grid)`` in
+    the same layout. The transforms are ``sharded_nn.fft``'s (two all-to-alls per sharded dim
+    each way); the spectrum keeps the input's layout, so each rank multiplies the kept modes it
+    holds by its rows of the weights: no communication for the modes themselves (the guard's
+    route for the same code moves each corner's rows to the ranks its crops are laid out on and
+    back). One agreement of the input layout (scoped: the output keeps it).
+    """
+
+    _scoped_agree = True
+
+    def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
+        self._spatial_dims = self.spatial_dims
+        super()._init_sharding(mesh, dims)
+        if 1 + self.spatial_dims in self.dims:
+            raise ShardingError(
+                f"{type(self).__name__}: dims={self.dims} shards the last grid dim ({1 + self.spatial_dims}), whose "
+                "spectrum the real Fourier transform halves; shard the other grid dims."
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        what = type(self).__name__
+        layouts = self._agree(x).layouts
+        grid = list(range(2, 2 + self.spatial_dims))
+        sharded = {d: (axis_peers(self.mesh, a), lay.sizes) for d, a, lay in zip(self.dims, self.mesh_axes, layouts)}
+        x_ft = transform("rfft", x, sharded, grid, [None] * len(grid), None, what)
+        out_ft = torch.zeros(x.shape[0], self.out_channels, *x_ft.shape[2:], dtype=x_ft.dtype, device=x.device)
+        weight = torch.view_as_complex(self.weight)
+        for i, corner in enumerate(self.corners()):
+            idx, widx = [slice(None), slice(None)], [slice(None), slice(None)]
+            for d, sl in zip(grid, corner):
+                if d not in sharded:
+                    idx.append(sl)
+                    widx.append(slice(None))
+                    continue
+                # This rank's part of the corner's global range [a, b), and the weights' rows for it.
+                k = self.dims.index(d)
+                lay, r = layouts[k], axis_index(self.mesh, self.mesh_axes[k])
+                a, b, _ = sl.indices(lay.size)
+                if b - a != self.modes[d - 2]:  # (one device: the einsum's size error)
+                    raise ShardingError(
+                        f"{what}: {self.modes[d - 2]} modes along dim {d} need a grid of at least that many "
+                        f"positions, got {lay.size}."
+                    )
+                s0, n = lay.starts[r], lay.sizes[r]
+                lo = min(max(a - s0, 0), n)
+                hi = max(min(b - s0, n), lo)
+                idx.append(slice(lo, hi))
+                widx.append(slice(s0 + lo - a, s0 + hi - a))
+            idx, w = tuple(idx), weight[i][tuple(widx)].to(x_ft.dtype)
+            out_ft[idx] = torch.einsum("bi...,io...->bo...", x_ft[idx], w)
+        sizes = [sum(sharded[d][1]) if d in sharded else x.shape[d] for d in grid]
+        return transform("irfft", out_ft, sharded, grid, sizes, None, what)
 
 
 class FNOBlock(nn.Module):
