@@ -174,8 +174,9 @@ def _plan(x: torch.Tensor, mesh: DeviceMesh, sharded_dims, what: str) -> dict:
     }
 
 
-def _n_dims(x: torch.Tensor, s, dim) -> tuple[list[int], list]:
-    """torch.fft's rules for ``s`` and ``dim``: the transformed dims and their lengths."""
+def transform_dims(x: torch.Tensor, s, dim) -> tuple[list[int], list]:
+    """torch.fft's rules for ``s`` and ``dim``: the transformed dims (non-negative) and their
+    lengths (``None``: torch's default); for the 1-D forms pass ``[n]`` (or ``None``) and the dim."""
     if dim is None:
         dims = list(range(x.dim() - len(s), x.dim())) if s is not None else list(range(x.dim()))
     else:
@@ -188,7 +189,7 @@ def _n_dims(x: torch.Tensor, s, dim) -> tuple[list[int], list]:
 
 def _call(kind: str, x, mesh, s, dim, norm, sharded_dims, name: str) -> torch.Tensor:
     what = f"sharded_nn.fft.{name}"
-    dims, sizes = _n_dims(x, s, dim)
+    dims, sizes = transform_dims(x, s, dim)
     return transform(kind, x, _plan(x, mesh, sharded_dims, what), dims, sizes, norm, what)
 
 

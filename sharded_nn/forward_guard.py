@@ -68,6 +68,7 @@ from .errors import ShardingError
 from .guard_fft import FftCalls
 from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .guard_merged import Merged, MergedCalls, merged_of_reshape
+from .layout import overlap_lengths, slab_overlap
 from .mesh import axis_index, axis_size, domain_axes, one_rank
 
 __all__ = [
@@ -2042,8 +2043,7 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         scope_forget()
         out = list(expanded)
         for (p, _d, _sl), (a, b, s0, n, *_rest) in zip(crops, bounds or self._global_bounds(x, st, crops)):
-            lo = min(max(a - s0, 0), n)
-            out[p] = slice(lo, max(min(b - s0, n), lo))
+            out[p] = slice(*slab_overlap(a, b, s0, n))
         return out
 
     def _keep_crop_boundaries(self, out, st, crops, bounds, out_dims) -> torch.Tensor:
@@ -2051,9 +2051,7 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         to the layout that keeps the source's slab boundaries (``_relayout``), one cropped dim after
         another; ``out_dims[i]``: the output dim of crop i's sharded dim."""
         for (_p, d, _sl), (a, b, _s0, _n, _total, lens), od in zip(crops, bounds, out_dims):
-            starts = [sum(lens[:r]) for r in range(len(lens))]
-            kept = [max(min(b - s, n), min(max(a - s, 0), n)) - min(max(a - s, 0), n) for s, n in zip(starts, lens)]
-            out = self._relayout(out, od, st.index(d), kept, lens)
+            out = self._relayout(out, od, st.index(d), overlap_lengths(a, b, lens), lens)
         return out
 
     def _global_bounds(self, x, st, crops) -> list[tuple]:
@@ -2177,8 +2175,7 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         out_index = list(index)
         for (p, d, _sl), (a, b, s0, n, _total, lens) in zip(crops, self._global_bounds(x, st, crops)):
             k = st.index(d)
-            lo = min(max(a - s0, 0), n)
-            hi = max(min(b - s0, n), lo)
+            lo, hi = slab_overlap(a, b, s0, n)
             out_index[p] = slice(lo, hi)
             if not isinstance(value, torch.Tensor):
                 continue
@@ -2200,9 +2197,8 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
             if sum(have) != b - a:
                 self.fail("index assignment", f"the value has {sum(have)} rows along dim {d} in all, and the "
                           f"assigned range holds {b - a}", "")
-            starts = [sum(lens[:r]) for r in range(len(lens))]
-            want = [max(min(b - s, m), min(max(a - s, 0), m)) - min(max(a - s, 0), m) for s, m in zip(starts, lens)]
-            value = move_rows(value, vd, tuple(have), tuple(want), axis_peers(self.guard.mesh, self.guard.axes[k]))
+            want = overlap_lengths(a, b, lens)
+            value = move_rows(value, vd, tuple(have), want, axis_peers(self.guard.mesh, self.guard.axes[k]))
             self._set(value, vst)  # (still a slab: a later cropped dim of a 2-D mesh reads its layout)
         return func(x, tuple(out_index), value, **kwargs)
 

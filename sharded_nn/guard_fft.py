@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import forward_guard as fg
-from .fft import refusal, transform
+from .fft import refusal, transform, transform_dims
 
 __all__ = ["FftCalls"]
 
@@ -58,7 +58,6 @@ class FftCalls:
         self._require_known(call, [x])
         if kwargs.get("out") is not None:
             self.fail(call, "it writes into an `out=` tensor", "assign the result instead")
-        nd = x.dim()
         sharded = {d: k for k, d in enumerate(st) if d is not None}
         if name in ("fftshift", "ifftshift"):
             return self._fft_shift(name, x, st, args, kwargs, stateful)
@@ -68,17 +67,9 @@ class FftCalls:
             self.fail(call, f"the guard does not know this call, and it receives {self._what(stateful, False)}", "")
         if default is True:
             n = fg._arg(args, kwargs, 1, "n")
-            dims = [fg._arg(args, kwargs, 2, "dim", -1)]
-            sizes = [n]
+            dims, sizes = transform_dims(x, None if n is None else [n], fg._arg(args, kwargs, 2, "dim", -1))
         else:
-            s = fg._arg(args, kwargs, 1, "s")
-            dim = fg._arg(args, kwargs, 2, "dim", default)
-            if dim is None:
-                dims = list(range(nd - len(s), nd)) if s is not None else list(range(nd))
-            else:
-                dims = [dim] if isinstance(dim, int) else list(dim)
-            sizes = list(s) if s is not None else [None] * len(dims)
-        dims = [int(d) % nd for d in dims]
+            dims, sizes = transform_dims(x, fg._arg(args, kwargs, 1, "s"), fg._arg(args, kwargs, 2, "dim", default))
         if not any(d in sharded for d in dims):
             # Along whole dims only: the slab's own transform is exact (a length read from a slab
             # is the global one there too, as on one device).

@@ -99,3 +99,21 @@ class Layout:
                 f"{what}: ranks {empty} hold empty slabs (sizes {self.sizes}); every rank needs data. "
                 "Use fewer ranks or a larger input, and cut slabs with sharded_nn.shard / local_slices."
             )
+
+
+def slab_overlap(a: int, b: int, start: int, n: int) -> tuple[int, int]:
+    """The part of the global range ``[a, b)`` that the slab ``[start, start + n)`` holds, as
+    offsets ``(lo, hi)`` into the slab (``lo == hi`` where it holds none): a crop or an index
+    assignment by global positions, on one rank."""
+    lo = min(max(a - start, 0), n)
+    return lo, max(min(b - start, n), lo)
+
+
+def overlap_lengths(a: int, b: int, sizes) -> tuple[int, ...]:
+    """Every rank's number of positions of the global range ``[a, b)``, for slabs of ``sizes``."""
+    out, start = [], 0
+    for n in sizes:
+        lo, hi = slab_overlap(a, b, start, n)
+        out.append(hi - lo)
+        start += n
+    return tuple(out)

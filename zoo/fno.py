@@ -38,6 +38,7 @@ from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.fft import transform
 from sharded_nn.layers.base import ShardedMixin
+from sharded_nn.layout import slab_overlap
 from sharded_nn.mesh import axis_index
 from sharded_nn.registry import register
 
@@ -147,8 +148,7 @@ class ShardedSpectralConv(ShardedMixin, SpectralConv):
                         f"positions, got {lay.size}."
                     )
                 s0, n = lay.starts[r], lay.sizes[r]
-                lo = min(max(a - s0, 0), n)
-                hi = max(min(b - s0, n), lo)
+                lo, hi = slab_overlap(a, b, s0, n)
                 idx.append(slice(lo, hi))
                 widx.append(slice(s0 + lo - a, s0 + hi - a))
             idx, w = tuple(idx), weight[i][tuple(widx)].to(x_ft.dtype)
