@@ -9,7 +9,7 @@ from .host_memory import apply_process_defaults as _apply_process_defaults
 
 _apply_process_defaults()
 
-from . import comm, fft, functional, losses, points, reductions
+from . import comm, fft, fft_modes, functional, losses, points, reductions
 from . import layers as _layers
 from .alignment import alignment
 from .convert import convert
@@ -49,6 +49,7 @@ __all__ = [
     "domain_group",
     "domain_size",
     "fft",
+    "fft_modes",
     "functional",
     "gather",
     "init_mesh",

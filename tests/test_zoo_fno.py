@@ -1,6 +1,8 @@
 """The zoo FNO (``create_model("fno2d" | "fno3d")``) against the plain model: forward, input and
-parameter gradients (float64), uneven slabs, world sizes 2 and 3, and a 3-D FNO on a 2x2 mesh
-sharding D and H; built with ``strict=True`` (no layer left unreported); bad dims refused."""
+parameter gradients (float64), uneven slabs, world sizes 2 and 3, a 3-D FNO on a 2x2 mesh
+sharding D and H, a 2-D one sharding H and W (the halved dim) and one sharding W only, modes
+whose two ends overlap (the whole spectrum's route); built with ``strict=True`` (no layer left
+unreported); bad modes refused alike."""
 
 from __future__ import annotations
 
@@ -41,46 +43,57 @@ def test_zoo_fno_is_exact(run, name, rest, world, sizes):
     assert max(run(world, _one_axis, world, name, sizes, rest)) < 1e-10
 
 
-def _two_axes(rows, cols):
-    m = mesh((2, 2))
-    i, j = m.get_local_rank("domain0"), m.get_local_rank("domain1")
+def _on_blocks(mesh_shape, name, dims, shape, splits, options=OPTIONS):
+    """``name`` converted for a mesh of ``mesh_shape`` sharding ``dims`` (one per mesh axis, each
+    cut into ``splits[k]``) against the plain model: forward, input and summed parameter gradients."""
+    m = mesh(mesh_shape)
+    axes = m.mesh_dim_names
+    coords = [m.get_local_rank(a) for a in axes]
     torch.manual_seed(0)
-    ref = snn.zoo.create_model("fno3d", **OPTIONS).double()
-    model = snn.zoo.create_model("fno3d", mesh=m, dims=(2, 3), **OPTIONS).double()
+    ref = snn.zoo.create_model(name, **options).double()
+    model = snn.zoo.create_model(name, mesh=m, dims=dims, **options).double()
     model.load_state_dict(ref.state_dict())
-    x = torch.randn(1, 2, sum(rows), sum(cols), 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     y_ref = ref(x)
     g = torch.randn_like(y_ref)
     (y_ref * g).sum().backward()
 
     def block(t):
-        return t.narrow(2, sum(rows[:i]), rows[i]).narrow(3, sum(cols[:j]), cols[j])
+        for d, split, c in zip(dims, splits, coords):
+            t = t.narrow(d, sum(split[:c]), split[c])
+        return t
 
     x_local = block(x.detach()).clone().requires_grad_()
     y = model(x_local)
     torch.testing.assert_close(y, block(y_ref.detach()), atol=1e-10, rtol=1e-10)
     (y * block(g)).sum().backward()
     torch.testing.assert_close(x_local.grad, block(x.grad), atol=1e-10, rtol=1e-10)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
         grad = p.grad.clone()
         torch.distributed.all_reduce(grad)
-        torch.testing.assert_close(grad, q.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(grad, q.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=pname: f"{n}: {s}")
     return True
 
 
 def test_zoo_fno3d_on_a_2x2_mesh(run):
-    assert all(run(4, _two_axes, [4, 3], [2, 5]))
+    assert all(run(4, _on_blocks, (2, 2), "fno3d", (2, 3), (1, 2, 7, 7, 6), ([4, 3], [2, 5])))
 
 
-def _last_dim():
-    m = mesh(2)
-    with pytest.raises(snn.ShardingError, match="last grid dim"):
-        snn.zoo.create_model("fno2d", mesh=m, dims=(3,), **OPTIONS)
-    return True
+def test_zoo_fno2d_on_a_2x2_mesh_shards_both_grid_dims(run):
+    # The last grid dim (halved by the real transform) sharded too: only the kept modes are made.
+    assert all(run(4, _on_blocks, (2, 2), "fno2d", (2, 3), (2, 2, 9, 11), ([6, 3], [4, 7])))
 
 
-def test_zoo_fno_refuses_to_shard_the_halved_dim(run):
-    assert all(run(2, _last_dim))
+@pytest.mark.parametrize("world,cols", [(2, [3, 6]), (3, [5, 1, 4])])
+def test_zoo_fno2d_sharded_along_its_last_dim(run, world, cols):
+    assert all(run(world, _on_blocks, world, "fno2d", (3,), (2, 2, 8, sum(cols)), (cols,)))
+
+
+def test_zoo_fno_modes_whose_ends_overlap(run):
+    # 4 modes on 7 rows: both ends of the spectrum overlap (the corners are assigned one after the
+    # other on one device); that takes the whole spectrum's route (all-to-alls), exact as well.
+    options = {**OPTIONS, "modes": (4, 3)}
+    assert all(run(3, _on_blocks, 3, "fno2d", (2,), (2, 2, 7, 6), ([2, 4, 1],), options))
 
 
 def test_fno_options_are_checked():
@@ -109,11 +122,15 @@ def test_sharded_spectral_conv_on_its_own(run, world, sizes):
 
 def _bad_layer():
     m = mesh(2)
-    with pytest.raises(snn.ShardingError, match="last grid dim"):
-        ShardedSpectralConv(2, 1, 1, 2, mesh=m, dims=(3,))
     layer = ShardedSpectralConv(2, 1, 1, 6, mesh=m)
     with pytest.raises(snn.ShardingError, match="6 modes along dim 2 need a grid of at least that many"):
         layer(torch.randn(1, 1, 2, 12))  # 4 rows in all
+    layer = ShardedSpectralConv(2, 1, 1, 6, mesh=m, dims=(3,))
+    with pytest.raises(snn.ShardingError, match="6 modes along dim 3 need .* a half spectrum of 5"):
+        layer(torch.randn(1, 1, 12, 4))  # 8 columns in all
+    layer = ShardedSpectralConv(2, 1, 1, (4, 2), mesh=m, dims=(3,))
+    with pytest.raises(snn.ShardingError, match="overlap at the two ends .* the last grid dim .* is sharded"):
+        layer(torch.randn(1, 1, 7, 4))  # 4 modes of 7 rows: the whole spectrum's route
     return True
 
 

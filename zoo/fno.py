@@ -7,21 +7,23 @@ Nothing here needs a mesh: ``FNO(2, 3, 1)`` is an ordinary ``nn.Module``, writte
 written for one device (``torch.fft.rfftn``, a tensor of zeros for the output spectrum, the kept
 modes cropped and assigned corner by corner, ``torch.fft.irfftn`` back to the grid). Converted,
 the 1x1 convolutions are swapped for sharded ones and ``SpectralConv`` for
-``ShardedSpectralConv`` (the transforms through ``sharded_nn.fft``, all-to-alls over the sharded
-dims; each rank's kept modes multiplied by its rows of the weights). The same single-device
-code also runs exactly without the sharded class, under the forward guard
-(``sharded_nn/guard_fft.py``: mode crops and assignments by global positions). The sharded model
-computes exactly what this code computes on the whole grid. (``ShardedSpectralConv`` belongs in
-``sharded_nn/layers``; it lives here beside its model, as the UNet's pad classes do.)
+``ShardedSpectralConv``, which makes only the kept modes (``sharded_nn/fft_modes.py``: each rank
+transforms its own rows for them, one small all-reduce of the modes; each rank's rows made back
+from them), so no all-to-all moves the activation. The same single-device code also runs
+exactly without the sharded class, under the forward guard (``sharded_nn/guard_fft.py``: whole
+transforms through all-to-alls, mode crops and assignments by global positions). The sharded
+model computes exactly what this code computes on the whole grid. (``ShardedSpectralConv``
+belongs in ``sharded_nn/layers``; it lives here beside its model, as the UNet's pad classes do.)
 
 Sharding notes:
-    - Shard any spatial dim but the last (the real-to-complex transform halves the last one;
-      ``rfftn`` along a sharded last dim is refused). On a 2-D grid that is H (latitude);
-      on a volume D, or D and H on a 2-D mesh.
+    - Shard any grid dims, the last one (halved by the real transform) included: H on a 1-D
+      mesh, H and W on a 2x2 mesh, D and H (or H and W) of a volume.
     - Slabs need no alignment (``snn.alignment(model) == (1,)``) and may be uneven.
-    - The low modes of a sharded dim sit at both ends of its spectrum (``[:m]`` and ``[-m:]``),
-      held by the first and the last ranks; the weights' work is on those ranks. The all-to-alls
-      move the whole activation twice per transform (``sharded_nn.fft``).
+    - Per spectral layer: one all-reduce of ``N * C * prod(kept modes)`` complex numbers (2-D,
+      16 modes, 32 channels, float32: 128 KiB per sample); the weights are applied on every rank alike
+      (small next to the transforms). Where a dim keeps more than half its length as modes (the
+      two ends overlap), the layer takes the whole spectrum's route (all-to-alls over the
+      sharded dims; the last grid dim must then be whole).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from sharded_nn.comm import axis_peers
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.fft import transform
+from sharded_nn.fft_modes import check_modes, fits, from_kept_spectrum, kept_spectrum
 from sharded_nn.layers.base import ShardedMixin
 from sharded_nn.layout import slab_overlap
-from sharded_nn.mesh import axis_index
+from sharded_nn.mesh import axis_index, group_over
 from sharded_nn.registry import register
 
 from .factory import register_model
@@ -64,8 +67,9 @@ class SpectralConv(nn.Module):
     tensors with a trailing (re, im) pair, so ``.double()``/``.half()`` and optimisers treat them
     as ordinary parameters.
 
-    Sharding contract (converted model, forward guard on): input and output slabs along any grid
-    dim but the last, same layout; exact on uneven slabs.
+    Sharding contract: ``convert`` swaps it for ``ShardedSpectralConv`` (any grid dims). The same
+    code in a class of a user's own (not registered) runs under the forward guard: input and
+    output slabs along any grid dim but the last, same layout; exact on uneven slabs.
     """
 
     def __init__(self, spatial_dims: int, in_channels: int, out_channels: int, modes: int | Sequence[int]):
@@ -103,13 +107,16 @@ class ShardedSpectralConv(ShardedMixin, SpectralConv):
     """``SpectralConv`` on slabs, usable on its own (``ShardedSpectralConv(2, 32, 32, 16, mesh=mesh)``)
     and what ``convert`` swaps ``SpectralConv`` for.
 
-    Sharding contract: input ``(N, C_in, *grid)`` sharded along ``dims`` (any grid dims but the
-    last, whose spectrum is halved; uneven slabs, no alignment); output ``(N, C_out, *grid)`` in
-    the same layout. The transforms are ``sharded_nn.fft``'s (two all-to-alls per sharded dim
-    each way); the spectrum keeps the input's layout, so each rank multiplies the kept modes it
-    holds by its rows of the weights: no communication for the modes themselves (the guard's
-    route for the same code moves each corner's rows to the ranks its crops are laid out on and
-    back). One agreement of the input layout (scoped: the output keeps it).
+    Sharding contract: input ``(N, C_in, *grid)`` sharded along ``dims`` (any grid dims, the
+    last included; uneven slabs, no alignment); output ``(N, C_out, *grid)`` in the same layout.
+    Only the kept modes are made (``sharded_nn.fft_modes``): each rank transforms its own rows
+    for them and one all-reduce of the modes sums the parts, so every rank holds all kept modes,
+    applies the weights to them and makes its own rows back (no all-to-all). Modes whose two
+    ends overlap on a dim (``2 * modes > length``) take the whole spectrum's route
+    (``sharded_nn.fft``, two all-to-alls per sharded dim each way, the spectrum in the input's
+    layout, each rank multiplying the kept modes it holds by its rows of the weights); there the
+    last grid dim must be whole. One agreement of the input layout (scoped: the output keeps
+    it).
     """
 
     _scoped_agree = True
@@ -117,16 +124,44 @@ class ShardedSpectralConv(ShardedMixin, SpectralConv):
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         self._spatial_dims = self.spatial_dims
         super()._init_sharding(mesh, dims)
-        if 1 + self.spatial_dims in self.dims:
-            raise ShardingError(
-                f"{type(self).__name__}: dims={self.dims} shards the last grid dim ({1 + self.spatial_dims}), whose "
-                "spectrum the real Fourier transform halves; shard the other grid dims."
-            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         what = type(self).__name__
         layouts = self._agree(x).layouts
         grid = list(range(2, 2 + self.spatial_dims))
+        rows = {d: (0, x.shape[d], x.shape[d]) for d in grid}  # (slab start, length, global length)
+        for k, (d, lay) in enumerate(zip(self.dims, layouts)):
+            r = axis_index(self.mesh, self.mesh_axes[k])
+            rows[d] = (lay.starts[r], lay.sizes[r], lay.size)
+        sizes = [rows[d][2] for d in grid]
+        check_modes(sizes, self.modes, grid, what)
+        if not fits(sizes, self.modes):  # the two ends of a dim's modes overlap: the whole spectrum
+            return self._whole_spectrum(x, layouts, grid, what)
+        # Only the kept modes: each rank's rows' part of them, summed (one small all-reduce);
+        # the weights applied on every rank alike; each rank's rows made from them.
+        z = kept_spectrum(x, rows, grid, self.modes, group_over(self.mesh, self.mesh_axes))
+        out = torch.zeros(z.shape[0], self.out_channels, *z.shape[2:], dtype=z.dtype, device=z.device)
+        weight = torch.view_as_complex(self.weight)
+        for i, corner in enumerate(self.corners()):
+            # A corner's block of the compact spectrum: [:m] (low) or [m:] (high) per dim, all of the last.
+            block = [slice(None), slice(None)]
+            for sl, m in zip(corner[:-1], self.modes[:-1]):
+                block.append(slice(0, m) if sl.start is None else slice(m, 2 * m))
+            block = tuple(block)
+            out[block] = torch.einsum("bi...,io...->bo...", z[block], weight[i].to(z.dtype))
+        return from_kept_spectrum(out, rows, grid, self.modes)
+
+    def _whole_spectrum(self, x: torch.Tensor, layouts, grid: list[int], what: str) -> torch.Tensor:
+        """The whole spectrum's route (``sharded_nn.fft``: all-to-alls over the sharded dims),
+        for modes whose two ends overlap on some dim (``2m > n``): the corners are assigned one
+        after another there, as on one device."""
+        if grid[-1] in self.dims:
+            raise ShardingError(
+                f"{what}: modes {self.modes} overlap at the two ends of a grid dim of {[x.shape[d] for d in grid]} "
+                f"(2 * modes > length), which needs the whole spectrum, and the last grid dim (dim {grid[-1]}) is "
+                "sharded, whose spectrum the real transform halves; keep at most half of each dim's length as "
+                "modes, or shard the other grid dims."
+            )
         sharded = {d: (axis_peers(self.mesh, a), lay.sizes) for d, a, lay in zip(self.dims, self.mesh_axes, layouts)}
         x_ft = transform("rfft", x, sharded, grid, [None] * len(grid), None, what)
         out_ft = torch.zeros(x.shape[0], self.out_channels, *x_ft.shape[2:], dtype=x_ft.dtype, device=x.device)
@@ -142,11 +177,6 @@ class ShardedSpectralConv(ShardedMixin, SpectralConv):
                 k = self.dims.index(d)
                 lay, r = layouts[k], axis_index(self.mesh, self.mesh_axes[k])
                 a, b, _ = sl.indices(lay.size)
-                if b - a != self.modes[d - 2]:  # (one device: the einsum's size error)
-                    raise ShardingError(
-                        f"{what}: {self.modes[d - 2]} modes along dim {d} need a grid of at least that many "
-                        f"positions, got {lay.size}."
-                    )
                 s0, n = lay.starts[r], lay.sizes[r]
                 lo, hi = slab_overlap(a, b, s0, n)
                 idx.append(slice(lo, hi))
@@ -222,19 +252,11 @@ def create_fno(
     Args:
         name: ``"fno2d"`` or ``"fno3d"``.
         mesh: a mesh with domain axes, or ``None`` for the plain model.
-        dims: tensor dims the domain axes shard (default: the first spatial dims); never the last
-            grid dim (the real transform halves it).
+        dims: tensor dims the domain axes shard (default: the first spatial dims); any grid dims.
         **kwargs: ``FNO`` arguments (``in_channels``, ``out_channels``, ``width``, ``modes``, ...).
     """
     k = 2 if name == "fno2d" else 3
     model = FNO(k, **kwargs)
     if mesh is None:
         return model
-    if dims is not None:
-        dims = (dims,) if isinstance(dims, int) else tuple(dims)
-        if any(d % (k + 2) == k + 1 for d in dims):
-            raise ShardingError(
-                f"create_model({name!r}): dims {dims} shard the last grid dim, which the real Fourier transform "
-                f"halves; shard the other grid dims (e.g. dims=(2,))."
-            )
     return convert(model, mesh, dims=dims, strict=True)
