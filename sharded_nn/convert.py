@@ -153,6 +153,14 @@ def _timm_tables() -> dict[type, object]:
                         "FastAdaptiveCatAvgMaxPool"),
         },
         "torchvision.ops.stochastic_depth": {"guarded": ("StochasticDepth",)},
+        # Swin's patch merging: a reshape of the channels-last token grid into 2 x 2 groups, a
+        # norm and a Linear over the channels, all followed by the guard (the grid's H and W are
+        # sharded dims 1 and 2 there, not the NCHW dims the static check assumes on a 2x2 mesh).
+        "timm.models.swin_transformer": {"guarded": ("PatchMerging",)},
+        "timm.models.swin_transformer_v2": {"guarded": ("PatchMerging",)},
+        "timm.models.swin_transformer_v2_cr": {"guarded": ("PatchMerging",)},
+        "torchvision.models.swin_transformer": {"guarded": ("PatchMerging", "PatchMergingV2")},
+        "monai.networks.nets.swin_unetr": {"guarded": ("PatchMerging", "PatchMergingV2")},
         # A permutation of dims (torchvision's ConvNeXt and Swin: channels last and back), which
         # the guard follows; ResNeSt's softmax over the radix groups of pooled features, whose
         # view and softmax the guard follows (or refuses) like any call of the model's own.
@@ -439,6 +447,10 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
         acts = _acts_on(module, timm_table)
         if acts == _GUARDED:
             if guard:
+                # Its forward, its children's calls included, is torch code the guard follows
+                # (each call computed on slabs or refused at run time on every rank): nothing in
+                # the subtree to report; registered children are still swapped above.
+                reviewed.append(name)
                 continue
             acts = MIXES
         if type(module) in done or acts == ():

@@ -2,13 +2,14 @@
 
 Shifted-window attention on slabs (``sharded_nn.layers.swin``): logits, input gradients and
 parameter gradients (summed over the domain) in float64, on uneven window-aligned slabs of H,
-meshes of 2, 3 and 4 ranks (and 2 x 2 where the library's blocks allow it); the shift crosses
-slab boundaries in every shifted block.
+meshes of 2, 3 and 4 ranks and 2 x 2 meshes (H and W sharded); the shift crosses slab boundaries
+in every shifted block.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -143,20 +144,28 @@ def test_alignment_counts_the_windows():
     assert snn.alignment(m, dims=(2,), input_shape=(1, 3, 448, 224)) == (224,)
 
 
-def _two_axis_mesh():
-    import timm
-
+def _check_2x2(case):
+    """H and W sharded (a 2 x 2 mesh): the shift crosses the slabs along both, the patch merging's
+    channels-last reshape and the MLP's flattened tokens run under the guard (merged dims)."""
+    name, kwargs, (h, w) = CASES[case]
     mesh = make_mesh((2, 2))
-    try:
-        snn.convert(timm.create_model("swin_tiny_patch4_window7_224", **dict(SMALL, img_size=(224, 64))), mesh)
-    except snn.ShardingNotImplementedError as e:
-        return str(e)
-    return "no error"
+    dims = (2, 3)
+    ref = _build(name, kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported by convert either
+        model = snn.convert(copy.deepcopy(ref), mesh)
+    align = snn.alignment(ref, dims=dims, input_shape=(1, 3, h, w))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
+    xl, out, logits = _compare_classifier(ref, model, x, mesh, dims, align, gen)
+    return tuple(xl.shape), (out - logits).abs().max().item()
 
 
-def test_two_domain_axes_are_refused_at_convert(run):
-    out = run(4, _two_axis_mesh)
-    assert all("sharded along H only" in o for o in out), out
+@pytest.mark.parametrize("case", ["v1", "v1_dynamic", "v1_padded", "v2", "v2_cr"])
+def test_swin_on_a_2x2_mesh_matches_timm(run, case):
+    results = run(4, _check_2x2, case)
+    assert len({r[0] for r in results}) > 1, results  # uneven slabs
+    assert all(r[1] < 1e-10 for r in results)
 
 
 # --------------------------------------------------------------------------- MONAI SwinUNETR

@@ -29,15 +29,16 @@ too (``layers/swin_monai.py``).
 
 Sharding contract:
     input: ``(B, H, W, C)`` tokens (timm's NHWC Swin layout), H sharded by a mesh with one
-    domain axis (the image's ``dims=(2,)`` after the patch embedding's permute; meshes with two
-    domain axes are refused at ``convert``: timm's block flattens H and W into one token dim
-    around its MLP, which the forward guard cannot follow when both are sharded). Every slab
-    starts on a window boundary: ``starts % window == 0``, so every slab but the last spans
+    domain axis, or H and W by a mesh with two (the image's ``dims=(2,)`` or ``(2, 3)`` before
+    the patch embedding's permute; timm's block flattens H and W into one token dim around its
+    MLP, which the forward guard follows as a merged dim). Every slab starts on a window
+    boundary: ``starts % window == 0`` along each sharded dim, so every slab but the last spans
     whole windows (the last may end in a partial window, padded as timm pads the image). Shard
     the image with ``align = snn.alignment(model, input_shape=...)`` (patch x 2**stage x window
     for the deepest stage whose windows are smaller than its grid).
-    output: the same layout. forward: two periodic shifts along H for a shifted block (there and
-    back), none for a plain one, plus the layouts' agreement; backward: the shifts' adjoints.
+    output: the same layout. forward: two periodic shifts per sharded dim for a shifted block
+    (there and back), none for a plain one, plus the layouts' agreement; backward: the shifts'
+    adjoints.
 """
 
 from __future__ import annotations
@@ -196,18 +197,19 @@ class ShardedSwinBlockMixin(GuardedAsIs):
 
     @classmethod
     def from_module(cls, module, mesh, **options):
-        """A copy of ``module`` (same parameters) whose children stay unconverted; 1-D domain meshes only."""
+        """A copy of ``module`` (same parameters) whose children stay unconverted; meshes with one
+        or two domain axes (H, or H and W)."""
         axes = domain_axes(mesh)
-        if len(axes) != 1:
+        if len(axes) > 2:
             raise ShardingNotImplementedError(
-                f"{cls.__name__}: Swin blocks are sharded along H only (a mesh with one domain axis), got domain "
-                f"axes {axes}. timm's block flattens H and W into one token dim around its MLP, a layout the forward "
-                "guard cannot follow when both are sharded. Use snn.init_mesh(domain=P) and shard the image's H."
+                f"{cls.__name__}: a Swin block's tokens have two grid dims (H, W), got a mesh with {len(axes)} "
+                f"domain axes {axes}. Use one domain axis (H) or two (H and W)."
             )
         return super().from_module(module, mesh, **options)
 
     def sharding_repr(self) -> str:
-        return "shifted windows over the domain ranks along H; MLP and norms under the forward guard"
+        along = "H" if len(domain_axes(self.mesh)) == 1 else "H and W"
+        return f"shifted windows over the domain ranks along {along}; MLP and norms under the forward guard"
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:  # V1, V2
         return self._windowed(x, super()._attn)
@@ -227,7 +229,7 @@ class ShardedSwinBlockMixin(GuardedAsIs):
         if x.dim() != 4:
             raise ShardingError(f"{name}: expected (B, H, W, C) tokens, got shape {tuple(x.shape)}.")
         ws, shift = tuple(self.window_size), tuple(self.shift_size)
-        slab = window_starts(x, self.mesh, (1,), ws, name)
+        slab = window_starts(x, self.mesh, tuple(range(1, 1 + len(domain_axes(self.mesh)))), ws, name)
         b, h, w, c = x.shape
         has_shift = any(shift)
         y = roll_slab(x, [-s for s in shift], self.mesh, slab, name) if has_shift else x
@@ -255,8 +257,8 @@ class ShardedSwinBlockMixin(GuardedAsIs):
                 f"{type(self).__name__}: the block's shift mask holds {mask.shape[0]} windows, the image has "
                 f"{gnh} x {gnw}: build the model for this image size (img_size=...), or with strict_img_size=False."
             )
-        r0 = slab.first[0] // ws[0]
-        mask = mask.view(gnh, gnw, *mask.shape[1:])[r0 : r0 + local[0] // ws[0]]
+        r0, c0 = slab.first[0] // ws[0], slab.first[1] // ws[1]
+        mask = mask.view(gnh, gnw, *mask.shape[1:])[r0 : r0 + local[0] // ws[0], c0 : c0 + local[1] // ws[1]]
         return mask.reshape(-1, *mask.shape[2:])
 
 
