@@ -9,9 +9,10 @@ Two parts, written into one output folder (``bench_results/`` by default):
    high-water mark above its value after the model and the input were built (weights excluded);
    the prediction compared with it is the planner's peak less parameters and input.
 2. **Per-model benchmarks** (``bench/conv.py``, ``attention.py``, ``vit.py``, ``unet.py``,
-   ``transolver.py``, ``fno.py``, ``layer_overhead.py``) run as subprocesses with small arguments under
-   ``--quick``; their full output is kept (``<name>.txt``) and copied into the report, and the
-   speedups they print (``1.83x``) are collected for the scaling plot.
+   ``transolver.py``, ``fno.py``, ``meshgraphnet.py``, ``layer_overhead.py``) run as
+   subprocesses with small arguments under ``--quick``; their full output is kept
+   (``<name>.txt``) and copied into the report, and the speedups they print (``1.83x``) are
+   collected for the scaling plot.
 
 Outputs: ``results.md`` (one Markdown report), ``results.json``, ``scaling.png`` (speedup and
 efficiency against P), ``memory.png`` (peak memory per rank against resolution, P=1 and P=2,
@@ -55,7 +56,7 @@ BENCH_QUICK = [("attention", ["--seq", "1024", "--iters", "1"]), ("layer_overhea
                ("comm_volume", ["--side", "32", "--length", "1024"])]  # fmt: skip
 BENCH_FULL = [
     ("conv", []), ("cnn", []), ("attention", []), ("vit", []), ("unet", []), ("transolver", []),
-    ("layer_overhead", []), ("comm_volume", []), ("fno", []),
+    ("layer_overhead", []), ("comm_volume", []), ("fno", []), ("meshgraphnet", []),
 ]  # fmt: skip
 
 _SPEEDUP = re.compile(r"(?<![\w.])(\d+\.\d+)x(?!\w)")

@@ -69,7 +69,8 @@ def rfftn_modes(
         dim: the transformed dims (default: the last ``len(modes)`` dims; required for an int
             ``modes``); any of them may be sharded.
 
-    Returns the compact spectrum, the same on every rank: ``x``'s global shape with each
+    Returns the compact spectrum, the same on every rank of the axes that shard the transformed
+    dims (a sharded dim that is not transformed stays sharded): ``x``'s global shape with each
     transformed dim replaced by ``2m`` (the ``[:m]`` frequencies, then the ``[-m:]`` ones) and the
     last by ``m``. One all-reduce of it; the backward sums its gradient over the ranks.
     """
@@ -174,7 +175,8 @@ def kept_spectrum(
         x: this rank's slab (real).
         rows: every transformed dim's (slab start, slab length, global length); a whole dim is
             ``(0, n, n)``.
-        dims: the transformed dims, non-negative, increasing; the last is the halved one.
+        dims: the transformed dims, distinct and non-negative, in any order; the last is the
+            halved one (as ``torch.fft.rfftn`` halves the last of its ``dim``).
         modes: kept modes per dim of ``dims``; ``fits`` must hold.
         group: the ranks whose slabs make up the whole (``None``: this rank holds all of it).
 

@@ -1,4 +1,4 @@
-"""Ready sharded models (ViT, UNet, Transolver, FNO): single-device model code plus ``convert``.
+"""Ready sharded models (ViT, UNet, Transolver, FNO, MeshGraphNet): single-device model code plus ``convert``.
 
 Imported as ``sharded_nn.zoo``. ``create_model(name, mesh=..., **kwargs)`` builds any of them;
 each family lives in its own module and registers its names with ``register_model``.
@@ -23,3 +23,7 @@ __all__ += ["Transolver"]
 from .fno import FNO  # noqa: E402
 
 __all__ += ["FNO"]
+# (meshgraphnet)
+from .meshgraphnet import MeshGraphNet  # noqa: E402
+
+__all__ += ["MeshGraphNet"]

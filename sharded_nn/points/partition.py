@@ -39,6 +39,7 @@ from ..comm import all_gather_grid, all_gather_uneven, all_reduce_max, all_reduc
 from ..layout import Layout
 from ..mesh import domain_group
 from .exchange import exchange, gather_rows, ring_offsets
+from .graph import HaloGraph, build_halo_graph
 
 __all__ = ["Ghosts", "PointCloudPartition", "balanced_sizes"]
 
@@ -473,12 +474,38 @@ class PointCloudPartition(nn.Module):
         bounds = torch.tensor([sum(sizes[: r + 1]) for r in range(len(sizes))], device=idx.device)
         owner = torch.bucketize(idx, bounds, right=True)
         out = [self._gather(t, idx, sizes) for t in (pos_l, *fields_l)]
-        all_index = plan.all_index
-        if all_index is None:
-            plan.all_index = all_index = torch.cat(
-                all_gather_uneven(plan.index, domain_group(self.mesh), [(s,) for s in sizes])
+        return Ghosts(out[0], tuple(out[1:]), self._all_index(plan)[idx], owner)
+
+    def _all_index(self, plan: _Plan) -> torch.Tensor:
+        """Every part's original indices, parts concatenated in rank order (one all-gather the
+        first time after a repartition; a full cloud's plan has them already)."""
+        if plan.all_index is None:
+            plan.all_index = torch.cat(
+                all_gather_uneven(plan.index, domain_group(self.mesh), [(s,) for s in plan.sizes])
             )
-        return Ghosts(out[0], tuple(out[1:]), all_index[idx], owner)
+        return plan.all_index
+
+    # -- graphs ------------------------------------------------------------------------------
+
+    def graph(self, edge_index, *, flow: str = "source_to_target") -> HaloGraph:
+        """This rank's in-edges of a graph over the partitioned cloud, with its halo points.
+
+        ``edge_index``: the whole graph's ``(2, E)`` edges in original point indices, the same on
+        every rank (or a PyG ``Data``, whose ``edge_index`` is taken). Returns a ``HaloGraph``:
+        local ``edge_index`` (this rank's points, then the halo points), ``edge_ids`` (slice
+        edge attributes with them), ``halo(x_l)`` (the halo points' features fetched from their
+        owners, differentiable). See ``sharded_nn/points/graph.py`` for which layers are then
+        exact. Collective after ``repartition`` (one all-gather of the parts' indices).
+        """
+        if self._plans is not None and self._plan is None:
+            raise RuntimeError(
+                "PointCloudPartition.graph: the last call partitioned a PyG Batch; partition each graph's Data "
+                "on its own to build its halo graph."
+            )
+        plan = self._require_plan("graph")
+        if _is_pyg(edge_index):
+            edge_index = edge_index.edge_index
+        return build_halo_graph(edge_index, self._all_index(plan), plan.sizes, self.ring, flow)
 
     def _gather(self, t: torch.Tensor, idx: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         dim = t.dim() - 2
