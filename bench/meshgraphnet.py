@@ -36,7 +36,7 @@ import sharded_nn as snn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.*
 from bench.unet import _timed  # noqa: E402
-from sharded_nn.demo import PeakRSS  # noqa: E402
+from sharded_nn.demo import PeakRSS, mesh_graph  # noqa: E402
 from sharded_nn.points import PointCloudPartition  # noqa: E402
 from sharded_nn.zoo import create_model  # noqa: E402
 
@@ -44,29 +44,11 @@ OPTIONS = {"node_in": 4, "edge_in": 3, "out": 2, "hidden": 64, "steps": 6}
 SEED = 1234
 
 
-def mesh_graph(side: int):
-    """Positions ``(N, 2)``, node features, edge features and ``edge_index`` of the triangulated grid."""
-    g = torch.Generator().manual_seed(SEED)
-    ij = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2)
-    pos = ij.float() + 0.3 * (torch.rand(side * side, 2, generator=g) - 0.5)
-    node = ij[:, 0] * side + ij[:, 1]
-    pairs = []
-    for di, dj in ((0, 1), (1, 0), (1, 1)):
-        ok = (ij[:, 0] + di < side) & (ij[:, 1] + dj < side)
-        a = node[ok]
-        b = a + di * side + dj
-        pairs += [torch.stack([a, b]), torch.stack([b, a])]
-    edge_index = torch.cat(pairs, 1)
-    d = pos[edge_index[1]] - pos[edge_index[0]]
-    edge_attr = torch.cat([d, d.norm(dim=1, keepdim=True)], 1)
-    x = torch.randn(side * side, OPTIONS["node_in"], generator=g)
-    return pos, x, edge_attr, edge_index
-
-
 def rank_main(side: int, iters: int):
     p = dist.get_world_size()
     mesh = snn.init_mesh(domain=p, device_type="cpu") if p > 1 else None
-    pos, x, edge_attr, edge_index = mesh_graph(side)
+    pos, x, edge_attr, edge_index = mesh_graph(side, OPTIONS["node_in"], SEED)
+    x, edge_attr = x.float(), edge_attr.float()
     peak = PeakRSS()
     torch.manual_seed(SEED)
     model = create_model("meshgraphnet", mesh=mesh, **OPTIONS)

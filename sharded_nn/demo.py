@@ -40,13 +40,14 @@ MODELS: dict[str, tuple[int, str]] = {
     "transolver": (65536, "number of points"),
     "cnn": (64, "cube side (a multiple of 2)"),
     "fno": (512, "grid side in points (a multiple of 16)"),
+    "meshgraphnet": (160, "side of the triangulated grid (nodes = side^2)"),
 }
 SEED = 1234
 
 
 @dataclass
 class DemoConfig:
-    """What to run. ``depth`` shrinks the ViT, Transolver or FNO (``None``: the defaults)."""
+    """What to run. ``depth`` shrinks the ViT, Transolver, FNO or MeshGraphNet (its steps; ``None``: the defaults)."""
 
     model: str = "vit"
     nproc: int = 2
@@ -154,6 +155,9 @@ def describe(cfg: DemoConfig) -> tuple[str, tuple[int, ...]]:
     if cfg.model == "fno":
         depth = 4 if cfg.depth is None else cfg.depth
         return f"zoo FNO 2-D ({depth} blocks, width 32, 16 modes) at {s}x{s}", (1, 3, s, s)
+    if cfg.model == "meshgraphnet":
+        depth = 6 if cfg.depth is None else cfg.depth
+        return f"zoo MeshGraphNet ({depth} steps, hidden 64) on a {s}x{s} triangulated grid", (s * s, 4)
     return f"3-D CNN (4 convs, circular/reflect padding, a stride) on 4x{s}^3", (1, 4, s, s, s)
 
 
@@ -180,6 +184,9 @@ def build_model(cfg: DemoConfig, mesh: Any) -> nn.Module:
     elif cfg.model == "fno":
         depth = 4 if cfg.depth is None else cfg.depth
         model = zoo.create_model("fno2d", mesh=mesh, in_channels=3, out_channels=1, width=32, modes=16, depth=depth)
+    elif cfg.model == "meshgraphnet":
+        steps = 6 if cfg.depth is None else cfg.depth
+        model = zoo.create_model("meshgraphnet", mesh=mesh, node_in=4, edge_in=3, out=2, hidden=64, steps=steps)
     else:
         model = nn.Sequential(
             nn.Conv3d(4, 16, 3, padding=1),
@@ -196,13 +203,33 @@ def build_model(cfg: DemoConfig, mesh: Any) -> nn.Module:
 
 
 def _shard_dim(cfg: DemoConfig) -> int:
-    return 1 if cfg.model == "transolver" else 2
+    return {"transolver": 1, "meshgraphnet": 0}.get(cfg.model, 2)
+
+
+def mesh_graph(side: int, node_in: int = 4, seed: int = SEED):
+    """A triangulated ``side x side`` grid: positions ``(N, 2)`` (jittered), node features
+    ``(N, node_in)``, edge features ``(E, 3)`` (dx, dy, length) and ``edge_index`` (each vertex
+    joined both ways to its right, lower and lower-right neighbours)."""
+    g = torch.Generator().manual_seed(seed)
+    ij = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2)
+    pos = ij.double() + 0.3 * (torch.rand(side * side, 2, generator=g, dtype=torch.float64) - 0.5)
+    node = ij[:, 0] * side + ij[:, 1]
+    pairs = []
+    for di, dj in ((0, 1), (1, 0), (1, 1)):
+        a = node[(ij[:, 0] + di < side) & (ij[:, 1] + dj < side)]
+        b = a + di * side + dj
+        pairs += [torch.stack([a, b]), torch.stack([b, a])]
+    edge_index = torch.cat(pairs, 1)
+    d = pos[edge_index[1]] - pos[edge_index[0]]
+    edge_attr = torch.cat([d, d.norm(dim=1, keepdim=True)], 1)
+    x = torch.randn(side * side, node_in, generator=g, dtype=torch.float64)
+    return pos, x, edge_attr, edge_index
 
 
 def _align(cfg: DemoConfig, model: nn.Module) -> int:
     if cfg.model == "vit":
         return 16
-    if cfg.model in ("transolver", "fno"):
+    if cfg.model in ("transolver", "fno", "meshgraphnet"):
         return 1
     from .alignment import alignment
 
@@ -222,7 +249,7 @@ def validate(cfg: DemoConfig) -> None:
     if cfg.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {cfg.nproc}.")
     s = cfg.resolved_size()
-    multiple = {"vit": 16, "unet": 4, "transolver": 1, "cnn": 2, "fno": 16}[cfg.model]
+    multiple = {"vit": 16, "unet": 4, "transolver": 1, "cnn": 2, "fno": 16, "meshgraphnet": 1}[cfg.model]
     if s < multiple * 2 or s % multiple:
         raise ValueError(
             f"--size for --model {cfg.model} is the {MODELS[cfg.model][1]}: expected a multiple of "
@@ -265,13 +292,28 @@ def rank_step(cfg: DemoConfig, sharded: bool) -> dict[str, Any]:
     mesh = snn.init_mesh(device_type=device_type) if sharded else None
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     model = build_model(cfg, mesh).to(device)
-    x_full = global_input(cfg)
     dim = _shard_dim(cfg)
-    if mesh is not None:
-        sl = snn.local_slices(tuple(x_full.shape), mesh, dims=(dim,), align=_align(cfg, model))
-        x = x_full[sl].clone()
+    graph, part = None, None
+    if cfg.model == "meshgraphnet":  # nodes split by position; each rank's in-edges and halo
+        pos, x_full, e_full, edge_index = mesh_graph(cfg.resolved_size())
+        x_full, e_full = x_full.to(_torch_dtype(cfg.dtype)), e_full.to(_torch_dtype(cfg.dtype))
+        if mesh is not None:
+            from .points import PointCloudPartition
+
+            part = PointCloudPartition(mesh)
+            _, x_full = part(pos, x_full)
+            g = part.graph(edge_index.to(device))
+            graph = (e_full[g.edge_ids].to(device), g)
+        else:
+            graph = (e_full.to(device), edge_index.to(device))
+        x = x_full.detach().clone()
     else:
-        x = x_full.clone()
+        x_full = global_input(cfg)
+        if mesh is not None:
+            sl = snn.local_slices(tuple(x_full.shape), mesh, dims=(dim,), align=_align(cfg, model))
+            x = x_full[sl].clone()
+        else:
+            x = x_full.clone()
     del x_full
     x = x.to(device).requires_grad_()
 
@@ -288,6 +330,8 @@ def rank_step(cfg: DemoConfig, sharded: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         if cfg.model == "transolver":
             out = model(x, embedding=x.detach())
+        elif graph is not None:
+            out = model(x, *graph)
         else:
             out = model(x)
         _loss(cfg, out, mesh).backward()
@@ -306,14 +350,16 @@ def rank_step(cfg: DemoConfig, sharded: bool) -> dict[str, Any]:
         # Per-rank numbers travel as a P-vector sharded along dim 0 (a collective, so also a barrier).
         stats = snn.gather(torch.tensor([[mem, seconds]], dtype=torch.float64, device=device), mesh, dims=0)
         mems, seconds = stats[:, 0].tolist(), stats[:, 1].max().item()
-        dx = snn.gather(dx, mesh, dims=dim)
+        dx = part.restore(dx) if part is not None else snn.gather(dx, mesh, dims=dim)
         # Parameter gradients are per-rank partial sums (DESIGN.md section 3); training sums them
         # with DDP/FSDP (``parallelize``); here one gather of the flattened gradients does it.
         flat = torch.cat([g.flatten() for g in params]).to(device)[None]
         total = snn.gather(flat, mesh, dims=0).sum(0).cpu()
         params = list(torch.split(total, [g.numel() for g in params]))
         params = [t.view(g.shape) for t, g in zip(params, [p.grad for p in model.parameters() if p.grad is not None])]
-        if cfg.model != "vit":  # ViT logits are replicated already
+        if part is not None:  # nodes: back in their original order
+            out = part.restore(out)
+        elif cfg.model != "vit":  # ViT logits are replicated already
             out = snn.gather(out, mesh, dims=dim)
     else:
         mems = [mem]
@@ -466,7 +512,12 @@ def main(cfg: DemoConfig, *, progress: bool = True) -> int:
             return 0
     else:
         print(f"sharded_nn demo: {desc}, forward + backward, P=1 against P={cfg.nproc} local processes")
-        print(f"  global input {tuple(shape)} {cfg.dtype}; each rank holds a slab of dim {_shard_dim(cfg)}")
+        held = (
+            "a part of the nodes (PointCloudPartition) with its in-edges and halo nodes"
+            if cfg.model == "meshgraphnet"
+            else f"a slab of dim {_shard_dim(cfg)}"
+        )
+        print(f"  global input {tuple(shape)} {cfg.dtype}; each rank holds {held}")
         rec = run_local(cfg, progress=progress)
     js, png = _write(rec, Path(cfg.out))
     print(format_table(rec))

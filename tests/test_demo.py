@@ -22,8 +22,8 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "model,size,repeat", [("vit", "32", "1"), ("cnn", "16", "2"), ("fno", "32", "1")],
-    ids=["vit", "cnn-repeat2", "fno"],
+    "model,size,repeat", [("vit", "32", "1"), ("cnn", "16", "2"), ("fno", "32", "1"), ("meshgraphnet", "16", "1")],
+    ids=["vit", "cnn-repeat2", "fno", "meshgraphnet"],
 )
 def test_demo_tiny_matches_single_process(tmp_path: Path, model: str, size: str, repeat: str):
     out = tmp_path / "demo"
