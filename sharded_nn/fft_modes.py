@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce_sum, gather_layouts
 from .errors import ShardingError
+from .fft import _local
 from .mesh import domain_axes, group_over
 from .sharding import default_dims
 
@@ -188,7 +189,7 @@ def kept_spectrum(
     start, n, total = rows[last]
     if n == total:  # whole: the FFT, cropped (one copy of the kept columns, so the full
         # half-spectrum is freed now and nothing large is saved for the backward)
-        z = _rfft_whole(x, last)[(slice(None),) * last + (slice(0, modes[-1]),)].contiguous()
+        z = _local("rfft", x, last, None, None)[(slice(None),) * last + (slice(0, modes[-1]),)].contiguous()
     else:
         z = _real_rows_to_modes(x, last, start, n, total, modes[-1])
     for d, m in zip(dims[:-1], modes[:-1]):
@@ -213,7 +214,7 @@ def from_kept_spectrum(z: torch.Tensor, rows: Rows, dims: Sequence[int], modes: 
     if n == total:
         pad = total // 2 + 1 - z.shape[last]
         z = torch.nn.functional.pad(z, (0, 0) * (z.dim() - 1 - last) + (0, pad)) if pad else z
-        return _irfft_whole(z, last, total)
+        return _local("irfft", z, last, total, None)
     return _modes_to_real_rows(z, last, start, n, total)
 
 
@@ -271,26 +272,6 @@ def _modes_to_real_rows(z, d, start, n, total) -> torch.Tensor:
     g = torch.stack([(c * ph.cos()).t(), (-c * ph.sin()).t()], 1).reshape(2 * m, n)
     zr = torch.view_as_real(z.movedim(d, -1).contiguous()).flatten(-2)
     return (zr @ g.to(dtype=zr.dtype, device=zr.device)).movedim(-1, d)
-
-
-# ------------------------------------------------------------------------------ whole last dim
-
-
-def _rfft_whole(x: torch.Tensor, d: int) -> torch.Tensor:
-    if x.numel():
-        return torch.fft.rfft(x, dim=d)
-    # An empty slab (no rows here): its empty result, still connected to ``x``.
-    shape = list(x.shape)
-    shape[d] = x.shape[d] // 2 + 1
-    return torch.zeros(shape, dtype=torch.promote_types(x.dtype, torch.complex64), device=x.device) + x.sum() * 0
-
-
-def _irfft_whole(z: torch.Tensor, d: int, total: int) -> torch.Tensor:
-    if z.numel():
-        return torch.fft.irfft(z, n=total, dim=d)
-    shape = list(z.shape)
-    shape[d] = total
-    return torch.zeros(shape, dtype=z.real.dtype, device=z.device) + z.sum().real * 0
 
 
 def check_modes(sizes: Sequence[int], modes: Sequence[int], dims: Sequence[int], what: str) -> None:
