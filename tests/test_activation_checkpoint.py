@@ -15,6 +15,7 @@ and the gradients would be silently wrong (they were, before the guard refused i
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -106,6 +107,51 @@ def _exact(domain):
 @pytest.mark.parametrize("domain", [2, 3, (2, 2)])
 def test_activation_checkpoint_is_exact(run, domain):
     assert max(run(world_of(domain), _exact, domain)) < 1e-12
+
+
+class TorchRegion(nn.Module):
+    """A region made of torch's own modules only (``nn.Sequential``: no frame of the model's code
+    between the checkpoint and the calls), with a softmax over the rows that the guard routes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.GELU(), nn.Softmax(dim=2), nn.Conv2d(4, 4, 1))
+        self.checkpointed = True
+
+    def forward(self, x):
+        x = self.stem(x)
+        return x + (snn.activation_checkpoint(self.body, x) if self.checkpointed else self.body(x))
+
+
+def _torch_region(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = TorchRegion().double()
+    ref.checkpointed = False
+    x = torch.randn(2, 2, sum(_SIZES[domain]), 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 4, sum(_SIZES[domain]), 6, dtype=torch.float64)
+    (ref(x) * w).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", snn.ShardingWarning)  # the Softmax over rows, which the guard routes
+        model = snn.convert(copy.deepcopy(ref), m)
+    model.checkpointed = True
+    xl = _local(x.detach(), m, domain).requires_grad_()
+    y = model(xl)
+    (y * _local(w, m, domain)).sum().backward()
+    errs = [(y - _local(ref(x).detach(), m, domain)).abs().max(), (xl.grad - _local(x.grad, m, domain)).abs().max()]
+    for p, pr in zip(model.parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        errs.append((g - pr.grad).abs().max())
+    return max(e.item() for e in errs)
+
+
+@pytest.mark.parametrize("domain", [2, (2, 2)])
+def test_activation_checkpoint_of_torch_modules_is_exact(run, domain):
+    """Refused before (the calls of ``nn.Sequential``'s modules were taken for the library's own,
+    passed through unfollowed, and the next sharded layer got an untracked tensor)."""
+    assert max(run(world_of(domain), _torch_region, domain)) < 1e-12
 
 
 def _random(domain):
