@@ -25,6 +25,15 @@ An operator's output that shares an input's storage (a view such as ``weight.t()
 each parameter once more, as an activation that shrinks with P (21 MiB of vit_tiny's 614 MiB at
 1024^2, and the P=2 plan of a small ViT 18% off the sharded model).
 
+Kernels' own scratch: a CPU convolution allocates buffers inside its kernel that no operator
+returns (torch's native kernels unfold the input into a column matrix, 27 times the input of a
+3x3x3 convolution; oneDNN reorders its operands), invisible to the dispatch trace; the tracker
+adds them while such a call runs, from the call's shapes and the backend ATen picks for them
+(``conv_workspace``): P=1 with torch's kernels, P >= 2 with the sharded layers' (which send
+torch's native 3-D kernel's calls to oneDNN). With them the plan equals the CPU allocator's own
+peak (the profiler's allocation events) on the demo's CNN, UNet and ViT at P=1; without them it
+was 54% of the 3-D CNN's (69 of 128 MiB at 64^3).
+
 What it does not model: halo rows and ring-attention buffers of the sharded layers (a few rows or
 one peer's key/value block per layer: at 1024^2 the sharded vit_tiny keeps about 7% more per rank
 than the scaled plain timeline; ``tests/test_planner.py`` compares the plan at P=2 with the
@@ -46,6 +55,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .conv_workspace import KernelScratch
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -90,19 +101,22 @@ class LiveBytes(TorchDispatchMode):
     every token activation.
     """
 
-    def __init__(self):
+    def __init__(self, workspaces: bool = True):
         super().__init__()
         self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (seq, bytes)
         self._refs: dict[int, weakref.ref] = {}
-        self.events: list[tuple[int, int]] = []  # (seq, +bytes on allocation / -bytes on free)
+        # (seq, +bytes on allocation / -bytes on free, the same under the sharded layers' kernels)
+        self.events: list[tuple[int, int, int]] = []
         self.replicated: set[int] = set()
         self._seq = 0
+        # Kernels' own scratch (``conv_workspace``): None to follow returned tensors only.
+        self._scratch = KernelScratch() if workspaces else None
 
     def _free(self, key: int) -> None:
         seq, nbytes = self._live.pop(key, (None, 0))
         self._refs.pop(key, None)
         if seq is not None:
-            self.events.append((seq, -nbytes))
+            self.events.append((seq, -nbytes, -nbytes))
 
     def _track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -112,9 +126,17 @@ class LiveBytes(TorchDispatchMode):
         self._seq += 1
         self._live[key] = (self._seq, st.nbytes())
         self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
-        self.events.append((self._seq, st.nbytes()))
+        self.events.append((self._seq, st.nbytes(), st.nbytes()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A kernel's own scratch (a CPU convolution's column matrix), live while it runs:
+        # allocated before its outputs, freed after them (``conv_workspace``), under torch's
+        # kernels and under the sharded layers' choice of kernel.
+        plain, sharded = self._scratch.of(func, args) if self._scratch is not None else (0, 0)
+        if plain or sharded:
+            self._seq += 1
+            seq = self._seq
+            self.events.append((seq, plain, sharded))
         out = func(*args, **(kwargs or {}))
         # An output that shares an input's storage (a view such as ``weight.t()``, ``detach``,
         # an in-place op) allocates nothing: counting it would charge a parameter (or the input)
@@ -127,6 +149,8 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and id(t.untyped_storage()) not in inputs:
                 self._track(t)
+        if plain or sharded:
+            self.events.append((seq, -plain, -sharded))
         return out
 
     def mark_replicated(self, tensors) -> None:
@@ -147,9 +171,15 @@ class LiveBytes(TorchDispatchMode):
 
     @property
     def timeline(self) -> list[tuple[int, int]]:
+        """``(activation, replicated)`` bytes after every event, under torch's own kernels."""
+        return self.timeline_of(sharded=False)
+
+    def timeline_of(self, sharded: bool) -> list[tuple[int, int]]:
+        """The timeline under torch's kernels (the plain model) or the sharded layers' (P >= 2)."""
         act = rep = 0
         out = [(0, 0)]
-        for seq, delta in self.events:
+        for seq, plain, shard in self.events:
+            delta = shard if sharded else plain
             if seq in self.replicated:
                 rep += delta
             else:
@@ -157,9 +187,10 @@ class LiveBytes(TorchDispatchMode):
             out.append((act, rep))
         return out
 
-    def peak(self, scale: float = 1.0) -> int:
-        """Peak of ``activation * scale + replicated`` over the timeline."""
-        return int(max(a * scale + r for a, r in self.timeline))
+    def peak(self, scale: float = 1.0, sharded: bool = False) -> int:
+        """Peak of ``activation * scale + replicated`` over the timeline (``sharded``: under the
+        sharded layers' kernels)."""
+        return int(max(a * scale + r for a, r in self.timeline_of(sharded)))
 
 
 @dataclass
@@ -265,11 +296,21 @@ def plan_memory(
         A :class:`MemoryPlan`; ``print(plan)`` shows the table.
 
     Raises:
-        ValueError: a bad ``budget``, ``dims`` or ``max_ranks``.
+        ValueError: a bad ``budget``, ``dims`` or ``max_ranks``; a converted model.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     shape = tuple(int(s) for s in input_shape)
+    from .layers.base import ShardedMixin
+
+    converted = next((name for name, m in model.named_modules() if isinstance(m, ShardedMixin)), None)
+    if converted is not None:
+        # Its layers would make collectives on fake tensors (a crash in the transport, not an error).
+        raise ValueError(
+            f"plan_memory: expected the plain single-device model, got a converted one (module "
+            f"{converted or '<root>'!r} is {type(model.get_submodule(converted)).__name__}); plan the model before "
+            "sharded_nn.convert (convert swaps layers in place: keep a copy, or build the model again)."
+        )
     if max_ranks < 1:
         raise ValueError(f"plan_memory: max_ranks must be >= 1, got {max_ranks}.")
     budget_bytes = None if budget is None else parse_bytes(budget)
@@ -305,8 +346,8 @@ def plan_memory(
     ranks, peaks, acts, inputs = [], [], [], []
     for p in range(1, max_ranks + 1):
         frac = -(-shape[dim] // p) / shape[dim]  # the largest slab
-        pk = tracker.peak(frac)
-        act = int(max(a for a, _ in tracker.timeline) * frac)
+        pk = tracker.peak(frac, sharded=p > 1)
+        act = int(max(a for a, _ in tracker.timeline_of(p > 1)) * frac)
         ranks.append(p)
         inputs.append(int(input_full * frac))
         acts.append(act)
