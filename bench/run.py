@@ -160,7 +160,7 @@ def load_stored(folder: Path) -> tuple[list[dict], list[dict]]:
     """Zoo rows (``zoo_<model>_<size>.json``) and benchmark outputs (``<name>.txt``) stored in ``folder``."""
     if not folder.is_dir():
         raise FileNotFoundError(f"--replot: expected a folder of stored outputs, got {folder} (not a folder).")
-    zoo = [json.loads(p.read_text()) for p in sorted(folder.glob("zoo_*.json"))]
+    zoo = sorted((json.loads(p.read_text()) for p in folder.glob("zoo_*.json")), key=lambda r: (r["model"], r["size"]))
     order = {name: i for i, (name, _) in enumerate(BENCH_FULL)}
     texts = sorted(folder.glob("*.txt"), key=lambda p: (order.get(p.stem, len(order)), p.stem))
     benches = [load_bench_text(p) for p in texts]
