@@ -25,7 +25,15 @@ rank. Compute such weights on the whole graph and pass them sliced (``gcn_norm``
 ``GCNConv(normalize=False)`` with ``edge_weight=w[g.edge_ids]``; tests/test_points_graph.py).
 
 Edges are taken with PyG's default ``flow="source_to_target"``: row 0 of ``edge_index`` holds
-sources, row 1 targets (pass ``flow="target_to_source"`` for the other convention).
+sources, row 1 targets (pass ``flow="target_to_source"`` for the other convention). One PyG
+detail breaks the in-edge rule under ``target_to_source``: a layer that adds self-loops whose
+attributes are the mean of a node's edge attributes (``GATConv``/``GATv2Conv`` with ``edge_dim``
+and their default ``add_self_loops=True, fill_value="mean"``) groups the edges by row 1 whatever
+the flow, which under ``target_to_source`` is a node's *out*-edges, not kept here: its self-loop
+attributes, hence its outputs, differ from the whole graph's (found by tests/test_fuzz_graph.py).
+There, add the self-loops on the whole graph (``torch_geometric.utils.add_self_loops`` after
+``remove_self_loops``, attributes included) and build the layer with ``add_self_loops=False``,
+use ``source_to_target``, or a numeric ``fill_value``.
 """
 
 from __future__ import annotations
