@@ -138,7 +138,12 @@ def _timm_tables() -> dict[type, object]:
         },
         # A per-channel scale of tokens (last dim) or of NCHW maps (dim 1).
         "timm.layers.layer_scale": {"pointwise": ("LayerScale", "LayerScale2d")},
-        "timm.models.metaformer": {"pointwise": ("Scale",)},  # MetaFormer's layer and residual scales
+        # MetaFormer's layer and residual scales, and its norms without bias (ConvFormer, CAFormer:
+        # LayerNorm2d's over the channels, LayerNorm's over the last dim). Its blocks run on
+        # channels-last maps in the attention stages (CAFormer: the norms, the attention's
+        # Linear layers and the MLP over the channels of (B, H, W, C)), all followed by the guard.
+        "timm.models.metaformer": {"pointwise": ("Scale",), "channels": ("LayerNorm2dNoBias",),
+                                   "trailing": ("LayerNormNoBias",), "guarded": ("MetaFormerBlock",)},
         # Its statistics over positions are torch calls (a vector norm over H and W) that the
         # forward guard routes to ``reductions.norm``: exact under the guard, mixing without it.
         "timm.layers.grn": {"guarded": ("GlobalResponseNorm",)},
@@ -159,8 +164,16 @@ def _timm_tables() -> dict[type, object]:
         "timm.models.swin_transformer": {"guarded": ("PatchMerging",)},
         "timm.models.swin_transformer_v2": {"guarded": ("PatchMerging",)},
         "timm.models.swin_transformer_v2_cr": {"guarded": ("PatchMerging",)},
-        "torchvision.models.swin_transformer": {"guarded": ("PatchMerging", "PatchMergingV2")},
+        # (torchvision's Swin blocks too: a LayerNorm and an MLP of Linear layers over the
+        # channels-last tokens around the sharded window attention.)
+        "torchvision.models.swin_transformer": {"guarded": ("PatchMerging", "PatchMergingV2", "SwinTransformerBlock",
+                                                            "SwinTransformerBlockV2")},
         "monai.networks.nets.swin_unetr": {"guarded": ("PatchMerging", "PatchMergingV2")},
+        # torchvision's ConvNeXt: its LayerNorm2d permutes to channels last, normalises the
+        # channels and permutes back; its block runs a Permute, a LayerNorm and two Linear layers
+        # over channels-last maps, all followed by the guard (the static check would take them
+        # for layers over W, the last dim, on a 2x2 mesh: 33 false alarms on convnext_tiny).
+        "torchvision.models.convnext": {"channels": ("LayerNorm2d",), "guarded": ("CNBlock",)},
         # A permutation of dims (torchvision's ConvNeXt and Swin: channels last and back), which
         # the guard follows; ResNeSt's softmax over the radix groups of pooled features, whose
         # view and softmax the guard follows (or refuses) like any call of the model's own.

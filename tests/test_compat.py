@@ -19,7 +19,7 @@ import torch
 import sharded_nn as snn
 from bench.compat import randomise_norms
 
-from .harness import mesh
+from .harness import mesh, world_of
 from .reference import check_against_reference
 
 
@@ -156,22 +156,63 @@ def test_timm_models_with_routed_calls_are_exact(run, name, domain):
     assert max(run(domain, _timm_forward_calls, name, kwargs, shape, domain)) < 1e-9
 
 
-@pytest.mark.parametrize("name", ["tv/convnext_tiny", "tv/swin_t", "tv/shufflenet_v2_x0_5", "timm/resnest14d",
-                                  "timm/ghostnet_100"])
-def test_convert_reports_no_false_hazards(run, name):
+@pytest.mark.parametrize(
+    "name,domain",
+    [("tv/convnext_tiny", 2), ("tv/swin_t", 2), ("tv/shufflenet_v2_x0_5", 2), ("timm/resnest14d", 2),
+     ("timm/ghostnet_100", 2), ("tv/convnext_tiny", (2, 2)), ("tv/swin_t", (2, 2)), ("timm/convformer_s18", (2, 2)), ("timm/caformer_s18", (2, 2))],
+)  # fmt: skip
+def test_convert_reports_no_false_hazards(run, name, domain):
     # Layers the guard follows (torchvision's Permute, nn.Flatten, ResNeSt's RadixSoftmax) and
     # empty Sequentials (identity shortcuts) were listed as position-mixing hazards before
     # session 52: a warning that trains users to ignore warnings. With guard=False the
-    # followed ones are still reported.
-    assert all(run(2, _no_false_hazards, name))
+    # followed ones are still reported. On a 2x2 mesh (session 58): torchvision's ConvNeXt
+    # (its LayerNorm2d and the channels-last Linear layers of its blocks, 33 false alarms),
+    # torchvision's Swin blocks (their MLPs over channels-last tokens, 24), MetaFormer's
+    # LayerNorm2dNoBias (ConvFormer, 28) and CAFormer's channels-last attention blocks (72).
+    assert all(run(world_of(domain), _no_false_hazards, name, domain))
 
 
-def _no_false_hazards(name):
+def _no_false_hazards(name, domain):
     from bench.compat import MODELS
 
-    m = mesh(2)
-    make = MODELS[name][0]
+    m = mesh(domain)
+    if name in MODELS:
+        make = MODELS[name][0]
+    else:
+        import timm
+
+        def make():
+            return timm.create_model(name.split("/", 1)[1], pretrained=False)
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", snn.ShardingWarning)
         snn.convert(make().eval(), m)
     return True
+
+
+def _metaformer_2x2(name: str):
+    """A small ConvFormer / CAFormer (CAFormer's last two stages attend over channels-last
+    tokens) on a 2x2 mesh: exact, and convert reports nothing."""
+    from timm.models.metaformer import Attention, LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, SepConv
+
+    m = mesh((2, 2))
+    torch.manual_seed(0)
+    # The named models' layers (timm's convformer_s18 / caformer_s18), fewer and narrower.
+    mixers = SepConv if name == "convformer" else [SepConv, SepConv, Attention, Attention]
+    norms = LayerNorm2dNoBias if name == "convformer" else [LayerNorm2dNoBias] * 2 + [LayerNormNoBias] * 2
+    ref = MetaFormer(depths=(1, 1, 1, 1), dims=(8, 16, 32, 32), token_mixers=mixers, norm_layers=norms,
+                     num_classes=0).double().eval()  # fmt: skip
+    randomise_norms(ref)
+    ref = _Features(ref)  # the feature map (forward_features), sharded like the input
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", snn.ShardingWarning)
+        model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 3, 96, 64, dtype=torch.float64)
+    errs = check_against_reference(ref, x, m, dims=(2, 3), align=snn.alignment(ref, dims=(2, 3)), sharded=model,
+                                   atol=1e-9, rtol=1e-9)  # fmt: skip
+    return max(errs.values())
+
+
+@pytest.mark.parametrize("name", ["convformer", "caformer"])
+def test_metaformers_on_a_2x2_mesh_are_exact(run, name):
+    assert max(run(4, _metaformer_2x2, name)) < 1e-9
