@@ -1056,6 +1056,16 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: b
                       f"({mode.describe(state)})", "pass dims=... to shard the LayerNorm", module=module)
         return False
     expected = tuple(dims) + (None,) * (len(state) - len(dims))
+    if tuple(state) != expected and isinstance(module, nn.LayerNorm):
+        # A LayerNorm given grid dims (convert's ``dims=(3,)`` reaches every layer that takes dims)
+        # on a tensor sharded elsewhere: channels-last maps after a permute (a 3-D Swin's blocks,
+        # ``(B, Z, H, W, C)`` sharded along H = dim 2). Where no sharded dim is among the
+        # normalised (trailing) dims it normalises each position on its own, whatever the layout:
+        # torch's LayerNorm, the output laid out as the input.
+        k = len(module.normalized_shape)
+        nd = _ndim_hint(module)
+        if nd and all(d is None or d < nd - k for d in state):
+            return per_sample
     if tuple(state) != expected:
         other = _other_spatial_dims(module, state, tuple(dims)) if per_sample else None
         if other is not None:
