@@ -19,7 +19,7 @@ allocates buffers of its own while it runs, freed before it returns, and some ar
 The sharded layers choose differently in one case: a float32 3-D convolution that torch would run
 on its native kernel goes to oneDNN (``layers/conv.py``, ``_conv3d_on_onednn``: 3-14x faster),
 in training by cutting the one sample into a batch of two halves (a copy of the input, which the
-convolution keeps for its backward in place of the input itself). :class:`KernelScratch` gives
+convolution keeps for its backward in place of the input itself). ``scratch_bytes`` gives
 both figures per call: torch's (the plain model, P=1) and the sharded layers' (P >= 2).
 
 The backend is the one ATen picks for the call's shapes (``torch._C._select_conv_backend``, which
@@ -36,7 +36,7 @@ import math
 
 import torch
 
-__all__ = ["KernelScratch", "workspace_bytes"]
+__all__ = ["scratch_bytes", "workspace_bytes"]
 
 _B = torch._C._ConvBackend
 _SLOW = {int(_B.Slow2d), int(_B.Slow3d)}
@@ -108,18 +108,6 @@ def _scratch(c: _Call, backend: int | None, x_bytes: int, y_bytes: int) -> int:
     return 0
 
 
-def workspace_bytes(func, args) -> int:
-    """Bytes torch's CPU convolution kernel (``aten.convolution`` or ``aten.convolution_backward``)
-    allocates for itself while it runs, from its arguments (real or fake tensors); 0 for any other
-    call or device."""
-    if func is not _CONV and func is not _CONV_BACKWARD:
-        return 0
-    c = _Call(func, args)
-    if c.x.device.type != "cpu" or c.x.dim() not in (4, 5) or c.x.numel() == 0:
-        return 0
-    return _scratch(c, c.backend(), c.x.numel() * c.item, c.y_bytes())
-
-
 def _sharded_to_onednn(c: _Call, backend: int | None) -> bool:
     """Whether the sharded layers send this call to oneDNN where torch uses its native 3-D kernel
     (the conditions of ``layers/conv.py``'s ``_on_reference_kernel``)."""
@@ -140,25 +128,29 @@ def _cuts(c: _Call) -> bool:
     return c.x.shape[0] == 1 and c.x.shape[1] > 1 and max(c.out) >= 2
 
 
-class KernelScratch:
-    """Per trace: each convolution call's scratch under torch's kernels and under the sharded
-    layers' choice."""
+def scratch_bytes(func, args) -> tuple[int, int]:
+    """``(torch's kernel, the sharded layers' kernel)``: the bytes a CPU convolution
+    (``aten.convolution`` or ``aten.convolution_backward``) allocates for itself while it runs,
+    from its arguments (real or fake tensors); ``(0, 0)`` for any other call or device."""
+    if func is not _CONV and func is not _CONV_BACKWARD:
+        return 0, 0
+    c = _Call(func, args)
+    if c.x.device.type != "cpu" or c.x.dim() not in (4, 5) or c.x.numel() == 0:
+        return 0, 0
+    backend = c.backend()
+    x_bytes, y_bytes = c.x.numel() * c.item, c.y_bytes()
+    plain = _scratch(c, backend, x_bytes, y_bytes)
+    if not _sharded_to_onednn(c, backend):
+        return plain, plain
+    if not c.backward and torch.is_grad_enabled() and (c.x.requires_grad or c.w.requires_grad) and not _cuts(c):
+        return plain, plain  # the layer keeps torch's kernel
+    # The copy of the input that a cut keeps for the backward takes the place of the input the
+    # convolution would have kept: no net change to count. (A backward whose forward the layer
+    # left on torch's kernel cannot be told apart here: it is charged as oneDNN's.)
+    return plain, _scratch(c, _MKLDNN, x_bytes, y_bytes)
 
-    def of(self, func, args) -> tuple[int, int]:
-        """``(torch's scratch, the sharded layers' scratch)`` of one call, in bytes."""
-        if func is not _CONV and func is not _CONV_BACKWARD:
-            return 0, 0
-        c = _Call(func, args)
-        if c.x.device.type != "cpu" or c.x.dim() not in (4, 5) or c.x.numel() == 0:
-            return 0, 0
-        backend = c.backend()
-        x_bytes, y_bytes = c.x.numel() * c.item, c.y_bytes()
-        plain = _scratch(c, backend, x_bytes, y_bytes)
-        if not _sharded_to_onednn(c, backend):
-            return plain, plain
-        if not c.backward and torch.is_grad_enabled() and (c.x.requires_grad or c.w.requires_grad) and not _cuts(c):
-            return plain, plain  # the layer keeps torch's kernel
-        # The copy of the input that a cut keeps for the backward takes the place of the input the
-        # convolution would have kept: no net change to count. (A backward whose forward the
-        # layer left on torch's kernel cannot be told apart here: it is charged as oneDNN's.)
-        return plain, _scratch(c, _MKLDNN, x_bytes, y_bytes)
+
+def workspace_bytes(func, args) -> int:
+    """Bytes torch's own CPU convolution kernel allocates for itself on this call (see
+    ``scratch_bytes``)."""
+    return scratch_bytes(func, args)[0]

@@ -56,7 +56,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .conv_workspace import KernelScratch
+from .conv_workspace import scratch_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -109,8 +109,8 @@ class LiveBytes(TorchDispatchMode):
         self.events: list[tuple[int, int, int]] = []
         self.replicated: set[int] = set()
         self._seq = 0
-        # Kernels' own scratch (``conv_workspace``): None to follow returned tensors only.
-        self._scratch = KernelScratch() if workspaces else None
+        # Kernels' own scratch (``conv_workspace``); False: follow returned tensors only.
+        self.workspaces = workspaces
 
     def _free(self, key: int) -> None:
         seq, nbytes = self._live.pop(key, (None, 0))
@@ -132,7 +132,7 @@ class LiveBytes(TorchDispatchMode):
         # A kernel's own scratch (a CPU convolution's column matrix), live while it runs:
         # allocated before its outputs, freed after them (``conv_workspace``), under torch's
         # kernels and under the sharded layers' choice of kernel.
-        plain, sharded = self._scratch.of(func, args) if self._scratch is not None else (0, 0)
+        plain, sharded = scratch_bytes(func, args) if self.workspaces else (0, 0)
         if plain or sharded:
             self._seq += 1
             seq = self._seq
