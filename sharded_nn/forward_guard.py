@@ -3562,9 +3562,9 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 #: sharded_nn files that *run models* (the demo, the command line, launch's workers, checkpoints,
 #: ``activation_checkpoint``'s regions, the planner's ``trace_peak``): a model called from them is
 #: user code like any other, not a library function. (A torch module's forward, ``nn.Sequential``
-#: or ``nn.GELU``, is skipped as torch's own code, so the first frame above it decides: had it been
-#: one of these, the region's calls passed through unfollowed, and the next sharded layer refused
-#: the untracked tensor, or a routed call such as a softmax over rows ran on the slab alone.)
+#: or ``nn.GELU``, is skipped as torch's own code, so the first frame above it decides: when it was
+#: one of these, the region's calls ran unfollowed, on the slab alone, and the next sharded layer
+#: refused the untracked tensor they returned.)
 _MODEL_RUNNERS = frozenset(
     _LIB_DIR + name
     for name in ("demo.py", "cli.py", "__main__.py", "launch.py", "checkpoint.py", "parallel.py", "recompute.py",
