@@ -1062,9 +1062,11 @@ def _check_layer_input(mode: _GuardMode, module: nn.Module, state, per_sample: b
         # ``(B, Z, H, W, C)`` sharded along H = dim 2). Where no sharded dim is among the
         # normalised (trailing) dims it normalises each position on its own, whatever the layout:
         # torch's LayerNorm, the output laid out as the input.
+        # (A caller that cannot run torch's forward runs the sharded one, which takes statistics
+        # across ranks along any of its dims among the normalised ones: refused then, below.)
         k = len(module.normalized_shape)
         nd = _ndim_hint(module)
-        if nd and all(d is None or d < nd - k for d in state):
+        if nd and all(d is None or d < nd - k for d in state) and (per_sample or all(d < nd - k for d in dims)):
             return per_sample
     if tuple(state) != expected:
         other = _other_spatial_dims(module, state, tuple(dims)) if per_sample else None
