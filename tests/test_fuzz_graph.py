@@ -29,28 +29,10 @@ from sharded_nn.points import PointCloudPartition
 
 from .fuzzing import fuzz_tests, outcome
 from .harness import mesh
+from .test_points_graph import MeshGraphNetBlock
 
 C, E_DIM = 4, 3
 KINDS = ("graph", "sage_mean", "sage_max", "sage_sum", "gat", "gine", "transformer", "edge", "mgn", "gcn")
-
-
-class MeshGraphNetStep(nn.Module):
-    """A MeshGraphNet processor step for one device: edges from (edge, source, target), nodes from
-    (node, sum of incoming edges), both residual; ``n_out`` rows aggregated (the local version's
-    own points)."""
-
-    def __init__(self, flow: str):
-        super().__init__()
-        self.edge_mlp = nn.Sequential(nn.Linear(E_DIM + 2 * C, 8), nn.SiLU(), nn.Linear(8, E_DIM))
-        self.node_mlp = nn.Sequential(nn.Linear(C + E_DIM, 8), nn.SiLU(), nn.Linear(8, C))
-        self.flow = flow
-
-    def forward(self, x, edge_attr, edge_index, n_out: int | None = None):
-        src, dst = edge_index if self.flow == "source_to_target" else edge_index.flip(0)
-        e = edge_attr + self.edge_mlp(torch.cat([edge_attr, x[src], x[dst]], -1))
-        n_out = x.shape[0] if n_out is None else n_out
-        agg = torch.zeros(n_out, E_DIM, dtype=e.dtype).index_add_(0, dst, e)
-        return x[:n_out] + self.node_mlp(torch.cat([x[:n_out], agg], -1)), e
 
 
 def _layer(kind: str, flow: str) -> nn.Module:
@@ -76,7 +58,7 @@ def _layer(kind: str, flow: str) -> nn.Module:
         return gnn.EdgeConv(nn.Sequential(nn.Linear(2 * C, C), nn.Tanh()), aggr="max", **kw)
     if kind == "gcn":
         return gnn.GCNConv(C, C, normalize=False, **kw)
-    return MeshGraphNetStep(flow)
+    return MeshGraphNetBlock(C, E_DIM, flow)
 
 
 def _graph(cfg: dict):

@@ -48,15 +48,17 @@ def _graph(seed: int = 0):
 
 class MeshGraphNetBlock(nn.Module):
     """MeshGraphNet's processor step, written for one device: edges from (edge, source, target),
-    nodes from (node, sum of incoming edges), both residual."""
+    nodes from (node, sum of incoming edges), both residual. ``flow`` as PyG's: under
+    ``target_to_source`` row 0 of ``edge_index`` holds the targets."""
 
-    def __init__(self, c: int, e: int):
+    def __init__(self, c: int, e: int, flow: str = "source_to_target"):
         super().__init__()
         self.edge_mlp = nn.Sequential(nn.Linear(e + 2 * c, 16), nn.SiLU(), nn.Linear(16, e))
         self.node_mlp = nn.Sequential(nn.Linear(c + e, 16), nn.SiLU(), nn.Linear(16, c))
+        self.flow = flow
 
     def forward(self, x, edge_attr, edge_index, n_out: int | None = None):
-        src, dst = edge_index
+        src, dst = edge_index if self.flow == "source_to_target" else edge_index.flip(0)
         e = edge_attr + self.edge_mlp(torch.cat([edge_attr, x[src], x[dst]], -1))
         n_out = x.shape[0] if n_out is None else n_out  # the local version aggregates into its own nodes
         agg = torch.zeros(n_out, e.shape[-1], dtype=e.dtype).index_add_(0, dst, e)
