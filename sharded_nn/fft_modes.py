@@ -270,7 +270,7 @@ def _modes_to_real_rows(z, d, start, n, total) -> torch.Tensor:
     if total % 2 == 0 and m > total // 2:
         c[total // 2] = 1.0 / total
     g = torch.stack([(c * ph.cos()).t(), (-c * ph.sin()).t()], 1).reshape(2 * m, n)
-    zr = torch.view_as_real(z.movedim(d, -1).contiguous()).flatten(-2)
+    zr = torch.view_as_real(z.movedim(d, -1).resolve_conj().contiguous()).flatten(-2)  # z may be a conjugate view
     return (zr @ g.to(dtype=zr.dtype, device=zr.device)).movedim(-1, d)
 
 

@@ -107,6 +107,53 @@ def test_fftn_over_both_axes_of_a_2x2_mesh(run):
     assert all(run(4, _two_axes))
 
 
+def _conjugate_views():
+    """Conjugate views reaching the all-to-all: ``torch.fft.ifft`` of a real tensor returns one
+    (so ``ifft2`` of a real slab, its whole dim transformed first, crashed in the exchange of the
+    sharded one: found by tests/test_fuzz_fft.py), and so does a user's ``x.conj()``; the kept
+    modes' inverse of a conjugate view likewise."""
+    m = mesh(2)
+    r = m.get_local_rank("domain")
+    rows = [1, 4]
+
+    def slab(t, d=1):
+        return t.narrow(d, sum(rows[:r]), rows[r])
+
+    torch.manual_seed(0)
+    real = torch.randn(2, 5, 6, dtype=torch.float64)
+    cplx = torch.randn(2, 5, 6, dtype=torch.complex128)
+    checks = [
+        (lambda t, **kw: snn.fft.ifft2(t, m, **kw), lambda t: torch.fft.ifft2(t), real),
+        (lambda t, **kw: snn.fft.ifftn(t, m, dim=(2, 1), **kw), lambda t: torch.fft.ifftn(t, dim=(2, 1)), real),
+        (lambda t, **kw: snn.fft.fft(t.conj(), m, dim=1, **kw), lambda t: torch.fft.fft(t.conj(), dim=1), cplx),
+    ]
+    for ours, theirs, whole in checks:
+        x = whole.clone().requires_grad_()
+        y_ref = theirs(x)
+        g = torch.randn(y_ref.shape, dtype=torch.complex128)
+        (torch.view_as_real(y_ref.resolve_conj()) * torch.view_as_real(g)).sum().backward()
+        x_l = slab(whole).clone().requires_grad_()
+        y = ours(x_l, sharded_dims=(1,))
+        torch.testing.assert_close(y, slab(y_ref.detach()), atol=1e-12, rtol=1e-12)
+        (torch.view_as_real(y.resolve_conj()) * torch.view_as_real(slab(g))).sum().backward()
+        torch.testing.assert_close(x_l.grad, slab(x.grad), atol=1e-12, rtol=1e-12)
+    # irfftn_modes of a conjugate view along its sharded halved dim (3 of a real length 6's modes)
+    from sharded_nn.fft_modes import irfftn_modes
+
+    def cols(t):
+        return t.narrow(2, [0, 2][r], [2, 4][r])
+
+    z = torch.randn(2, 5, 3, dtype=torch.complex128)
+    y = irfftn_modes(z.conj(), cols(real), m, (2,), sharded_dims=(2,))
+    full = torch.cat([z.conj(), torch.zeros(2, 5, 1, dtype=torch.complex128)], 2)
+    torch.testing.assert_close(y, cols(torch.fft.irfft(full, n=6, dim=2)), atol=1e-12, rtol=1e-12)
+    return True
+
+
+def test_conjugate_views_are_transformed(run):
+    assert all(run(2, _conjugate_views))
+
+
 def _transpose_round_trip():
     m = mesh(3)
     ring = axis_peers(m, "domain")

@@ -57,7 +57,7 @@ def _transpose(
 ) -> torch.Tensor:
     complex_ = x.is_complex()
     if complex_:  # p2p carries real dtypes on every backend; the (re, im) pair becomes a last dim
-        x = torch.view_as_real(x)
+        x = torch.view_as_real(x.resolve_conj())  # a conjugate view (torch.fft.ifft of a real input) has no real view
     sends = list(x.split(list(dst_lengths), dim=dst))
     shapes = []
     for n in src_lengths:

@@ -183,7 +183,7 @@ class AxisPeers:
         routed: list = []  # (index in works, transport op)
         for t, peer, send, tag in ops:
             if t.is_complex():
-                t = torch.view_as_real(t)
+                t = torch.view_as_real(t.resolve_conj())  # a conjugate view to send has no real view
             # Small messages to a peer on this host: the caller-thread transport (the same
             # decision on both ends: a receive buffer has the size of the message).
             nbytes = t.numel() * t.element_size()
