@@ -445,7 +445,8 @@ def _is_tagged(v) -> bool:
 _POINTWISE_EXTRA = frozenset(
     """relu relu6 silu gelu hardswish hardsigmoid hardtanh sigmoid tanh mish elu selu celu leaky_relu prelu
     rrelu softplus softsign tanhshrink softshrink hardshrink logsigmoid threshold glu_pointwise
-    clone contiguous detach detach_ to type float double half bfloat16 cpu cuda requires_grad_ type_as
+    clone contiguous detach detach_ to type float double half bfloat16 long int short byte char bool cfloat cdouble
+    chalf cpu cuda requires_grad_ type_as
     zeros_like ones_like empty_like full_like fill_ zero_ where masked_fill clamp clip
     clamp_min clamp_max nan_to_num pin_memory data alias retain_grad square float_power
     __and__ __or__ __xor__ __invert__ logical_and logical_or logical_not logical_xor
@@ -574,7 +575,7 @@ def _classify(func) -> tuple[str, str, bool]:
         "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
         "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
-        "embedding": "plain_only", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
+        "embedding": "embedding", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
         "new_tensor": "literal", "view_as_real": "complex_view", "view_as_complex": "complex_view",
     }  # fmt: skip
     if base in simple:
@@ -1923,13 +1924,42 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         self._set(out, None if st is None else tuple(None if d is None else d - (d > dim) for d in st))
         return out
 
+    def _plain_by_slab(self, x, idx):
+        """The layout of ``x[idx]`` for a plain (whole, replicated) ``x`` indexed by a slab of
+        integers: ``None`` if ``idx`` holds no slab. A table looked up at positions computed on
+        the slab (MViT-v2's ``rel_pos_h[dist_h.long()]``): each rank's index holds the single
+        device's values at its own positions, and the table is whole everywhere, so the result
+        is the slab of the single device's, sharded where the index is. One integer tensor among
+        full slices (or ``...``) only; a mask or several index tensors are refused."""
+        items = idx if isinstance(idx, tuple) else (idx,)
+        tracked = [i for i in items if isinstance(i, torch.Tensor) and i in self.states]
+        if not tracked:
+            return None
+        tensor_items = [p for p, i in enumerate(items) if isinstance(i, (torch.Tensor, list))]
+        index = tracked[0]
+        st = self.states[index]
+        others = [i for p, i in enumerate(items) if p not in tensor_items]
+        plain_slices = all(i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in others)
+        integers = not (index.dtype in (torch.bool, torch.uint8) or index.is_floating_point() or index.is_complex())
+        if len(tensor_items) != 1 or not plain_slices or type(st) is not tuple or not integers:
+            self.fail(
+                "indexing", "it indexes a tensor with a slab (index values differ by rank)",
+                "Index a whole tensor with one integer slab among full slices (`table[idx]`, `table[:, idx]`)",
+            )  # fmt: skip
+        (p,) = tensor_items
+        if any(i is Ellipsis for i in items[:p]):  # the index dims go where the ellipsis ends
+            p = x.dim() - 1 - (len(items) - 1 - p)
+        return tuple(None if e is None else e + p for e in st)
+
     def _h_getitem(self, func, base, args, kwargs, stateful):
         x, idx = args[0], args[1]
         st = self._st(x)
         if st is None:
-            if isinstance(idx, torch.Tensor) and idx in self.states:
-                self.fail("indexing", "it indexes a tensor with a slab (index values differ by rank)", "")
-            return func(*args, **kwargs)
+            index_st = self._plain_by_slab(x, idx)
+            out = func(*args, **kwargs)
+            if index_st is not None:
+                self._set(out, index_st)
+            return out
         self._require_known("indexing", [x])
         items = idx if isinstance(idx, tuple) else (idx,)
         if any(isinstance(i, (torch.Tensor, list)) or i is True or i is False for i in items):
@@ -3227,8 +3257,19 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         self._set(out, st)
         return out
 
-    def _h_plain_only(self, func, base, args, kwargs, stateful):
-        return self._plain_or_fail(func, base, args, kwargs, stateful)
+    def _h_embedding(self, func, base, args, kwargs, stateful):
+        """``F.embedding(idx, weight)``: a whole table looked up by a slab of integers is the slab
+        of the single device's lookup, sharded where ``idx`` is (``_plain_by_slab``)."""
+        idx, weight = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        if not isinstance(idx, torch.Tensor) or idx not in self.states or weight in self.states:
+            return self._plain_or_fail(func, base, args, kwargs, stateful)
+        if _arg(args, kwargs, 3, "max_norm") is not None:  # renormalises the rows it reads, in place
+            self.fail("`embedding`", "with max_norm it rescales the table rows each rank's slab reads, so the "
+                      "ranks' tables would differ", "Renormalise the table before the forward")  # fmt: skip
+        state = self._plain_by_slab(weight, idx)  # the weight's rows: dim 0, index dims first
+        out = func(*args, **kwargs)
+        self._set(out, state)
+        return out
 
     def _h_literal(self, func, base, args, kwargs, stateful):
         """``torch.tensor(v)`` and kin: a number computed from slab sizes stands for the global one."""

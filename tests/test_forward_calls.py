@@ -38,6 +38,10 @@ class Hazards(nn.Module):
             # Affine parameters of a norm the model's forward calls itself (F.group_norm, ...).
             self.nw = nn.Parameter(1 + torch.randn(4) * 0.3)
             self.nb = nn.Parameter(torch.randn(4) * 0.1)
+        if kind.startswith("table_"):
+            # A learned table looked up at positions computed on the slab (MViT-v2's relative
+            # position tables, a learned row embedding).
+            self.table = nn.Parameter(torch.randn(5, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.conv(x))
@@ -222,6 +226,14 @@ class Hazards(nn.Module):
         elif k == "setitem_const":  # the first 8 rows of the whole sample (refused before session 56)
             h = h.clone()
             h[:, :, :8] = 0.0
+        elif k == "table_rows":  # a whole table indexed by the slab's global row positions
+            rows = torch.arange(h.shape[2])
+            dist = (rows.unsqueeze(-1) * 3 + 2.0).long() % 5  # (H, 1), a slab
+            h = h + self.table[dist[:, 0]].t()[None, :, :, None] + self.table[..., rows % 4][:1].t()[None, :1, :, None]
+            h = h * F.embedding(rows.unsqueeze(0) % 5, self.table).permute(0, 2, 1).unsqueeze(-1).tanh()
+        elif k == "table_mask":  # a mask of the slab's rows selects rows of a table: not a slab of anything
+            rows = torch.arange(h.shape[2])
+            h = h + self.table[rows % 5 > 1].sum()
         elif k == "tolist":
             h = h * h.mean(1).sum(0).tolist()[0][0]
         else:
@@ -238,7 +250,7 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call", "setitem_const",
+    "group_norm_call", "instance_norm_call", "setitem_const", "table_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -249,6 +261,7 @@ REFUSED = {
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
+    "table_mask": "indexing.*index values differ by rank",
     "view_minus_one_inner": "`reshape`.*folds sharded dim 2 into a constant shape .* not the outermost",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",

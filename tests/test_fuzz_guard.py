@@ -11,7 +11,7 @@ windows folded into the batch, window-row-major and batch-major), token
 flattening with attention over all tokens (fused, written out, einsum, linear, keys of a pooled
 grid; on the 2x2 mesh the guard's merged tokens), Fourier transforms (FNO-style mode crops and
 assignments, shifted spectra), strided phases, class-token style concatenation and
-removal, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
+removal, tables looked up at positions computed on the rows, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
 uneven slabs of the image rows at 1-4 ranks (or rows and columns on a 2x2 mesh), and its output, input gradient and summed
 parameter gradients must equal the plain model's on the whole image (float64, 1e-9). A
@@ -310,6 +310,13 @@ def _fft_rows(m, x):  # a centred spectrum along the rows, weighted by its frequ
     return torch.fft.ifft(torch.fft.ifftshift(f * (1 + k.abs()).view(-1, 1), dim=2), dim=2).real
 
 
+def _table_lookup(m, x):  # a learned table read at positions computed on the rows (a row embedding)
+    rows = torch.arange(x.shape[2])
+    idx = (rows * 3 + 1) % m.table.shape[0]
+    bias = m.table[idx].t()[None, :, :, None] + F.embedding(idx.unsqueeze(0), m.table).permute(0, 2, 1)[..., None]
+    return x + bias + m.table[:, idx % 2].sum(0)[None, None, :, None]
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
@@ -317,7 +324,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _repeat_rows, _first_row, _last_row, _select_row, _shift_rows, _std, _logsumexp, _where, _avg_pool_same,
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
-    _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows,
+    _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows, _table_lookup,
 )}  # fmt: skip
 
 
@@ -325,7 +332,7 @@ STEPS = {f.__name__[1:]: f for f in (
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
-                "batch_windows", "fft_rows")
+                "batch_windows", "fft_rows", "table_lookup")
 
 
 class Program(nn.Module):
@@ -340,6 +347,7 @@ class Program(nn.Module):
         self.gn_w = nn.Parameter(1 + torch.randn(C) * 0.3)
         self.win_conv = nn.Conv2d(C, C, 3, padding=1)
         self.out = nn.Conv2d(C, 2, 1)
+        self.table = nn.Parameter(torch.randn(7, C) * 0.3)  # last: the earlier draws stay as they were
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         convs = iter(self.convs)
@@ -442,6 +450,9 @@ EXAMPLES = [
          head="slab", seed=29),
     dict(domain=(2, 2), sizes=[4, 4], width=6, steps=["spectral_modes", "fft_rows", "T:fft_rows"], head="pool",
          seed=31),
+    # Session 59: a whole table read at positions computed on the rows (and on the columns of a 2x2 mesh).
+    dict(domain=3, sizes=[2, 5, 1], width=4, steps=["table_lookup", "conv", "T:table_lookup"], head="slab", seed=37),
+    dict(domain=(2, 2), sizes=[4, 2], width=5, steps=["T:table_lookup", "table_lookup"], head="pool", seed=41),
 ]
 
 
