@@ -183,11 +183,27 @@ def _amax(x: torch.Tensor, mesh: DeviceMesh, dims: tuple[int, ...], axes: list[s
     acc = accumulation_dtype(x.dtype)
     # Tie counts in the accumulation dtype: bf16 cannot count past 256 exactly.
     ties = all_reduce_sum(hit.sum(dims, keepdim=True, dtype=acc), group)
-    # (x - top) is exactly zero where x is maximal, so the value is exactly ``top``; its gradient
-    # is hit / ties, summed over the ranks by all_reduce_sum's backward.
-    zero = all_reduce_sum(torch.where(hit, x - top, 0).sum(dims, keepdim=True, dtype=acc), group) / ties
-    out = top + zero.to(x.dtype)
+    # The value is ``top`` plus an exact zero whose gradient is hit / ties, summed over the ranks
+    # by all_reduce_sum's backward. (Written as ``x - top`` where x is maximal, the zero was
+    # NaN where the maximum is infinite: a line of -inf gave NaN where torch gives -inf.)
+    zero = all_reduce_sum(_ZeroRoutedToTies.apply(x, (hit / ties).to(x.dtype), top.shape), group)
+    out = top + zero
     return out if keepdim else out.squeeze(dims)
+
+
+class _ZeroRoutedToTies(torch.autograd.Function):
+    """Zeros of the reduced shape whose gradient reaches ``x`` with the weights ``share`` (each
+    maximal element's share of the ties)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, share: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        ctx.save_for_backward(share)
+        return x.new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (share,) = ctx.saved_tensors
+        return grad * share, None, None
 
 
 def argmax(
@@ -224,11 +240,12 @@ def argmax(
 
 
 def _safe_root(s: torch.Tensor, p: float) -> torch.Tensor:
-    """``s ** (1 / p)`` with torch's norm convention at ``s == 0``: value 0, gradient 0 (not NaN)."""
-    pos = s > 0
-    base = torch.where(pos, s, torch.ones_like(s))  # the gradient reaches ``s`` only where s > 0
+    """``s ** (1 / p)`` with torch's norm convention at ``s == 0``: value 0, gradient 0 (not NaN).
+    A NaN (a variance with no degrees of freedom) stays NaN, as torch's ``std`` gives it."""
+    zero = s == 0
+    base = torch.where(zero, torch.ones_like(s), s)  # the gradient reaches ``s`` only where s != 0
     root = base.sqrt() if p == 2 else base.pow(1.0 / p)
-    return torch.where(pos, root, torch.zeros_like(root))
+    return torch.where(zero, torch.zeros_like(root), root)
 
 
 def norm(
@@ -268,7 +285,18 @@ def norm(
     if p == 0:
         count = _reduce_sum((x.detach() != 0).sum(dims, keepdim=keepdim, dtype=acc), mesh, axes)
         return count.to(x.dtype)
-    powered = x.abs() if p == 1 else (x * x if p == 2 else x.abs().pow(p))
+    if p == 1:
+        powered = x.abs()
+    elif p == 2:
+        powered = x * x
+    elif p > 1:
+        powered = x.abs().pow(p)
+    else:
+        # |x|^p for p < 1 has an infinite slope at 0 (a NaN gradient there); torch's norm
+        # backward gives zeros the gradient 0, and so does this (their value stays |0|^p).
+        a = x.abs()
+        zero = a == 0
+        powered = torch.where(zero, a.detach().pow(p), torch.where(zero, torch.ones_like(a), a).pow(p))
     total = _reduce_sum(powered.sum(dims, keepdim=keepdim, dtype=acc), mesh, axes)
     out = total if p == 1 else _safe_root(total, p)
     return out.to(x.dtype)
@@ -295,7 +323,13 @@ def _moments(
     # The mean's own gradient path is exactly zero (the deviations sum to zero), so the
     # variance's backward skips it (torch's var backward has no such term either).
     dev = x.to(acc) - mean.detach()
-    var = _reduce_sum((dev * dev).sum(dims, keepdim=keepdim), mesh, axes) / (count - correction)
+    total = _reduce_sum((dev * dev).sum(dims, keepdim=keepdim), mesh, axes)
+    dof = count - correction
+    if dof >= 0:
+        var = total / dof  # no degrees of freedom: inf, or NaN for a zero sum, as torch's
+    else:
+        # torch's value divides by max(0, dof) (never a negative variance), its gradient by dof.
+        var = total / dof + (total / 0 - total / dof).detach()
     if not keepdim:
         mean = mean.squeeze(dims)
     return var.to(x.dtype), mean.to(x.dtype)

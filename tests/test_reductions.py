@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -134,7 +136,7 @@ STAT_DIMS = [(2, 3), (2,), (1, 2), None, (3,)]
 
 
 def _stat_cases():
-    for p in (2, 1, 3.5, float("inf"), float("-inf"), 0, "fro"):
+    for p in (2, 1, 3.5, 0.5, float("inf"), float("-inf"), 0, "fro"):  # 0.5: NaN gradients at zeros before session 59
         yield f"norm p={p}", (lambda x, d, k, p=p: torch.linalg.vector_norm(x, 2 if p == "fro" else p, d, k)), (
             lambda x, m, d, k, sd, p=p: snn.reductions.norm(x, m, d, p, keepdim=k, sharded_dims=sd))
     for c in (1, 0, 2):
@@ -184,6 +186,53 @@ def test_norm_var_std_1d_mesh(run, domain):
 
 def test_norm_var_std_2x2_mesh(run):
     assert all(run(4, _check_stats, (2, 2), (2, 3), [(2, 3), None]))
+
+
+def _no_degrees_of_freedom():
+    """``var``/``std`` with ``correction`` at or above the count: torch divides by
+    ``max(0, count - correction)`` (inf, or NaN for a zero sum); found by the reductions fuzzer,
+    the sharded ``var`` divided by a negative count (a negative variance) and ``std`` turned
+    the NaN into 0."""
+    m = mesh(2)
+    torch.manual_seed(0)
+    x_full = torch.randn(2, 3, 5, dtype=torch.float64)
+    x_full[1, :, :] = 0.25  # constant rows: a zero sum of squares
+    for c in (5, 6, 7.5):
+        for op in ("var", "std", "var_mean", "std_mean"):
+            ref = getattr(torch, op)(x_full, (2,), correction=c)
+            x_local = snn.shard(x_full, m, dims=(2,))
+            ours = getattr(snn.reductions, op)(x_local, m, (2,), correction=c, sharded_dims=(2,))
+            for a, b in zip(ours if isinstance(ours, tuple) else (ours,), ref if isinstance(ref, tuple) else (ref,)):
+                torch.testing.assert_close(a, b, equal_nan=True, msg=lambda s, op=op, c=c: f"{op} correction={c}: {s}")
+    return True
+
+
+def test_var_std_without_degrees_of_freedom_match_torch(run):
+    assert all(run(2, _no_degrees_of_freedom))
+
+
+def _infinite_maxima():
+    """``max`` over a sharded dim where a line's maximum is -inf or inf (masked scores): torch's
+    value, and the gradient split among the ties (found by the reductions fuzzer: NaN before)."""
+    m = mesh(2)
+    torch.manual_seed(0)
+    x_full = torch.randn(2, 3, 5, dtype=torch.float64)
+    x_full[0, 1] = -math.inf
+    x_full[1, 2, 1:4] = math.inf
+    x = x_full.clone().requires_grad_()
+    y = torch.amax(x, (2,))
+    g = torch.randn(y.shape, dtype=torch.float64)
+    (y * g).sum().backward()
+    x_local = snn.shard(x_full, m, dims=(2,)).requires_grad_()
+    y_local = snn.reductions.max(x_local, m, (2,), sharded_dims=(2,))
+    torch.testing.assert_close(y_local, y.detach())
+    snn.losses.share((y_local * g).sum(), m).backward()
+    torch.testing.assert_close(snn.gather(x_local.grad, m, dims=(2,)), x.grad)
+    return True
+
+
+def test_max_of_infinite_lines_matches_torch(run):
+    assert all(run(2, _infinite_maxima))
 
 
 def _stat_errors():
