@@ -131,7 +131,7 @@ def _pad(
             i = x.dim() - 1 - d
             local[2 * i : 2 * i + 2] = [0, 0]
     if any(local):
-        x = F.pad(x, local, mode, value) if mode == "constant" else F.pad(x, local, mode)
+        x = _pad_local(x, local, mode, value)
     fill = 0.0 if value is None else value
     for d in dims:
         pl, pr = per_dim.get(d, (0, 0))
@@ -164,6 +164,21 @@ def _pad(
         if ring.is_last:
             x = edge_pad(x, d, pr, False, mode, fill)
     return x
+
+
+def _pad_local(x: torch.Tensor, local: Sequence[int], mode: str, value: float | None) -> torch.Tensor:
+    """``F.pad`` of this slab's unsharded dims. torch's reflect, replicate and circular kernels
+    refuse a tensor with an empty dim, which an empty slab has (its sharded dim holds no rows):
+    its padded block is as empty, so only its shape changes (found by tests/test_fuzz_padding.py:
+    that rank raised alone while the others went on to the exchange)."""
+    if mode == "constant":
+        return F.pad(x, local, mode, value)
+    if x.numel():
+        return F.pad(x, local, mode)
+    shape = list(x.shape)
+    for i in range(len(local) // 2):
+        shape[x.dim() - 1 - i] += local[2 * i] + local[2 * i + 1]
+    return x.new_zeros(shape) + x.sum() * 0  # still connected to x: its backward runs as the others'
 
 
 def _needs_gather(sizes: tuple[int, ...], pl: int, pr: int, mode: str) -> bool:
