@@ -37,6 +37,7 @@ from ..mesh import domain_axes
 from ..registry import register
 from .adaptive_pool import ShardedAdaptiveAvgPool1d, ShardedAdaptiveAvgPool2d, ShardedAdaptiveAvgPool3d
 from .base import ShardedMixin, agree
+from .window import gather_plan
 
 _AREA = {1: ShardedAdaptiveAvgPool1d, 2: ShardedAdaptiveAvgPool2d, 3: ShardedAdaptiveAvgPool3d}
 
@@ -61,6 +62,12 @@ def _taps(mode: str, length: int, out: int, scale: float | None, align_corners: 
             src = torch.floor(((j.to(torch.float64) + 0.5) * s.double()).to(torch.float32))
         return [src.to(torch.int64).clamp(max=length - 1)], None
     cubic = mode == "bicubic"
+    if not cubic and out == length:
+        # torch's linear kernels copy a dim whose size is kept, whatever the scale factor says
+        # (``compute_source_index_and_lambda`` in ATen's UpSample.h): ``scale_factor=1.3`` on
+        # 3 rows gives 3 rows, copied. Computed with the scale, they were silently different
+        # (found by tests/test_fuzz_interpolate.py).
+        return [j], None
     if align_corners:
         s = torch.tensor(length - 1, dtype=opmath) / (out - 1) if out > 1 else torch.tensor(0.0, dtype=opmath)
     elif scale:
