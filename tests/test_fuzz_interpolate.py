@@ -9,8 +9,9 @@ spatial dims of lengths 1-9, any spatial dims sharded, slabs of random uneven le
 ones, on 1-4 ranks or a 2x2 mesh (float64). Each rank's output must be its slab in the
 documented layout (a rank whose input slab is ``[a, b)`` of ``L`` holds the outputs
 ``[round(a O / L), round(b O / L))``; for ``area``, the adaptive pool's own, one output along a
-sharded dim replicated) holding torch's values on the whole tensor, and the input's gradient the single device's slab. Torch's own
-refusals on the whole tensor count as invalid; any other outcome fails.
+sharded dim replicated) holding torch's values on the whole tensor, and the input's gradient the
+single device's slab. Torch's own refusals on the whole tensor count as invalid; any other
+outcome fails.
 
 - ``test_fuzz_interpolate_fast``: the CI subset (derandomized, a few examples).
 - ``test_fuzz_interpolate_campaign`` (``pytest -m slow``): ``SNN_FUZZ_INTERPOLATE_EXAMPLES``

@@ -109,14 +109,19 @@ class _ShardedConvTransposeNd(ShardedMixin):
         def idx(q: int) -> int:
             return q if 0 <= q < total else -1
 
+        # A rank's strips lie around a*s, where its local buffer puts them, also where a*s is
+        # past the global output (its outputs clipped away: its slab's start in the output,
+        # sum(core[:r]), is then less than a*s; labelled from there, its strips were added one
+        # or more positions off: found by tests/test_fuzz_thin.py).
+        origins = [a * s for a in layout.starts]
         gather = HaloGather(
             dim,
             tuple(core),
-            tuple(tuple(idx(q) for q in range(o - spec.left[r], o)) for r, o in enumerate(starts)),
+            tuple(tuple(idx(q) for q in range(o - spec.left[r], o)) for r, o in enumerate(origins)),
             tuple((0, c) for c in core),
             tuple(
                 tuple(idx(q) for q in range(o + c, o + c + spec.right[r]))
-                for r, (o, c) in enumerate(zip(starts, core))
+                for r, (o, c) in enumerate(zip(origins, core))
             ),
         )
         return spec, out, total, gather
