@@ -2796,6 +2796,10 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
             return self._plain_or_fail(func, base, args, kwargs, [])
         if dims is None or (isinstance(dims, (tuple, list)) and len(dims) == 0):
             self.fail("`roll`", "it rolls the flattened slab", "pass dims=...")
+        # A shift computed from a slab's size (``torch.roll(x, x.shape[2] // 2, 2)``, a centred
+        # spectrum written by hand) is a value: the single device's number, from the global
+        # sizes (it was refused before session 59).
+        (shifts,), _ = self._globalise("`roll`", (shifts,), {})
         shifts = [shifts] if isinstance(shifts, int) else list(shifts)
         dims = [dims] if isinstance(dims, int) else list(dims)
         out = x
@@ -2803,8 +2807,6 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         for s, d in zip(shifts, dims):
             d = d % x.dim()
             if d in st:
-                if _is_tagged(s):
-                    self.fail("`roll`", f"its shift ({s}) along sharded dim {d} is computed from a local size", "")
                 from .comm.shift import periodic_shift
 
                 self._routing("roll")
