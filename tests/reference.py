@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import sharded_nn as snn
+from sharded_nn.mesh import domain_axes
 from sharded_nn.sharding import default_dims
 
 
@@ -49,8 +50,8 @@ def check_against_reference(
 ) -> dict[str, float]:
     """Forward and backward of ``ref`` on ``x`` against the converted copy on this rank's slab.
 
-    ``sizes`` gives explicit per-rank slab sizes along ``dims[0]`` (1-D meshes) instead of the
-    balanced split. Compares the gathered output, the gathered input gradient and every parameter gradient
+    ``sizes`` gives explicit per-rank slab sizes along ``dims[0]`` (1-D meshes), or one tuple per
+    sharded dim (2-D meshes), instead of the balanced split. Compares the gathered output, the gathered input gradient and every parameter gradient
     (summed over the domain ranks) with ``torch.testing.assert_close``; returns the max errors.
     ``dims`` defaults to the library default (one spatial dim per domain axis).
     """
@@ -66,8 +67,13 @@ def check_against_reference(
     if sizes is None:
         x_local = snn.shard(x.detach(), mesh, dims=dims, align=align)
     else:
-        start = sum(sizes[: mesh.get_local_rank("domain")])
-        x_local = x.detach().narrow(dims[0], start, sizes[mesh.get_local_rank("domain")]).clone()
+        # One tuple of slab sizes per sharded dim (a 2-D mesh), or one tuple for dims[0].
+        per_dim = sizes if isinstance(sizes[0], (tuple, list)) else (sizes,)
+        x_local = x.detach()
+        for d, split, axis in zip(dims, per_dim, domain_axes(mesh)):
+            r = mesh.get_local_rank(axis)
+            x_local = x_local.narrow(d, sum(split[:r]), split[r])
+        x_local = x_local.clone()
     if not any(m.training and any(True for _ in m.buffers(recurse=False)) for m in model.modules()):
         # The inference forward too (no autograd: layers take their no-grad paths, e.g. thin
         # slabs convolved on one extended copy), where a second forward changes no state (no

@@ -7,7 +7,8 @@ several ranks (``comm.halo_gather``), edge clipping reaches past a neighbour, an
 have no outputs. This file draws the same layers (convolutions with every padding mode, strides
 and dilations; transposed convolutions; max and average pools with ceil mode and padding;
 integer upsampling; group, instance, batch and layer norms) with 2-4 ranks holding slabs of 0-2
-aligned blocks each (the last one possibly cut short), and compares with the torch layer on the
+aligned blocks each (the last one possibly cut short), or a 2x2 mesh with such slabs along both
+sharded dims, and compares with the torch layer on the
 whole tensor, forward and backward, in float64 (``tests/reference.py``), training or eval. A
 ``ShardingError`` raised alike on every rank counts as a refusal, a configuration torch itself
 rejects on the whole tensor as invalid; any mismatch fails.
@@ -49,13 +50,21 @@ def _case(cfg: dict):
 @st.composite
 def thin_configs(draw):
     cfg = dict(draw(configs()))
-    parts = draw(st.integers(2, 4))
     a = cfg["align"]
-    sizes = [draw(st.integers(0, 2)) * a for _ in range(parts)]
-    sizes[-1] = max(0, sizes[-1] - draw(st.integers(0, a - 1)))  # the balanced rule's short last slab
-    if not sum(sizes):
-        sizes[draw(st.integers(0, parts - 1))] = a
-    cfg.update(domain=parts, sizes=tuple(sizes), spatial=(sum(sizes), *cfg["spatial"][1:]))
+
+    def thin(parts):
+        sizes = [draw(st.integers(0, 2)) * a for _ in range(parts)]
+        sizes[-1] = max(0, sizes[-1] - draw(st.integers(0, a - 1)))  # the balanced rule's short last slab
+        if not sum(sizes):
+            sizes[draw(st.integers(0, parts - 1))] = a
+        return tuple(sizes)
+
+    if isinstance(cfg["domain"], tuple):  # 2x2: thin slabs along both sharded dims
+        sizes = (thin(2), thin(2))
+        cfg.update(sizes=sizes, spatial=(sum(sizes[0]), sum(sizes[1]), *cfg["spatial"][2:]))
+        return cfg
+    sizes = thin(draw(st.integers(2, 4)))
+    cfg.update(domain=len(sizes), sizes=sizes, spatial=(sum(sizes), *cfg["spatial"][1:]))
     return cfg
 
 
@@ -66,7 +75,7 @@ def _run(pools, cfg, timeout: float = 300.0):
 # Cases the fast run always includes: a dilated reflect-padded convolution whose halo crosses an
 # empty and a one-block slab; a ceil-mode max pool with padding on slabs of one and zero blocks;
 # a transposed convolution whose padding crops the outputs of the last ranks away (their strips
-# were added at wrong positions before session 59).
+# were added at wrong positions before session 59); the two cases below it.
 EXAMPLES = [
     dict(kind="conv", nd=1, domain=3, seed=1, batch=1, bias=True, cin=2, cout=3, groups=1, align=1,
          sizes=(1, 0, 4), eval=False, kernel=3, dilation=2, stride=1, mode="reflect", padding=2, spatial=(5,)),
@@ -75,6 +84,12 @@ EXAMPLES = [
          count_include_pad=False, spatial=(5, 4)),
     dict(kind="conv_transpose", nd=1, domain=4, seed=3, batch=1, bias=True, cin=2, cout=3, groups=1, align=1,
          sizes=(1, 1, 0, 0), eval=False, kernel=4, dilation=1, stride=3, padding=3, output_padding=1, spatial=(2,)),
+    # Session 59: an empty last slab whose one output reads only its neighbour's rows (its rank
+    # raised alone in the overlapped path); LayerNorm([C, H, W]) on a 2x2 mesh (refused before).
+    dict(kind="conv", nd=1, domain=2, seed=4, batch=2, bias=True, cin=2, cout=3, groups=1, align=3, sizes=(3, 0),
+         eval=False, kernel=3, dilation=1, stride=3, mode="zeros", padding=2, spatial=(3,)),
+    dict(kind="norm", nd=2, domain=(2, 2), seed=5, batch=2, bias=True, cin=4, cout=3, groups=1, align=1,
+         sizes=((1, 2), (2, 1)), eval=False, norm="layer", spatial=(3, 3)),
 ]  # fmt: skip
 
 test_fuzz_thin_fast, test_fuzz_thin_campaign = fuzz_tests(

@@ -53,7 +53,7 @@ from ..comm.collectives import all_gather_stacked
 from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
 from ..errors import ShardingError
-from ..mesh import axis_index, axis_size, data_axis, group_over, mesh_cached
+from ..mesh import axis_index, axis_size, data_axis, default_dims, group_over, mesh_cached
 from ..moments import (
     bn_backward_applies,
     bn_grad_sums,
@@ -889,7 +889,10 @@ class ShardedLayerNorm(ShardedMixin, nn.LayerNorm):
     _scoped_agree = True  # the output keeps the input's layout
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
-        return () if len(self.normalized_shape) == 1 else super()._default_dims(mesh)
+        # Every domain axis's default dim: ``LayerNorm([C, H, W])`` on a 2x2 mesh normalises
+        # over H and W, both sharded. (The grid layers' rule, which keeps no more dims than a
+        # layer's spatial ones, gave it H only, and its input was refused before session 59.)
+        return () if len(self.normalized_shape) == 1 else tuple(default_dims(mesh))
 
     def _check_dims(self, dims: tuple[int, ...], axes: tuple[str, ...]) -> None:
         if any(d < 1 for d in dims):
