@@ -84,8 +84,10 @@ def _case(cfg: dict):
             idx = target if labels == "indices" else target.squeeze(1)
             one_hot = (idx.unsqueeze(1) == torch.arange(shape[1]).view(1, -1, *(1,) * (idx.dim() - 1))).double()
         ref = _dice(pred, one_hot, cfg)
-        ours = snn.losses.dice_loss(p_l, t_l, m, smooth_nr=cfg["snr"], smooth_dr=cfg["sdr"], squared_pred=cfg["squared"],
-                                    include_background=cfg["background"], reduction=cfg["reduction"])  # fmt: skip
+        ours = snn.losses.dice_loss(
+            p_l, t_l, m, smooth_nr=cfg["snr"], smooth_dr=cfg["sdr"], squared_pred=cfg["squared"],
+            include_background=cfg["background"], reduction=cfg["reduction"],
+        )  # fmt: skip
     torch.testing.assert_close(ours, ref.detach(), atol=1e-12, rtol=1e-12, msg=lambda s: f"value: {s}")
     w = torch.randn(ref.shape, generator=gen, dtype=torch.float64)  # a 'none' reduction's weights
     (ref * w).sum().backward()
