@@ -3268,6 +3268,9 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         if _arg(args, kwargs, 3, "max_norm") is not None:  # renormalises the rows it reads, in place
             self.fail("`embedding`", "with max_norm it rescales the table rows each rank's slab reads, so the "
                       "ranks' tables would differ", "Renormalise the table before the forward")  # fmt: skip
+        if _arg(args, kwargs, 5, "scale_grad_by_freq", False):  # counts each index on this slab only
+            self.fail("`embedding`", "with scale_grad_by_freq its gradient divides by how often each index "
+                      "occurs in the slab, not in the whole input", "Use scale_grad_by_freq=False")  # fmt: skip
         state = self._plain_by_slab(weight, idx)  # the weight's rows: dim 0, index dims first
         out = func(*args, **kwargs)
         self._set(out, state)

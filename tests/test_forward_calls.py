@@ -231,6 +231,9 @@ class Hazards(nn.Module):
             dist = (rows.unsqueeze(-1) * 3 + 2.0).long() % 5  # (H, 1), a slab
             h = h + self.table[dist[:, 0]].t()[None, :, :, None] + self.table[..., rows % 4][:1].t()[None, :1, :, None]
             h = h * F.embedding(rows.unsqueeze(0) % 5, self.table).permute(0, 2, 1).unsqueeze(-1).tanh()
+        elif k == "table_freq":  # gradients scaled by index counts, which a slab counts on its own rows
+            rows = torch.arange(h.shape[2])
+            h = h + F.embedding(rows % 5, self.table, scale_grad_by_freq=True).t()[None, :, :, None]
         elif k == "table_mask":  # a mask of the slab's rows selects rows of a table: not a slab of anything
             rows = torch.arange(h.shape[2])
             h = h + self.table[rows % 5 > 1].sum()
@@ -262,6 +265,7 @@ REFUSED = {
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
     "tolist": "reads the values",
     "table_mask": "indexing.*index values differ by rank",
+    "table_freq": "`embedding`.*scale_grad_by_freq",
     "view_minus_one_inner": "`reshape`.*folds sharded dim 2 into a constant shape .* not the outermost",
     "fconv_transpose": "transposed convolution mixes positions along sharded dim",
     "fconv_local_pad": "computed from a slab's local size",
