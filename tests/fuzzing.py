@@ -29,6 +29,43 @@ def fast_settings(env: str, default: int):
                     phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
 
 
+def slab_of(t, splits, coords):
+    """This rank's slab of a whole tensor: ``splits`` holds ``(dim, every rank's length)`` per
+    mesh axis, ``coords`` this rank's coordinate on each axis."""
+    for (d, split), c in zip(splits, coords):
+        t = t.narrow(d, sum(split[:c]), split[c])
+    return t
+
+
+def adaptive_bins(n: int, o: int, a: int, b: int) -> tuple[int, int]:
+    """The sharded adaptive pools' layout: of ``o`` bins over ``n`` positions, ``[lo, hi)`` are the
+    ones whose start (``floor(i n / o)``) lies in this rank's slab ``[a, b)``."""
+    mine = [i for i in range(o) if a <= i * n // o < b]
+    return (mine[0], mine[-1] + 1) if mine else (0, 0)
+
+
+def adaptive_or_replicated(n: int, o: int, a: int, b: int) -> tuple[int, int] | None:
+    """``adaptive_bins``, or ``None`` for one bin: a global pool, replicated along that axis."""
+    return None if o == 1 else adaptive_bins(n, o, a, b)
+
+
+def output_blocks(whole, g, splits, coords, rule):
+    """This rank's blocks of a whole output and of its gradient weights, and how many ranks hold
+    a copy of it. ``rule(n, o, a, b)``: along a sharded dim of ``n`` input positions and ``o``
+    outputs, the outputs ``[lo, hi)`` of the rank whose input slab is ``[a, b)``, or ``None``
+    where the output is replicated along that axis (then each copy carries ``1 / r`` of the loss
+    under the library's gradient convention)."""
+    rep = 1
+    for (d, split), c in zip(splits, coords):
+        got = rule(sum(split), whole.shape[d], sum(split[:c]), sum(split[: c + 1]))
+        if got is None:
+            rep *= len(split)
+            continue
+        lo, hi = got
+        whole, g = whole.narrow(d, lo, hi - lo), g.narrow(d, lo, hi - lo)
+    return whole, g, rep
+
+
 def randomize_(model, seed: int, scale: float):
     """``model`` with every parameter moved by ``scale`` times a seeded normal draw (so that every
     one matters: zero-initialised biases, tables and layer scales included); returns it."""

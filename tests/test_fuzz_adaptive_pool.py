@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 from sharded_nn.errors import ShardingError, ShardingNotImplementedError
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import adaptive_or_replicated, fuzz_tests, outcome, output_blocks, slab_of
 from .harness import mesh
 from .test_fuzz_fft_modes import _split
 
@@ -54,9 +54,7 @@ def _case(cfg: dict):
         return ("invalid", str(e)[:100])
 
     def block(t):
-        for (d, split), c in zip(splits, coords):
-            t = t.narrow(d, sum(split[:c]), split[c])
-        return t
+        return slab_of(t, splits, coords)
 
     x_l = block(x.detach()).clone().requires_grad_()
     try:
@@ -64,17 +62,8 @@ def _case(cfg: dict):
         y = model(x_l)
     except (ShardingError, ShardingNotImplementedError) as e:
         return ("refused", str(e)[:120])
-    out_block, rep = y_ref.detach(), 1
     g = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
-    g_block = g
-    for (d, split), c in zip(splits, coords):
-        n, o, a, b = sum(split), y_ref.shape[d], sum(split[:c]), sum(split[: c + 1])
-        if o == 1:
-            rep *= len(split)
-            continue
-        mine = [i for i in range(o) if a <= i * n // o < b]
-        lo, hi = (mine[0], mine[-1] + 1) if mine else (0, 0)
-        out_block, g_block = out_block.narrow(d, lo, hi - lo), g_block.narrow(d, lo, hi - lo)
+    out_block, g_block, rep = output_blocks(y_ref.detach(), g, splits, coords, adaptive_or_replicated)
     torch.testing.assert_close(y, out_block, atol=1e-12, rtol=1e-12, msg=lambda s: f"output: {s}")
     (y_ref * g).sum().backward()
     ((y * g_block).sum() / rep).backward()

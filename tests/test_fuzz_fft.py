@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 from sharded_nn.errors import ShardingError
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, slab_of
 from .harness import mesh
 from .test_fuzz_fft_modes import _split
 
@@ -77,9 +77,7 @@ def _case(cfg: dict):
     x = torch.randn(cfg["shape"], generator=gen, dtype=dtype).requires_grad_()
 
     def block(t):
-        for (d, split), c in zip(splits, coords):
-            t = t.narrow(d, sum(split[:c]), split[c])
-        return t
+        return slab_of(t, splits, coords)
 
     try:
         y_ref = _call(getattr(torch.fft, cfg["name"]), x, cfg)

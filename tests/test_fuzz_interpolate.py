@@ -27,13 +27,18 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 from sharded_nn.errors import ShardingError
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import adaptive_or_replicated, fuzz_tests, outcome, output_blocks, slab_of
 from .harness import mesh
 from .test_fuzz_fft_modes import _split
 
 #: mode -> the spatial dims it takes (None: any of 1-3)
 MODES = {"nearest": None, "nearest-exact": None, "area": None, "linear": 1, "bilinear": 2, "bicubic": 2,
          "trilinear": 3}  # fmt: skip
+
+
+def _rounded(n: int, o: int, a: int, b: int) -> tuple[int, int]:
+    """The resampling layout: a slab ``[a, b)`` of ``n`` holds outputs ``[round(a o / n), round(b o / n))``."""
+    return (2 * a * o + n) // (2 * n), (2 * b * o + n) // (2 * n)
 
 
 def _case(cfg: dict):
@@ -56,9 +61,7 @@ def _case(cfg: dict):
         return ("invalid", "empty output")
 
     def block(t):
-        for (d, split), c in zip(splits, coords):
-            t = t.narrow(d, sum(split[:c]), split[c])
-        return t
+        return slab_of(t, splits, coords)
 
     x_l = block(x.detach()).clone().requires_grad_()
     try:
@@ -68,20 +71,9 @@ def _case(cfg: dict):
     # The documented layout: this rank's outputs along each sharded dim. ``area`` is adaptive
     # average pooling: bin i, [floor(i L / O), ceil((i + 1) L / O)), belongs to the rank whose
     # slab holds its start, and one output (the global mean) is replicated along that axis.
-    out_block, rep = y_ref.detach(), 1
     g = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
-    g_block = g
-    for (d, split), c in zip(splits, coords):
-        n, o, a, b = sum(split), y_ref.shape[d], sum(split[:c]), sum(split[: c + 1])
-        if cfg["mode"] == "area" and o == 1:
-            rep *= len(split)
-            continue
-        if cfg["mode"] == "area":
-            mine = [i for i in range(o) if a <= i * n // o < b]
-            lo, hi = (mine[0], mine[-1] + 1) if mine else (0, 0)
-        else:
-            lo, hi = (2 * a * o + n) // (2 * n), (2 * b * o + n) // (2 * n)
-        out_block, g_block = out_block.narrow(d, lo, hi - lo), g_block.narrow(d, lo, hi - lo)
+    rule = adaptive_or_replicated if cfg["mode"] == "area" else _rounded
+    out_block, g_block, rep = output_blocks(y_ref.detach(), g, splits, coords, rule)
     torch.testing.assert_close(y, out_block, atol=1e-12, rtol=1e-12, msg=lambda s: f"output: {s}")
     if cfg["mode"] == "bicubic" and y_ref.shape == x.shape and cfg["scale"] and not cfg["recompute"]:
         # torch's bicubic backward copies the gradient where every size is kept, while its

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 from sharded_nn.errors import ShardingError
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, slab_of
 from .harness import mesh
 from .test_fuzz_fft_modes import _split
 
@@ -37,7 +37,7 @@ def _case(cfg: dict):
         x = torch.randint(-50, 50, cfg["shape"], generator=gen)
     else:
         x = torch.randn(cfg["shape"], generator=gen, dtype=torch.float64)
-    x_l = _block(x, splits, coords).clone().requires_grad_(not cfg["integer"])
+    x_l = slab_of(x, splits, coords).clone().requires_grad_(not cfg["integer"])
     align = cfg["align"]
     try:
         sl = snn.local_slices(tuple(x.shape), m, dims=dims, align=align)
@@ -52,15 +52,8 @@ def _case(cfg: dict):
     if not cfg["integer"]:
         g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
         (y * g[sl]).sum().backward()
-        assert torch.equal(x_l.grad, _block(g, splits, coords)), "the gradient reaches other rows than the slab's"
+        assert torch.equal(x_l.grad, slab_of(g, splits, coords)), "the gradient reaches other rows than the slab's"
     return "ok"
-
-
-def _block(t, splits, coords):
-    """This rank's slab of a whole tensor under the drawn splits."""
-    for (d, split), c in zip(splits, coords):
-        t = t.narrow(d, sum(split[:c]), split[c])
-    return t
 
 
 @st.composite

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 from sharded_nn.errors import ShardingError
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, slab_of
 from .harness import mesh
 from .test_fuzz_reductions import _split_rows
 
@@ -72,9 +72,7 @@ def _case(cfg: dict):
     y_ref = ref(x)
 
     def block(t):
-        for (d, split), c in zip(splits, coords):
-            t = t.narrow(d, sum(split[:c]), split[c])
-        return t
+        return slab_of(t, splits, coords)
 
     model = snn.convert(copy.deepcopy(ref), m, dims=tuple(d for d, _ in splits), strict=True)
     x_l = block(x.detach()).clone().requires_grad_()
