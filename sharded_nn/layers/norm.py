@@ -580,8 +580,18 @@ def _group_norm_backward_fused(ctx, gy, x, weight, bias, mean, rstd):
 
 
 class _ShardedInstanceNorm(_ShardedNorm):
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        """The data replicas, where the mesh has several: their samples make one global batch,
+        whose per-instance statistics the running statistics average (as one device would on
+        the whole batch), identical on every rank. None without a data axis of several ranks."""
+        mesh, data = self.mesh, data_axis(self.mesh)
+        if data is None or axis_size(mesh, data) == 1:
+            return None
+        return mesh_cached(mesh, ("instance_norm_replicas",), lambda: group_over(mesh, (data,)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        if self._local_only:
+        updates = self.training and self.running_mean is not None and self.momentum is not None
+        if self._local_only and not (updates and self._replica_group() is not None):
             # P=1: torch's instance norm itself (every statistic is local; unbatched input too),
             # given matching layouts (module docstring): torch normalizes a contiguous copy.
             x = standard_layout(x.contiguous())
@@ -605,11 +615,20 @@ class _ShardedInstanceNorm(_ShardedNorm):
         xf = _opmath(x)
         mean, var, count = global_moments(xf, tuple(range(2, x.dim())), self._domain_group())
         if self.training and self.running_mean is not None and self.momentum is not None:
-            # torch's instance_norm averages the per-instance statistics over the batch.
+            # torch's instance_norm averages the per-instance statistics over the batch: here the
+            # global batch, this replica's samples and the other data replicas' (equal counts,
+            # ``batch_slice``); before session 59 each replica kept its own average, so the
+            # replicas' running statistics drifted apart (found by tests/test_fuzz_data_axis.py).
             with torch.no_grad():
+                stats = torch.stack([mean.reshape(x.shape[0], -1).sum(0),
+                                     _unbiased(var, count).reshape(x.shape[0], -1).sum(0)])  # fmt: skip
+                group, samples = self._replica_group(), x.shape[0]
+                if group is not None:
+                    stats = all_reduce_sum(stats, group)
+                    samples *= group.size()
                 m = self.momentum
-                self.running_mean.mul_(1 - m).add_(mean.reshape(x.shape[0], -1).mean(0), alpha=m)
-                self.running_var.mul_(1 - m).add_(_unbiased(var, count).reshape(x.shape[0], -1).mean(0), alpha=m)
+                self.running_mean.mul_(1 - m).add_(stats[0] / samples, alpha=m)
+                self.running_var.mul_(1 - m).add_(stats[1] / samples, alpha=m)
         return _affine((xf - mean) * torch.rsqrt(var + self.eps), w, b).to(x.dtype)
 
 
