@@ -19,9 +19,10 @@ Sharding contract:
     running statistics (BatchNorm, InstanceNorm with ``track_running_stats``): updated from
         the global statistics exactly as the single-device layer does (unbiased variance over
         the global count, ``momentum``, ``num_batches_tracked``, ``momentum=None`` cumulative
-        average), so they are identical on every rank. Eval mode with running statistics is
-        local: no communication; BatchNorm then makes no agreement either (it is pointwise, as
-        torch's kernel computes it).
+        average; InstanceNorm's per-instance statistics averaged over the global batch, the
+        other data replicas' samples included), so they are identical on every rank. Eval mode
+        with running statistics is local: no communication; BatchNorm then makes no agreement
+        either (it is pointwise, as torch's kernel computes it).
 
 Every layer starts with ``agree`` (a few integers: shapes, dtype), so a malformed input raises
 the same error on every rank before any statistic is exchanged.
