@@ -149,9 +149,14 @@ def test_launch_reuses_small_buffers_from_the_heap():
     # Below the 1 MiB threshold a freed buffer is reused without page faults; a 64 KiB threshold
     # unmaps it, so each allocation faults its 128 pages in again (at least a quarter of them
     # each time: the kernel may map a few pages per fault).
+    # The fewest faults of three launched ranks: in about one launch in four the heap's state at
+    # start (what the rank allocated and freed before, which glibc trims or keeps) makes some of
+    # the 20 allocations fault part of their pages again (200-730 faults against 60-90; session
+    # 59's CI failed once so, and the code of session 58 shows the same spread). A threshold that
+    # did not apply faults every allocation in every launch (about 2,600), which the minimum keeps.
     import sharded_nn as snn
 
-    reused = snn.launch(_refault_count, 1, host_cache=False)
+    reused = min(snn.launch(_refault_count, 1, host_cache=False) for _ in range(3))
     fixed = snn.launch(_refault_count, 1, mmap_threshold=1 << 16, host_cache=False)
     assert fixed >= 20 * 32, fixed
     assert reused * 4 < fixed, (reused, fixed)
