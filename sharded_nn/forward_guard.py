@@ -744,6 +744,29 @@ def _flat_tensors(obj) -> list[torch.Tensor]:
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
+def _global_layer_arguments(mode, module: nn.Module, args, kwargs):
+    """A sharded layer's size arguments computed from slab sizes, as the global ones.
+
+    A sharded layer takes its size arguments for the whole sample (``output_size`` of a max
+    unpooling or a transposed convolution), as the single device does; a model passes them
+    read from its tensors (SegNet's ``unpool(y, idx, output_size=x.size())``, a decoder's
+    ``up(y, output_size=skip.shape[2:])``), which on a slab are this rank's. Such numbers are
+    values, evaluated on the global sizes (one small all-gather), as everywhere in the guard;
+    before session 59 each rank passed its own and the layer refused them.
+    """
+    found: list = []
+    _walk((args[1:], kwargs), found)
+    if not any(_is_tagged(v) for v in found):
+        return args, kwargs
+
+    def plain(v):  # a torch.Size keeps its elements as they are; the guard substitutes in tuples
+        return tuple(v) if isinstance(v, torch.Size) else v
+
+    args = (args[0], *(plain(a) for a in args[1:])) if args else args
+    kwargs = {k: plain(v) for k, v in kwargs.items()}
+    return mode._globalise(f"`{type(module).__name__}`", args, kwargs)
+
+
 class _LayerHooks:
     """The guard's work around one call of a sharded layer (or a reviewed module) in a guarded model.
 
@@ -813,6 +836,8 @@ class _LayerHooks:
         if mode is None or mode is _SINGLE or mode.suspended:
             # No guarded forward, or inside a sharded layer or a reviewed module: its own business.
             return call(*args, **kwargs)
+        if kwargs or len(args) > 1:  # (a single tensor, the common call, has no size arguments)
+            args, kwargs = _global_layer_arguments(mode, module, args, kwargs)
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         dims = module.__dict__.get("dims") if self.check else None
         plain = False
