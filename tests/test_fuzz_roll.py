@@ -31,6 +31,7 @@ from sharded_nn.errors import ShardingError
 
 from .fuzzing import fuzz_tests, outcome, slab_of
 from .harness import mesh
+from .reference import assert_param_grads
 from .test_fuzz_reductions import _split_rows
 
 
@@ -85,10 +86,7 @@ def _case(cfg: dict):
     (y_ref * g).sum().backward()
     (y * block(g)).sum().backward()
     torch.testing.assert_close(x_l.grad, block(x.grad), atol=1e-12, rtol=1e-12, msg=lambda s: f"input grad: {s}")
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        grad = p.grad.clone()
-        torch.distributed.all_reduce(grad)  # the parameter gradient's partial sums
-        torch.testing.assert_close(grad, p_ref.grad, atol=1e-10, rtol=1e-10, msg=lambda s, n=name: f"{n}: {s}")
+    assert_param_grads(ref, model, m, atol=1e-10, rtol=1e-10)  # the partial sums, summed over the ranks
     return "ok"
 
 
