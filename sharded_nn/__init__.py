@@ -25,6 +25,7 @@ from .recompute import activation_checkpoint
 from .registry import register
 from .reshard import reshard
 from .sharding import batch_slice, default_dims, gather, local_slices, shard
+from .weights import sync_weights
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,7 @@ __all__ = [
     "set_layout",
     "shard",
     "stated_layout",
+    "sync_weights",
     *_layers.__all__,
 ]
 

@@ -546,6 +546,12 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
         # The domain size is a fact of the mesh, the same on every rank: P=1 agrees on nothing.
         multi = any(axis_size(mesh, a) > 1 for a in domain_axes(mesh))
         scope = layout_scope and multi and type(model) not in done
+        if scope:
+            # The first forward's entry facts check that every rank holds the same weights
+            # (again after each load_state_dict on the model): ``sharded_nn.weights``.
+            from .weights import arm
+
+            arm(model)
         disable_layout_scope(model)  # hooks of an earlier enable_layout_scope: replaced below
         if guard and type(model) not in done and "" not in plan_none:
             from .forward_guard import install

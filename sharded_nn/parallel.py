@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .convert import convert
 from .mesh import DATA_AXIS, axis_size, data_axis, domain_axes, group_over
+from .weights import sync_weights
 
 
 @dataclass
@@ -88,6 +89,9 @@ def parallelize(
     model = convert(model, mesh, plan=plan, dims=dims, strict=strict)
     check_model_mesh(model, mesh, "parallelize")
     if mode == "fsdp":
+        # FSDP2 keeps each rank's own values (DDP broadcasts the first rank's at construction):
+        # copy them first, or every shard and data replica would start from other weights.
+        sync_weights(model, mesh)
         return _fully_shard(model, mesh, fsdp_modules, kwargs)
     if mesh.device_type == "cuda":
         kwargs.setdefault("device_ids", [torch.cuda.current_device()])

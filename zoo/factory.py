@@ -65,6 +65,11 @@ def create_model(name: str, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
         mesh: a ``DeviceMesh`` with domain axes, or ``None`` for the single-device model.
         **kwargs: the family's options (timm kwargs such as ``img_size``, UNet or Transolver
             constructor arguments, ``pretrained_file``).
+
+    With a ``mesh`` and no ``pretrained_file``, every rank of the mesh gets the first rank's
+    random initial weights (``sharded_nn.sync_weights``): the same model everywhere, as domain
+    parallelism needs; seed torch alike on every rank (``torch.manual_seed``) to make it the
+    model that ``create_model(name)`` builds on one device after the same seed.
     """
     if not isinstance(name, str):
         raise TypeError(f"create_model: name must be a str, got {type(name).__name__}.")
@@ -76,4 +81,11 @@ def create_model(name: str, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
                 "or a timm model name (see timm.list_models(), e.g. 'vit_small_patch16_224'): check the spelling."
             )
         builder = _FALLBACK[0]
-    return builder(name, mesh=mesh, **kwargs)
+    model = builder(name, mesh=mesh, **kwargs)
+    if mesh is not None and not kwargs.get("pretrained_file") and not kwargs.get("pretrained"):
+        # Random initial weights: this torch seeds each process differently, and every domain
+        # rank must hold the same weights (``sharded_nn.weights``): take the first rank's.
+        from sharded_nn.weights import sync_weights
+
+        sync_weights(model, mesh)
+    return model

@@ -107,6 +107,37 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return y
 
 
+def broadcast_from_first(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = 1 << 26
+) -> None:
+    """Overwrite ``tensors`` (in place, no gradient) with the group's first rank's.
+
+    Every rank passes the same list (same shapes, dtypes, devices, order); tensors of one dtype
+    and device travel together in buckets of about ``bucket_bytes`` (few collectives for a model
+    of hundreds of parameters).
+    """
+    if _size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for same in groups.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in [*same, None]:
+            if t is not None and (not bucket or size + t.numel() * t.element_size() <= bucket_bytes):
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+                continue
+            flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                with torch.no_grad():
+                    b.copy_(part.view_as(b))
+            bucket, size = ([t], t.numel() * t.element_size()) if t is not None else ([], 0)
+
+
 def all_gather_uneven(x: torch.Tensor, group: dist.ProcessGroup, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Gather tensors whose shapes differ per rank (``shapes[r]`` is rank r's); no gradient.
 

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import _flat_mesh, axis_size, domain_axes, domain_group, mesh_cached
+from ..weights import VALUES_FACT, VALUES_HINT, arm, rearm_checked, take_digest, values_shown
 from .collectives import all_gather_stacked
 
 _MAX_NDIM = 12
@@ -112,6 +113,8 @@ def gather_layouts(
         scope_forget()  # the caller declares no layout it derives from this one: forget the scope
     meta = _layout_meta(mesh)
     axes = meta.axes
+    if (len(dims) > len(axes) or len(shape) > _MAX_NDIM) and VALUES_FACT in entry:
+        rearm_checked()  # raised below before the entry facts are checked: the weights next time
     if len(dims) > len(axes):
         raise ShardingError(
             f"{what}: {len(dims)} sharded dims {tuple(dims)} but the mesh has only {len(axes)} "
@@ -158,6 +161,12 @@ def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: 
         by_rank = [tuple(g[i : i + len(vals)]) for g in got]
         if len(set(by_rank)) != 1:
             shown = [v if len(v) > 1 else v[0] for v in by_rank]
+            if VALUES_FACT in entry:
+                rearm_checked()  # the values were not checked, or differ: check them next forward
+            if name == VALUES_FACT:
+                raise ShardingError(
+                    f"{what}: the domain ranks hold different {name}: {values_shown(by_rank)}. {VALUES_HINT}"
+                )
             raise ShardingError(
                 f"{what}: the domain ranks disagree on the model's {name} at its entry: {shown} (by rank). "
                 + ENTRY_HINT
@@ -448,6 +457,9 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
         "autocast": autocast,
         "model inputs (dtype, requires_grad, ndim, unsharded sizes)": (_digest(inputs),),
         "module state (parameter dtypes and requires_grad, buffer dtypes, training flags)": (_digest(state),),
+        # The values themselves once after convert and after each load_state_dict (0 otherwise):
+        # weights that differ by rank would compute each slab with other weights.
+        VALUES_FACT: (take_digest(model),),
     }
     return facts, [t for t in tensors if t.dim() > first]
 
@@ -511,6 +523,7 @@ def enable_layout_scope(
     if model.__dict__.get("_snn_layout_scope_handles") or getattr(guard, "scope", None) is not None:
         return model  # installed already (by convert: inside the forward guard's root hooks)
     hooks = ScopeHooks(dims, mesh)
+    arm(model)  # the first forward's entry facts check the weights (``sharded_nn.weights``)
     # prepend: the entry facts are read before other root hooks (a forward guard's mode) run.
     model.__dict__["_snn_layout_scope_handles"] = (
         model.register_forward_pre_hook(hooks.enter, with_kwargs=True, prepend=True),
@@ -545,6 +558,11 @@ def scope_coords(mesh: DeviceMesh, n: int) -> tuple[tuple[int, ...], ...]:
 
 def _scope_active() -> bool:
     return _SCOPE.depth > 0 and not torch.compiler.is_compiling()
+
+
+def scope_active() -> bool:
+    """Whether a model forward's layout scope is running (its entry facts cover the model's layers)."""
+    return _scope_active()
 
 
 def _scope_key(mesh: DeviceMesh, dims: Sequence[int], ndim: int) -> tuple:

@@ -27,6 +27,7 @@ from ..errors import ShardingError, ShardingNotImplementedError
 from ..functional import ring_attention, ulysses_attention
 from ..mesh import axis_index, data_axis, domain_axes
 from ..registry import register
+from ..weights import arm as arm_values_check
 from .base import ShardedMixin, check_mesh, dtype_code, gather_facts
 
 _ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
@@ -112,6 +113,7 @@ class _AttentionMixin(ShardedMixin):
         self.mesh, self.attention, self.layout = mesh, attention, layout
         self.mesh_axes = domain_axes(mesh)
         self.dims = (self._seq_dim,)
+        arm_values_check(self)
 
     #: The seed of the attention-dropout mask of the last training forward (None: no dropout),
     #: so that a run can reproduce its masks (``attention_kernels.dropout_keep``).
@@ -189,6 +191,7 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
         drop_same, seed = self._dropout_facts(self.dropout)
         same = {
             **drop_same,
+            **self._values_fact(),
             "dtype": (dtype_code(query.dtype),),
             "requires_grad": (_requires_grad(self, query, key, value),),
             "need_weights": (int(need_weights),),

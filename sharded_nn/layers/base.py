@@ -20,10 +20,14 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
-from ..comm.sizes import ENTRY_HINT, scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry
+from ..comm.sizes import (
+    ENTRY_HINT, scope_active, scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry,
+)
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import axis_index, axis_size, default_dims, device_code, device_name, domain_axes
+from ..weights import VALUES_FACT, VALUES_HINT, rearm_checked, take_digest, values_shown
+from ..weights import arm as arm_values_check
 
 #: Tensors with more dims than this are refused (the gathered rows have a fixed width).
 MAX_NDIM = 12
@@ -219,6 +223,9 @@ def agree(
     rows = gather_facts(mesh, what, local=[len(shape), *coords, *padded, *flat, *local])
     ndim_all = [r[0] for r in rows]
     shapes = tuple(tuple(r[1 + len(axes) : 1 + len(axes) + min(n, MAX_NDIM)]) for r, n in zip(rows, ndim_all))
+    if len(set(ndim_all)) != 1 or ndim_all[0] > MAX_NDIM:
+        if any(VALUES_FACT in n for n in facts):
+            rearm_checked()  # the facts below are not checked: the weights neither
     if len(set(ndim_all)) != 1:
         raise ShardingError(
             f"{what}: the domain ranks hold inputs with different numbers of dims: local shapes {list(shapes)}."
@@ -280,6 +287,11 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
                 shown = [device_name(g[0]) for g in got]
             else:
                 shown = [g if len(g) > 1 else g[0] for g in got]
+            if any(VALUES_FACT in n for n in facts):
+                rearm_checked()  # the values were not checked, or differ: check them next call
+            if VALUES_FACT in name:
+                raise ShardingError(f"{what}: the domain ranks hold different {VALUES_FACT}: {values_shown(got)}. "
+                                    f"{VALUES_HINT}")
             if name == "requires_grad":
                 hint = " Every rank must run the same backward: set requires_grad alike on every rank."
             elif name.startswith("the model's"):
@@ -385,6 +397,19 @@ class ShardedMixin:
         # the same branch. Layers whose every collective runs over these axes use it to call the
         # torch layer itself.
         self._local_only = all(axis_size(mesh, a) == 1 for a in self.mesh_axes)
+        arm_values_check(self)
+
+    def _values_fact(self) -> dict[str, tuple[int, ...]]:
+        """The layer's weights to check in its agreement when it runs outside a converted model's
+        layout scope (a layer used on its own): a value digest after it was made and after each
+        ``load_state_dict``, else 0 (``sharded_nn.weights``). Inside a scope the model's entry
+        facts check every weight of the model; with one domain rank nothing is compared. Both are
+        facts every rank shares, so every rank sends the same number of facts."""
+        if scope_active() or torch.compiler.is_compiling():
+            return {}  # (compiled code: every rank traces alike; its eager calls check)
+        if all(axis_size(self.mesh, a) == 1 for a in self.mesh_axes):
+            return {}
+        return {VALUES_FACT: (take_digest(self),)}
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
         """One tensor dim per domain axis: the first spatial dims (``mesh.default_dims``), no more
@@ -415,6 +440,9 @@ class ShardedMixin:
             kwargs.setdefault("expected", _BATCHED_EXPECTED[n])
         kwargs.setdefault("allow_empty", self._allow_empty)
         kwargs.setdefault("scoped", self._scoped_agree)
+        values = self._values_fact()
+        if values:
+            kwargs["same"] = {**(kwargs.get("same") or {}), **values}
         return agree(x, self.mesh, kwargs.pop("dims", self.dims), what=type(self).__name__, **kwargs)
 
     @classmethod

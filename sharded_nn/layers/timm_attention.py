@@ -39,6 +39,7 @@ class ShardedTimmAttention(_AttentionMixin, _TimmAttention):
         drop_same, seed = self._dropout_facts(self.attn_drop.p)
         same = {
             **drop_same,
+            **self._values_fact(),
             "dtype": (dtype_code(x.dtype),),
             "requires_grad": (_requires_grad(self, x),),
             "attn_mask given": (int(attn_mask is not None),),
