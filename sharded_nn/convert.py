@@ -47,8 +47,9 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.utils import parametrize
 
-from .errors import CONTEXT_ATTR, ModuleContext, ShardingNotImplementedError, ShardingWarning
+from .errors import CONTEXT_ATTR, ModuleContext, ShardingError, ShardingNotImplementedError, ShardingWarning
 from .mesh import axis_size, domain_axes
 from .registry import registered, sharded_classes
 from .sharding import default_dims
@@ -424,6 +425,21 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
     _load_model_families()
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}.")
+    uninitialized = nn.parameter.UninitializedTensorMixin
+    lazy = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if any(isinstance(t, uninitialized) for t in (*m._parameters.values(), *m._buffers.values()))
+    ]
+    if lazy:
+        # A lazy module draws its weights at its first forward, on each rank its own (this torch
+        # seeds every process differently), after the first forward's weights check: refused.
+        raise ShardingError(
+            f"convert: {len(lazy)} module(s) have uninitialized (lazy) parameters: {', '.join(lazy[:6])}"
+            f"{', ...' if len(lazy) > 6 else ''}. Run the single-device model once on a small input (any "
+            "spatial size) before convert, so that torch materializes them; then seed alike on every rank or "
+            "call sharded_nn.sync_weights(model, mesh)."
+        )
     if dims is not None:
         dims = (dims,) if isinstance(dims, int) else tuple(dims)
     timm_table = _timm_tables()
@@ -445,6 +461,11 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
         if options is None:
             reviewed.append(name)
             plan_none.append(name)
+            continue
+        if isinstance(module, parametrize.ParametrizationList):
+            # torch's parametrizations (weight_norm, spectral_norm, orthogonal, a user's own)
+            # compute a parameter from others: they never see an activation.
+            reviewed.append(name)
             continue
         sharded_cls = registered(type(module))
         if sharded_cls is not None:

@@ -356,3 +356,49 @@ def test_import_is_light_and_timm_layers_load_on_first_use(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "ShardedBatchNormAct2d True ShardedTimmAttention"
+
+
+def _parametrized(domain, train: bool):
+    # torch's parametrizations compute a weight from others (never an activation): no hazard is
+    # reported, the parametrized convolutions run under the forward guard (their F.conv2d on
+    # slabs), and spectral norm's power-iteration buffers advance alike on every rank.
+    from torch.nn.utils import parametrizations as P
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        P.spectral_norm(nn.Conv2d(2, 4, 3, padding=1)), nn.GELU(),
+        P.weight_norm(nn.Conv2d(4, 3, 3, padding=2, dilation=2)), P.orthogonal(nn.Conv2d(3, 3, 1)),
+    ).double().train(train)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sharded = snn.convert(copy.deepcopy(ref), m)
+    assert not w, [str(a.message) for a in w]
+    x = torch.randn(2, 2, 13, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sizes = {2: (7, 6), 3: (5, 4, 4)}[domain]
+    check_against_reference(ref, x, m, sharded=sharded, sizes=sizes)
+    for (name, a), b in zip(sharded.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda s, n=name: f"{n}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("train", [True, False])
+def test_parametrized_layers_are_exact_and_not_hazards(run, domain, train):
+    assert all(run(domain, _parametrized, domain, train))
+
+
+def _lazy():
+    m = mesh(2)
+    model = nn.Sequential(nn.LazyConv2d(3, 3, padding=1), nn.GELU())
+    try:
+        snn.convert(model, m)
+    except snn.ShardingError as e:
+        return str(e)
+    return "converted"
+
+
+def test_lazy_modules_are_refused_with_the_fix(run):
+    # A lazy module would draw its weights at its first forward, each rank its own.
+    res = run(2, _lazy)
+    assert all("uninitialized (lazy) parameters: 0 (LazyConv2d)" in r and "sync_weights" in r for r in res), res
