@@ -594,3 +594,38 @@ def _functional_group_norm(domain, dims, shape):
                                                (3, (3,), (1, 6, 4, 11)), ((2, 2), (2, 3), (2, 4, 7, 9))])
 def test_functional_group_norm(run, domain, dims, shape):
     assert all(run(world_of(domain), _functional_group_norm, domain, dims, shape))
+
+
+def _sync_batch_norm(domain, shape, train: bool):
+    # nn.SyncBatchNorm (what convert_sync_batchnorm makes of a model's batch norms for DDP) is
+    # swapped: the statistics of the whole sample, like one device's batch norm over the batch
+    # (torch's own SyncBatchNorm trains on GPUs only: the reference is the plain BatchNorm).
+    m = mesh(domain)
+    nd = len(shape) - 2
+    torch.manual_seed(0)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[nd]
+    bn = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[nd]
+    ref = nn.Sequential(conv(2, 4, 3, padding=1), bn(4, momentum=None), nn.GELU(), conv(4, 3, 1)).double()
+    with torch.no_grad():
+        ref[1].weight.normal_()
+        ref[1].running_mean.normal_()
+        ref[1].running_var.uniform_(0.5, 1.5)
+    ref.train(train)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+    assert type(synced[1]) is nn.SyncBatchNorm
+    sharded = snn.convert(synced, m)
+    assert type(sharded[1]).__name__ == "ShardedSyncBatchNorm"
+    x = _input(*shape)
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    sizes = {2: (5, 4), 3: (3, 3, 3)}.get(domain) if isinstance(domain, int) else None
+    check_against_reference(ref, x, m, sharded=sharded, dims=dims, sizes=sizes)
+    for (name, a), b in zip(sharded.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda s, n=name: f"{n}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("domain,shape", [(2, (2, 2, 9)), (3, (2, 2, 9, 5)), ((2, 2), (2, 2, 8, 6)),
+                                          (2, (1, 2, 9, 4, 3))])
+@pytest.mark.parametrize("train", [True, False])
+def test_sync_batch_norm_is_swapped_and_exact(run, domain, shape, train):
+    assert all(run(world_of(domain), _sync_batch_norm, domain, shape, train))

@@ -886,6 +886,21 @@ class ShardedBatchNorm3d(_ShardedBatchNorm, nn.BatchNorm3d):
     _allowed_ndims = (5,)
 
 
+@register(nn.SyncBatchNorm)
+class ShardedSyncBatchNorm(_ShardedBatchNorm, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` on ``(N, C, S...)`` (1-3 spatial dims, or ``(N, C)``) sharded along S.
+
+    Sharding contract: the statistics of the whole global batch, over the domain ranks and the
+    data replicas of the mesh: what ``SyncBatchNorm`` computes over its data-parallel process
+    group, and what the ``ShardedBatchNorm*d`` compute already. Its ``process_group`` is not
+    used (the mesh's groups are). Runs on CPU too (torch's own layer trains on GPUs only); in
+    eval with running statistics it is torch's per-channel map. Same state_dict keys.
+    """
+
+    _spatial_dims = 3
+    _allowed_ndims = (2, 3, 4, 5)
+
+
 # --------------------------------------------------------------------------------------------
 # LayerNorm
 
