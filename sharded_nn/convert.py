@@ -204,7 +204,7 @@ def _timm_tables() -> dict[type, object]:
 #: handler (timm's TF-"same" ``MaxPool2dSame``/``AvgPool2dSame``: ``F.pad`` then ``F.*_pool2d``).
 _GUARD_ROUTED = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
-    nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._LPPoolNd,
 )
 #: ``_acts_on`` of a layer whose position-mixing calls the forward guard routes (timm's
 #: ``GlobalResponseNorm``): nothing to report with the guard on, ``MIXES`` with it off.

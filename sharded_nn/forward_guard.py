@@ -3587,12 +3587,14 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
             out = func(*args, **kwargs)
             self._set(out, st)
             return out
-        if unbatched or base.startswith(("lp_", "fractional")):
+        if unbatched or base.startswith("fractional"):
             self.fail(f"`{base}`", "it pools along a sharded dim", "use an nn pooling module (convert swaps it)")
         self._routing(base)
         from . import layers as L
 
         mesh = self.guard.mesh
+        if base.startswith("lp_"):
+            return self._lp_pool(L, n, x, args, kwargs, dims, st)
         if base.startswith("adaptive"):
             out_size = _arg(args, kwargs, 1, "output_size")
             ret = bool(_arg(args, kwargs, 2, "return_indices", False)) or base.endswith("with_indices")
@@ -3625,6 +3627,27 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
             )
         out = mod(x)
         self._set(out, _layer_output_state(mod, st) if base.startswith("adaptive") else st)
+        return out
+
+
+    def _lp_pool(self, L, n: int, x, args, kwargs, dims, st):
+        """``F.lp_pool{n}d`` on a slab: torch's own formula (the p-th power averaged over each
+        window, times the window's size, to the power 1/p) with the sharded average pool."""
+        p = _arg(args, kwargs, 1, "norm_type")
+        kernel = _arg(args, kwargs, 2, "kernel_size")
+        stride = _arg(args, kwargs, 3, "stride")
+        ceil = bool(_arg(args, kwargs, 4, "ceil_mode", False))
+        kernel = tuple(kernel) if isinstance(kernel, (list, tuple)) else (kernel,) * n
+        stride = tuple(stride) if isinstance(stride, (list, tuple)) else stride
+        cls = getattr(L, f"ShardedAvgPool{n}d")
+        mod = self.guard.pools.get(
+            (cls, kernel, stride, "lp", ceil, dims),
+            lambda: cls(kernel, stride if stride not in (None, ()) else None, 0, ceil_mode=ceil, mesh=self.guard.mesh,
+                        dims=dims),
+        )
+        avg = mod(x.pow(p))
+        out = (torch.sign(avg) * F.relu(torch.abs(avg))).mul(math.prod(kernel)).pow(1.0 / p)
+        self._set(out, st)
         return out
 
 

@@ -252,3 +252,39 @@ def test_pool_files_and_classes():
                 cls = getattr(module, f"Sharded{name}{n}d")
                 assert cls.__module__ == module.__name__ and cls.__doc__ and cls._spatial_dims == n
                 assert issubclass(cls, getattr(nn, f"{name}{n}d"))
+
+
+def _lp_pool(domain, nd, p, kernel, stride, ceil):
+    # nn.LPPool*d / F.lp_pool*d: the guard computes torch's formula with the sharded average pool
+    # (before session 60 they were reported by convert and refused at run time).
+    import warnings
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[nd]
+    # (Softplus: a power 1.5 or 1/3 of a negative average is NaN, on one device too.)
+    ref = nn.Sequential(conv(2, 3, 3, padding=1), nn.Softplus(), getattr(nn, f"LPPool{nd}d")(p, kernel, stride, ceil),
+                        conv(3, 2, 1)).double()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sharded = snn.convert(copy.deepcopy(ref), m)
+    assert not w, [str(a.message) for a in w]
+    a = stride if stride is not None else (kernel if isinstance(kernel, int) else kernel[0])
+    a = a if isinstance(a, int) else a[0]
+    sizes = {2: (3 * a, 2 * a + 1), 3: (2 * a, 2 * a, a + 1)}.get(domain) if isinstance(domain, int) else None
+    n0 = sum(sizes) if sizes else 4 * a + 1
+    x = torch.rand(2, 2, n0, *([5] * (nd - 1)), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    dims = (2,) if isinstance(domain, int) else (2, 3)
+    check_against_reference(ref, x, m, sharded=sharded, dims=dims, sizes=sizes, align=a)
+    return True
+
+
+@pytest.mark.parametrize(
+    "domain,nd,p,kernel,stride,ceil",
+    [(2, 1, 2, 3, 2, False), (3, 2, 1.5, (2, 3), None, False), (2, 2, 3, 2, 2, True), ((2, 2), 2, 2, 2, (2, 1), False),
+     (2, 3, 2, (2, 2, 1), None, True)],
+)
+def test_lp_pool_is_exact(run, domain, nd, p, kernel, stride, ceil):
+    from .harness import world_of
+
+    assert all(run(world_of(domain), _lp_pool, domain, nd, p, kernel, stride, ceil))
