@@ -31,8 +31,12 @@ def _cases():
                 (partial(getattr(nn, f"ReplicationPad{nd}d"), p), nd),
                 (partial(getattr(nn, f"CircularPad{nd}d"), p), nd),
             ]
-    # Negative padding (cropping) of an unsharded dim, as torch allows.
+    # Negative padding (cropping), as torch allows: of W and (since session 60) of the sharded H,
+    # left, right and both, with padding on the other side.
     out.append((partial(nn.ConstantPad2d, (-1, 2, 1, 1), 0.5), 2))
+    out.append((partial(nn.ConstantPad2d, (1, 0, -2, -1), 0.5), 2))
+    out.append((partial(nn.ReplicationPad2d, (0, 1, -3, 2)), 2))
+    out.append((partial(nn.ReflectionPad2d, (1, -1, 2, -4)), 2))
     return out
 
 
@@ -45,8 +49,6 @@ def _check_layers(domain, dims, nds):
         if nd not in nds:
             continue
         ref = factory()
-        if min(ref.padding) < 0 and 3 in dims:
-            continue  # cropping a sharded dim raises (see _errors); this case crops W
         sharded = snn.convert(copy.deepcopy(ref), m, plan={"*": {"dims": dims}})
         assert type(sharded).__name__ == f"Sharded{type(ref).__name__}"
         torch.manual_seed(nd)
@@ -93,8 +95,10 @@ def _errors():
         pad(x, (0, 0, 0, 5), m, "reflect")
     with pytest.raises(snn.ShardingError, match=r"circular padding \(6, 0\) .* at most 5"):
         pad(x, (0, 0, 6, 0), m, "circular")
-    with pytest.raises(snn.ShardingNotImplementedError, match="negative padding"):
-        pad(x, (0, 0, -1, 0), m)
+    with pytest.raises(snn.ShardingNotImplementedError, match="circular padding with a negative"):
+        pad(x, (0, 0, -1, 0), m, "circular")  # (torch crops first, then wraps around the cropped dim)
+    with pytest.raises(snn.ShardingError, match=r"crops more than the 5 positions of sharded dim 2"):
+        pad(x, (0, 0, -4, -2), m)
     with pytest.raises(snn.ShardingError, match="unknown mode"):
         pad(x, (1, 1), m, "wrap")
     with pytest.raises(snn.ShardingError, match="only valid with mode='constant'"):

@@ -21,8 +21,11 @@ Sharding contract:
         aware: the gradients flow back to the rows' owners). Several sharded dims are padded one
         after another on the already padded tensor, which fills the corners. Empty slabs pass
         through.
-    negative padding (cropping) is supported on unsharded dims; on a sharded dim it raises
-        ``ShardingNotImplementedError``.
+    negative padding (cropping): on unsharded dims locally; on a sharded dim (since session 60)
+        with the same boundaries, the output's positions mapped onto the input's as torch maps
+        them, so the last ranks hold fewer rows (or none) after a right crop and every rank reads
+        its rows from the ranks after it after a left crop; circular padding with a negative side
+        raises ``ShardingNotImplementedError`` (torch crops first and wraps around the cropped dim).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def pad(
     Raises:
         ShardingError: bad ``pad`` or mode, inconsistent slabs, or reflect/circular padding wider
             than the global dim (as torch; same error on every rank).
-        ShardingNotImplementedError: negative padding of a sharded dim.
+        ShardingNotImplementedError: circular padding with a negative side on a sharded dim.
     """
     return _pad(x, pad, mesh, mode, value, dims=dims, what="pad", layouts=layouts)
 
@@ -110,10 +113,16 @@ def _pad(
     per_dim = {x.dim() - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
     sharded = {d: (a, lay) for d, a, lay in zip(dims, axes, layouts)}
     for d, (pl, pr) in per_dim.items():
-        if d in sharded and min(pl, pr) < 0:
+        if d in sharded and min(pl, pr) < 0 and mode == "circular":
+            # torch crops first and wraps around the cropped dim (and refuses a wrap wider than it).
             raise ShardingNotImplementedError(
-                f"{what}: negative padding (cropping) {pl, pr} of sharded dim {d} is not supported; "
-                "crop the full tensor before sharding, or after gathering."
+                f"{what}: circular padding with a negative (cropping) side {pl, pr} of sharded dim {d} is not "
+                "supported; crop with a slice (x[..., a:b, ...]) and then pad."
+            )
+        if d in sharded and sharded[d][1].size + pl + pr < 0:
+            raise ShardingError(
+                f"{what}: padding {pl, pr} crops more than the {sharded[d][1].size} positions of sharded dim {d} "
+                "(torch refuses it on one device too)."
             )
         if d in sharded and mode in ("reflect", "circular"):
             # torch's own limits on the full tensor; thin edge slabs are fine (multi-hop).
@@ -139,15 +148,19 @@ def _pad(
             continue
         axis, layout = sharded[d]
         ring = axis_peers(mesh, axis)
-        if pl or _needs_gather(layout.sizes, pl, pr, mode):
+        if pl or pr < 0 or _needs_gather(layout.sizes, pl, pr, mode):
             # The output keeps the input's slab boundaries (module docstring): rank r holds the
             # padded positions [a_r, b_r), i.e. the input rows [a_r - pl, b_r - pl) with the
             # padding where they fall outside [0, n), and the last rank also the right padding.
             # Every rank reads exactly that range from whichever ranks own its rows (multi-hop
             # where slabs are thinner than the padding; circular padding wraps around the ring).
+            # A negative side crops (torch maps the output positions onto the input's as with
+            # padding): the ranges end at the output's size, so the last ranks hold fewer rows,
+            # or none.
             p, n = layout.parts, layout.size
+            end = n + pl + pr
             ranges = [
-                (a - pl, a + m - pl + (pl + pr if r == p - 1 else 0))
+                (min(a, end) - pl, (end if r == p - 1 else min(a + m, end)) - pl)
                 for r, (a, m) in enumerate(zip(layout.starts, layout.sizes))
             ]
             spec = gather_plan(d, layout, ranges, "zeros" if mode == "constant" else mode)
