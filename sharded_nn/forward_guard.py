@@ -2494,16 +2494,59 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
             return self._unrouted(func, args, kwargs, dims, keepdim, st)
         if base in _ROUTED_REDUCE and not (base in ("max", "min") and dim is not None) and not kwargs.get("dtype"):
             return self._route_reduce(base, x, dims, keepdim, st)
+        if base in ("max", "min") and isinstance(dim, int):
+            # (values, indices) along one sharded dim: the first extreme's global index, and its
+            # value's gradient to that element only, as torch's.
+            self._routing(base)
+            values, idx = reductions.max_dim(x, self.guard.mesh, dim, keepdim=keepdim, largest=base == "max",
+                                             sharded_dims=self._leading_dims(base, st))
+            self._set_reduced(values, dims, keepdim, st)
+            self._set_reduced(idx, dims, keepdim, st)
+            return (torch.return_types.max if base == "max" else torch.return_types.min)((values, idx))
         if base == "logsumexp":
             self._routing(base)
             kw = {"sharded_dims": self._leading_dims(base, st)}
             out = reductions.logsumexp(x, self.guard.mesh, dims, keepdim, **kw)
             self._set_reduced(out, dims, keepdim, st)
             return out
+        if base in ("any", "all", "count_nonzero", "argmax", "argmin", "aminmax"):
+            return self._route_selection(base, x, dim, dims, keepdim, st)
         self.fail(
             f"`{base}`", f"it reduces over sharded dim(s) {hit}",
             "use sharded_nn.reductions (sum, mean, max, argmax) or amax/amin, which the guard routes",
         )
+
+    def _route_selection(self, base, x, dim, dims, keepdim: bool, st):
+        """``any``/``all`` (a max or min of the truth values), ``count_nonzero`` (a sum),
+        ``argmax``/``argmin`` (global indices; ``dim=None``: the global flat index) and ``aminmax``
+        over sharded dims, through ``sharded_nn.reductions``: a routine NaN check
+        (``torch.isnan(x).any()``) or a peak's position in a model's forward."""
+        if base == "aminmax":
+            return torch.return_types.aminmax(
+                (self._route_reduce("amin", x, dims, keepdim, st), self._route_reduce("amax", x, dims, keepdim, st))
+            )
+        self._routing(base)
+        mesh, kw = self.guard.mesh, {"sharded_dims": self._leading_dims(base, st)}
+        if base in ("argmax", "argmin"):
+            fn = reductions.argmax if base == "argmax" else reductions.argmin
+            out = fn(x, mesh, dim, keepdim=keepdim, **kw)
+            if dim is None:
+                self._set(out, None)
+            else:
+                self._set_reduced(out, dims, keepdim, st)
+            return out
+        if base == "count_nonzero":
+            out = reductions.sum((x != 0).to(torch.int64), mesh, dims, **kw)
+            self._set_reduced(out, dims, False, st)
+            return out
+        truth = (x != 0).to(torch.uint8)
+        if base == "any":
+            out = reductions.max(truth, mesh, dims, keepdim=keepdim, **kw)
+        else:
+            out = 1 - reductions.max(1 - truth, mesh, dims, keepdim=keepdim, **kw)
+        out = out if x.dtype == torch.uint8 else out.bool()  # (torch keeps uint8, else bool)
+        self._set_reduced(out, dims, keepdim, st)
+        return out
 
     def _leading_dims(self, base: str, st) -> tuple[int, ...]:
         """The sharded dims of state ``st`` (by mesh axis), which must be the leading axes' (what

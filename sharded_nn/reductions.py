@@ -20,7 +20,8 @@ gradient, exactly as summing P identical per-rank losses would.
 Precision: sums and counts accumulate in float32 for fp16/bf16 inputs (in the input dtype
 otherwise), as torch's own reductions do, and the result has the input dtype. ``max`` splits the gradient evenly among all
 elements equal to the maximum, on every rank that holds one, like ``torch.amax``. ``argmax``
-returns *global* indices (the first maximal position, like ``torch.argmax``); it has no gradient.
+and ``argmin`` return *global* indices (the first extreme position, like ``torch.argmax``; with
+``dim=None`` the flat index into the whole tensor); they have no gradient.
 ``norm`` is ``torch.linalg.vector_norm`` (sum of ``|x|^p`` over the ranks, then the root; ``inf``
 through ``max``), with torch's zero gradient where the norm is zero. ``var`` and ``std`` take two
 passes (the global mean, then the global sum of squared deviations), as stable as torch's own,
@@ -46,7 +47,7 @@ from .layout import Layout
 from .mesh import axis_index, domain_axes, group_over
 from .sharding import default_dims
 
-__all__ = ["argmax", "cumsum", "log_softmax", "logsumexp", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
+__all__ = ["argmax", "argmin", "cumsum", "max_dim", "log_softmax", "logsumexp", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
 
 
 def _plan(
@@ -209,34 +210,130 @@ class _ZeroRoutedToTies(torch.autograd.Function):
 def argmax(
     x: torch.Tensor,
     mesh: DeviceMesh,
-    dim: int,
+    dim: int | None = None,
     *,
     keepdim: bool = False,
     sharded_dims: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``torch.argmax(x_full, dim, keepdim)`` from slabs: *global* indices along ``dim``.
+    """``torch.argmax(x_full, dim, keepdim)`` from slabs: *global* indices along ``dim``, or
+    (``dim=None``, since session 60) the global flat index into the whole tensor.
 
-    Ties resolve to the first (lowest global index) maximum, like ``torch.argmax``. One dim only
-    (``dim=None``, the flattened index, is not supported). No gradient.
+    Ties resolve to the first (lowest global index) maximum, like ``torch.argmax``. No gradient.
+    NaNs are not supported.
     """
-    if not isinstance(dim, int):
-        raise ShardingError(f"reductions.argmax: dim must be one int, got {dim!r}.")
-    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, "reductions.argmax", keepdim)
-    (d,) = dims
+    return _arg_extreme(x, mesh, dim, keepdim, sharded_dims, "reductions.argmax", largest=True)
+
+
+def argmin(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dim: int | None = None,
+    *,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.argmin(x_full, dim, keepdim)`` from slabs; see ``argmax``."""
+    return _arg_extreme(x, mesh, dim, keepdim, sharded_dims, "reductions.argmin", largest=False)
+
+
+def _arg_extreme(x, mesh, dim, keepdim: bool, sharded_dims, what: str, largest: bool) -> torch.Tensor:
+    if dim is not None and not isinstance(dim, int):
+        raise ShardingError(f"{what}: dim must be one int or None, got {dim!r}.")
+    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, what, keepdim)
     x = x.detach()
-    idx = x.argmax(d, keepdim=True)
+    if not largest:
+        # Order-reversing and exact: the bitwise complement for integers, negation for floats.
+        x = -x if x.is_floating_point() else ~x
+    if dim is None:
+        return _flat_argmax(x, mesh, axes, sharded, keepdim)
+    (d,) = dims
+    if x.shape[d]:
+        idx = x.argmax(d, keepdim=True)
+    else:  # an empty slab: a candidate that never wins
+        idx = torch.zeros((*x.shape[:d], 1, *x.shape[d + 1 :]), dtype=torch.int64, device=x.device)
     if not axes:
         return idx if keepdim else idx.squeeze(d)
     axis, layout = sharded[d]
     idx = idx + layout.starts[axis_index(mesh, axis)]
     group = group_over(mesh, axes)
-    local_top = x.amax(d, keepdim=True)
+    local_top = x.amax(d, keepdim=True) if x.shape[d] else torch.full_like(idx, _lowest(x.dtype), dtype=x.dtype)
     top = all_reduce_max(local_top, group)
-    # Lowest global index among the ranks that hold the maximum: max of -index.
+    # Lowest global index among the ranks that hold the extreme: max of -index.
     big = layout.size
     cand = torch.where(local_top == top, -idx, -big)
     out = -all_reduce_max(cand, group)
     return out if keepdim else out.squeeze(d)
+
+
+def max_dim(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    dim: int,
+    *,
+    keepdim: bool = False,
+    sharded_dims: int | Sequence[int] | None = None,
+    largest: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.max(x_full, dim, keepdim)`` (``largest=False``: ``torch.min``) from slabs: the
+    values and their *global* indices (the first extreme, like torch), replicated over the
+    reducing ranks. The values' gradient reaches the one element each index names, on the rank
+    that holds it, as torch's does (``max``, like ``torch.amax``, splits it among ties)."""
+    what = "reductions.max_dim" if largest else "reductions.min_dim"
+    if not isinstance(dim, int):
+        raise ShardingError(f"{what}: dim must be one int, got {dim!r}.")
+    idx = _arg_extreme(x, mesh, dim, True, sharded_dims, what, largest)
+    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, what, keepdim)
+    (d,) = dims
+    if not axes:
+        values = x.gather(d, idx)
+    else:
+        axis, layout = sharded[d]
+        a = layout.starts[axis_index(mesh, axis)]
+        mine = (idx >= a) & (idx < a + x.shape[d])
+        if x.shape[d]:
+            local = x.gather(d, (idx - a).clamp(0, x.shape[d] - 1))
+            local = torch.where(mine, local, torch.zeros((), dtype=x.dtype, device=x.device))
+        else:
+            local = x.sum(d, keepdim=True)  # an empty slab: zeros, still part of the graph
+        # The owner's value plus the others' zeros: the gradient goes to the owner's element.
+        values = all_reduce_sum(local, group_over(mesh, axes))
+    if not keepdim:
+        values, idx = values.squeeze(d), idx.squeeze(d)
+    return values, idx
+
+
+def _lowest(dtype: torch.dtype):
+    """The smallest value of ``dtype`` (an empty slab's candidate, which never wins)."""
+    if dtype == torch.bool:
+        return False
+    return torch.finfo(dtype).min if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _flat_argmax(x: torch.Tensor, mesh: DeviceMesh, axes: list[str], sharded, keepdim: bool) -> torch.Tensor:
+    """The global flat index of the first maximum of the whole tensor (``argmax(dim=None)``)."""
+    shape = list(x.shape)
+    starts = [0] * x.dim()
+    for d, (axis, layout) in sharded.items():
+        shape[d] = layout.size
+        starts[d] = layout.starts[axis_index(mesh, axis)]
+    if x.numel():
+        flat = x.reshape(-1)
+        i = flat.argmax()
+        local_top = flat[i].reshape(1)
+        # The slab's row-major order is the whole tensor's restricted to the slab: the slab's
+        # first maximum has the lowest global index among its maxima.
+        coords = torch.stack(torch.unravel_index(i, x.shape)) + torch.tensor(starts, device=x.device)
+        strides = torch.tensor([math.prod(shape[k + 1 :]) for k in range(x.dim())], device=x.device)
+        gidx = (coords * strides).sum().reshape(1)
+    else:
+        local_top = torch.full((1,), _lowest(x.dtype), dtype=x.dtype, device=x.device)
+        gidx = torch.full((1,), math.prod(shape), dtype=torch.int64, device=x.device)
+    if axes:
+        group = group_over(mesh, axes)
+        top = all_reduce_max(local_top, group)
+        gidx = -all_reduce_max(torch.where(local_top == top, -gidx, -math.prod(shape)), group)
+    out = gidx.reshape(())
+    return out.reshape([1] * x.dim()) if keepdim else out
 
 
 def _safe_root(s: torch.Tensor, p: float) -> torch.Tensor:

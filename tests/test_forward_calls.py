@@ -239,6 +239,19 @@ class Hazards(nn.Module):
             h = h + self.table[rows % 5 > 1].sum()
         elif k == "tolist":
             h = h * h.mean(1).sum(0).tolist()[0][0]
+        elif k == "nan_check":  # a routine NaN check in a forward: any/all over the sharded rows
+            if torch.isnan(h).any() or not torch.isfinite(h).all(dim=2).all():
+                h = h * 0
+            h = h * (1 + torch.count_nonzero(h > 0.5, dim=(2, 3)).to(h.dtype)[:, :, None, None] / 100)
+            h = h + (h > 1).any(2, keepdim=True).to(h.dtype) - torch.all(h > -1, dim=-2, keepdim=True).to(h.dtype)
+        elif k == "peak_positions":  # where the peaks are: global indices along and over the rows
+            h = h + h.argmax(dim=2, keepdim=True).to(h.dtype) / 10 - h.argmin(2).unsqueeze(2).to(h.dtype) / 20
+            h = h + h.round().argmax().to(h.dtype) / 100 + torch.argmin(h.round().sum(1)).to(h.dtype) / 1000
+        elif k == "max_along_rows":  # (values, indices): the values' gradient to the one element
+            top, where = h.max(dim=2, keepdim=True)
+            low = torch.min(h.round(), -2).values
+            lo, hi = torch.aminmax(h, dim=2, keepdim=True)
+            h = h * top + where.to(h.dtype) / 10 + low.unsqueeze(2) + (hi - lo) * h.aminmax().max
         else:
             raise AssertionError(k)
         return self.head(h)
@@ -253,7 +266,8 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call", "setitem_const", "table_rows",
+    "group_norm_call", "instance_norm_call", "setitem_const", "table_rows", "nan_check", "peak_positions",
+    "max_along_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -338,7 +352,7 @@ def _size_values_2d(kind: str):
 
 @pytest.mark.parametrize(
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
-             "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call"]
+             "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a

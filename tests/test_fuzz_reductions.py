@@ -1,7 +1,9 @@
 """Hypothesis fuzzing of ``sharded_nn.reductions``: global reductions of random slabs.
 
 ``tests/test_reductions.py`` checks chosen cases; this file draws them: every function (``sum``,
-``mean``, ``max``, ``argmax``, ``norm`` with p in 1, 2, 3, 0.5, 0, -1, inf, -inf and "fro", ``var``,
+``mean``, ``max``, ``argmax`` and ``argmin`` (one dim, or since session 60 the flat index), ``max_dim``
+(torch.max/min along a dim: values and indices, since session 60), ``norm`` with p in 1, 2, 3, 0.5,
+0, -1, inf, -inf and "fro", ``var``,
 ``std``, ``var_mean``, ``std_mean`` with corrections 0, 0.5, 1, 2, ``logsumexp``, ``softmax``,
 ``log_softmax``, ``cumsum``), tensors of 1-4 dims of lengths 1-6, float64 (random, or whole
 numbers with many ties, or with lines of ``-inf`` for ``max`` and the log-partitions) or int64 where
@@ -34,12 +36,14 @@ from .test_fuzz_fft_modes import _split
 
 #: name -> (argument form, takes integers)
 FUNCTIONS = {
-    "sum": ("dims", True), "mean": ("dims", False), "max": ("dims", True), "argmax": ("dim", True),
+    "sum": ("dims", True), "mean": ("dims", False), "max": ("dims", True), "argmax": ("dim_or_none", True),
+    "argmin": ("dim_or_none", True), "max_dim": ("dim", True), "min_dim": ("dim", True),
     "norm": ("dims", False), "var": ("dims", False), "std": ("dims", False), "var_mean": ("dims", False),
     "std_mean": ("dims", False), "logsumexp": ("dim_or_dims", False), "softmax": ("dim", False),
     "log_softmax": ("dim", False), "cumsum": ("dim", True),
 }  # fmt: skip
-REDUCING = {"sum", "mean", "max", "argmax", "norm", "var", "std", "var_mean", "std_mean", "logsumexp"}
+REDUCING = {"sum", "mean", "max", "argmax", "argmin", "max_dim", "min_dim", "norm", "var", "std", "var_mean",
+            "std_mean", "logsumexp"}
 
 
 def _torch(cfg, x):
@@ -53,8 +57,10 @@ def _torch(cfg, x):
         return (torch.mean(x, every, keepdim=keep),)
     if name == "max":
         return (torch.amax(x, every, keepdim=keep),)
-    if name == "argmax":
-        return (torch.argmax(x, dims, keepdim=keep),)
+    if name in ("argmax", "argmin"):
+        return (getattr(torch, name)(x, dims, keepdim=keep),)
+    if name in ("max_dim", "min_dim"):
+        return tuple((torch.max if name == "max_dim" else torch.min)(x, dims, keepdim=keep))
     if name == "norm":
         p = 2 if cfg["p"] == "fro" else cfg["p"]
         return (torch.linalg.vector_norm(x, p, every, keepdim=keep),)
@@ -70,7 +76,7 @@ def _torch(cfg, x):
 
 def _ours(cfg, x, m, sharded):
     name, dims, keep = cfg["name"], cfg["dims"], cfg["keepdim"]
-    f = getattr(snn.reductions, name)
+    f = getattr(snn.reductions, name, None)
     kw = dict(sharded_dims=sharded)
     if name in ("softmax", "log_softmax"):
         out = f(x, m, dims, **kw)
@@ -78,6 +84,8 @@ def _ours(cfg, x, m, sharded):
         out = f(x, m, dims, dtype=cfg["dtype"], **kw)
     elif name == "norm":
         out = f(x, m, dims, cfg["p"], keepdim=keep, **kw)
+    elif name in ("max_dim", "min_dim"):
+        out = snn.reductions.max_dim(x, m, dims, keepdim=keep, largest=name == "max_dim", **kw)
     elif name in ("var", "std", "var_mean", "std_mean"):
         out = f(x, m, dims, correction=cfg["correction"], keepdim=keep, **kw)
     else:
@@ -101,7 +109,8 @@ def _case(cfg: dict):
         x = torch.randn(cfg["shape"], generator=gen, dtype=torch.float64)
         if cfg["values"] == "-inf" and x.numel():
             x.view(-1)[:: 3] = -math.inf  # whole rows of -inf where a reduced line falls on them
-    grads = x.is_floating_point() and cfg["name"] != "argmax" and not (cfg["name"] == "norm" and cfg["p"] == 0)
+    no_grad = cfg["name"] in ("argmax", "argmin") or (cfg["name"] == "norm" and cfg["p"] == 0)
+    grads = x.is_floating_point() and not no_grad
     xr = x.clone().requires_grad_(grads)
     try:
         refs = _torch(cfg, xr)
@@ -133,6 +142,8 @@ def _case(cfg: dict):
         return "ok"
     # The library's gradient convention: a value replicated over r ranks carries 1/r of the loss.
     rep = math.prod(m.size(i) for i, (d, _) in enumerate(splits) if d in reduced)
+    # (Integer outputs, max_dim's indices, carry no gradient.)
+    outs, refs = zip(*[(y, r) for y, r in zip(outs, refs) if r.is_floating_point()])
     gs = [torch.randn(ref.shape, generator=gen, dtype=ref.dtype) for ref in refs]
     finite = [torch.where(torch.isfinite(r.detach()), g, torch.zeros_like(g)) for r, g in zip(refs, gs)]
     sum(torch.where(f != 0, r, torch.zeros_like(r)).mul(f).sum() for r, f in zip(refs, finite)).backward()
@@ -165,11 +176,13 @@ def configs(draw):
         dims = sign(draw(st.integers(0, nd - 1)))
     elif form == "dim_or_dims" and draw(st.booleans()):
         dims = sign(draw(st.integers(0, nd - 1)))
+    elif form == "dim_or_none":
+        dims = None if not draw(st.integers(0, 2)) else sign(draw(st.integers(0, nd - 1)))
     else:
         k = draw(st.integers(0 if form == "dims" else 1, nd))
         dims = None if k == 0 else tuple(sign(d) for d in draw(st.permutations(range(nd)))[:k])
-    values = draw(st.sampled_from(["random", "ties"] + (["int"] if integers else [])
-                                  + (["-inf"] if name in ("logsumexp", "softmax", "log_softmax", "max") else [])))  # fmt: skip
+    with_inf = name in ("logsumexp", "softmax", "log_softmax", "max", "max_dim", "min_dim")
+    values = draw(st.sampled_from(["random", "ties"] + (["int"] if integers else []) + (["-inf"] if with_inf else [])))
     sharded = draw(st.permutations(range(nd)))[:naxes]
     axes = [2, 2] if domain == (2, 2) else [domain]
     if draw(st.integers(0, 4)):  # mostly a row per rank at least (the functions refuse empty slabs)
