@@ -2548,12 +2548,13 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         self._set_reduced(out, dims, keepdim, st)
         return out
 
-    def _leading_dims(self, base: str, st) -> tuple[int, ...]:
-        """The sharded dims of state ``st`` (by mesh axis), which must be the leading axes' (what
-        ``sharded_nn.reductions`` takes as ``sharded_dims``)."""
+    def _leading_dims(self, base: str, st) -> tuple[int | None, ...]:
+        """The sharded dims of state ``st`` as ``sharded_nn.reductions`` takes them: one per mesh
+        axis, ``None`` for an axis that shards none where a later one does (the columns of a 2x2
+        mesh after a reduction over the rows; refused before session 60), else the leading ones."""
         active = tuple(d for d in st if d is not None)
         if len(active) != len(st) and st[: len(active)] != active:
-            self.fail(f"`{base}`", "the tensor is sharded by a later mesh axis only", "")
+            return tuple(st)
         return active
 
     def _unrouted(self, func, args, kwargs, dims, keepdim: bool, st):

@@ -58,13 +58,19 @@ def _plan(
     what: str,
     keepdim: bool = False,
 ) -> tuple[tuple[int, ...], list[str], dict[int, tuple[str, Layout]]]:
-    """(reduced dims, mesh axes to reduce over, {sharded dim: (axis, layout)})."""
-    axes = domain_axes(mesh)
+    """(reduced dims, mesh axes to reduce over, {sharded dim: (axis, layout)}).
+
+    ``sharded_dims``: one dim per domain axis in order, ``None`` for an axis that shards none
+    (the tensor is replicated over it: the columns of a 2x2 mesh after a reduction over the rows).
+    """
+    all_axes = domain_axes(mesh)
     if sharded_dims is None:
         sharded_dims = default_dims(mesh)
     sharded_dims = (sharded_dims,) if isinstance(sharded_dims, int) else tuple(sharded_dims)
+    pairs = [(d, a) for d, a in zip(sharded_dims, all_axes) if d is not None]
+    sharded_dims, axes = tuple(d for d, _ in pairs), tuple(a for _, a in pairs)
     # Inside a converted model's layout scope the input's layout is usually known (no collective).
-    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True)
+    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True, axes=axes)
     nd = x.dim()
     if dims is None:
         dims = tuple(range(nd))
@@ -74,7 +80,10 @@ def _plan(
     dims = tuple(sorted(d % nd for d in dims))
     sharded = {d % nd: (a, lay) for d, a, lay in zip(sharded_dims, axes, layouts)}
     reduce_axes = [a for a in axes if any(sharded.get(d, (None,))[0] == a for d in dims)]
-    _declare_output(mesh, nd, dims, tuple(d % nd for d in sharded_dims), layouts, keepdim)
+    if axes == all_axes[: len(axes)]:
+        _declare_output(mesh, nd, dims, tuple(d % nd for d in sharded_dims), layouts, keepdim)
+    else:
+        scope_forget()  # (the scope describes tensors sharded by the leading axes only)
     return dims, reduce_axes, sharded
 
 
@@ -123,7 +132,8 @@ def sum(  # noqa: A001 - mirrors torch.sum
         mesh: mesh with domain axes.
         dims: dims to reduce (default: all).
         keepdim: keep reduced dims with size 1.
-        sharded_dims: dims of ``x`` sharded by the domain axes (default: the first spatial dims).
+        sharded_dims: dims of ``x`` sharded by the domain axes, one per axis in order, ``None``
+            for an axis that shards none (default: the first spatial dims).
     """
     dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum", keepdim)
     if not x.is_floating_point():

@@ -244,6 +244,11 @@ class Hazards(nn.Module):
                 h = h * 0
             h = h * (1 + torch.count_nonzero(h > 0.5, dim=(2, 3)).to(h.dtype)[:, :, None, None] / 100)
             h = h + (h > 1).any(2, keepdim=True).to(h.dtype) - torch.all(h > -1, dim=-2, keepdim=True).to(h.dtype)
+        elif k == "columns_after_rows":  # reductions of what a reduction over the rows leaves
+            cols = h.mean(2)  # (N, C, W): on a 2x2 mesh still sharded along W by the second axis
+            h = h * cols.sum(-1)[:, :, None, None] + torch.softmax(cols, -1).unsqueeze(2) + cols.amax()
+            h = h + cols.cumsum(-1).unsqueeze(2) / 10 + cols.std(-1, keepdim=True).unsqueeze(-1)
+            h = h + torch.logsumexp(h.amax(2), -1)[:, :, None, None] + h.sum(2).argmax(-1)[:, :, None, None] / 10
         elif k == "peak_positions":  # where the peaks are: global indices along and over the rows
             h = h + h.argmax(dim=2, keepdim=True).to(h.dtype) / 10 - h.argmin(2).unsqueeze(2).to(h.dtype) / 20
             h = h + h.round().argmax().to(h.dtype) / 100 + torch.argmin(h.round().sum(1)).to(h.dtype) / 1000
@@ -267,7 +272,7 @@ EXACT = [
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
     "group_norm_call", "instance_norm_call", "setitem_const", "table_rows", "nan_check", "peak_positions",
-    "max_along_rows",
+    "max_along_rows", "columns_after_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -352,7 +357,8 @@ def _size_values_2d(kind: str):
 
 @pytest.mark.parametrize(
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
-             "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows"]
+             "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
+             "nan_check", "columns_after_rows"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a

@@ -78,6 +78,7 @@ def gather_layouts(
     what: str = "sharded tensor",
     allow_empty: bool = False,
     scoped: bool = False,
+    axes: Sequence[str] | None = None,
 ) -> tuple[Layout, ...]:
     """Gather every domain rank's local ``shape`` and return the layout of each sharded dim.
 
@@ -87,7 +88,9 @@ def gather_layouts(
     layouts otherwise; only for callers whose result keeps this layout or is declared with
     ``scope_declare`` (as ``agree``'s ``scoped``). Other callers make the scope forget.
 
-    ``dims[k]`` is sharded by the k-th domain axis of ``mesh``. Every rank receives the same
+    ``dims[k]`` is sharded by the k-th domain axis of ``mesh``, or by ``axes[k]`` where given (a
+    tensor that a later axis shards while it is replicated over an earlier one: the columns of a
+    2x2 mesh after a sum over the rows; no scope then). Every rank receives the same
     shapes and runs the same checks, so an inconsistent input raises the same ``ShardingError``
     on every rank. The integers travel on a gloo group (see the module docstring): no device
     synchronisation, also on NCCL meshes.
@@ -97,6 +100,13 @@ def gather_layouts(
             is empty, or when there are more sharded dims than domain axes.
     """
     entry: dict[str, tuple[int, ...]] = {}
+    axis_index = None
+    if axes is not None:
+        axis_index = tuple(_layout_meta(mesh).axes.index(a) for a in axes)
+        if axis_index == tuple(range(len(axis_index))):
+            axis_index = None  # the first axes: the usual case
+        else:
+            scoped = False  # (the scope remembers layouts of the leading axes only)
     if scoped:
         hit = scope_lookup(mesh, dims, shape)
         if hit is not None:
@@ -141,7 +151,7 @@ def gather_layouts(
         rows = tuple(tuple(flat[a : a + 1 + n_axes + flat[a]]) for a in starts)
         if facts:
             _check_entry([flat[a + width - len(facts) : a + width] for a in starts], entry, what)
-    out = _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what, allow_empty)
+    out = _layouts(rows, n_axes, meta.axis_sizes, tuple(dims), what, allow_empty, axis_index)
     if scoped:
         scope_declare(mesh, dims, len(shape), out)
     return out
@@ -236,19 +246,21 @@ def _layouts(
     dims: tuple[int, ...],
     what: str,
     allow_empty: bool = False,
+    axis_index: tuple[int, ...] | None = None,
 ) -> tuple[Layout, ...]:
     # Keyed by the gathered rows, which are the same on every rank, so all ranks hit or miss
     # together; a miss runs no collective anyway. Errors are raised again on every call (an
     # error is never stored). While compiling, computed afresh so no traced graph depends on the
     # cache's state.
-    key = (rows, n_axes, axis_sizes, dims, what, allow_empty)
+    key = (rows, n_axes, axis_sizes, dims, what, allow_empty, axis_index)
     if not torch.compiler.is_compiling():
         hit = _LAYOUTS.get(key)
         if hit is not None:
             return hit
     coords = [r[1 : 1 + n_axes] for r in rows]
     shapes = [r[1 + n_axes :] for r in rows]
-    out = layouts_from_shapes(shapes, coords, axis_sizes, dims, what=what, allow_empty=allow_empty)
+    out = layouts_from_shapes(shapes, coords, axis_sizes, dims, what=what, allow_empty=allow_empty,
+                              axis_index=axis_index)
     if not torch.compiler.is_compiling():
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest entry
@@ -264,11 +276,13 @@ def layouts_from_shapes(
     *,
     what: str = "sharded tensor",
     allow_empty: bool = False,
+    axis_index: Sequence[int] | None = None,
 ) -> tuple[Layout, ...]:
     """Layouts from the local shapes of all domain ranks and their domain coordinates.
 
     Pure function of facts every rank shares; see ``gather_layouts``. ``allow_empty``: accept
-    empty slabs (otherwise a ``ShardingError``).
+    empty slabs (otherwise a ``ShardingError``). ``axis_index[k]``: the domain axis (by index)
+    that shards ``dims[k]`` (default ``k``).
     """
     if len({len(s) for s in shapes}) != 1:
         raise ShardingError(f"{what}: ranks hold tensors of different ranks (ndims): {shapes}.")
@@ -285,14 +299,15 @@ def layouts_from_shapes(
                     f"{[s[d] for s in shapes]}. All ranks must hold the same extent of unsharded dims."
                 )
     for k, d in enumerate(dims):
-        sizes: list[int | None] = [None] * axis_sizes[k]
+        a = k if axis_index is None else axis_index[k]
+        sizes: list[int | None] = [None] * axis_sizes[a]
         for c, s in zip(coords, shapes):
-            coord = c[k]
+            coord = c[a]
             if sizes[coord] is None:
                 sizes[coord] = s[d]
             elif sizes[coord] != s[d]:
                 raise ShardingError(
-                    f"{what}: ranks at coordinate {coord} of domain axis {k} hold different sizes "
+                    f"{what}: ranks at coordinate {coord} of domain axis {a} hold different sizes "
                     f"along dim {d}; a multi-axis decomposition must be a tensor product of slabs. "
                     f"Local shapes: {list(shapes)}."
                 )
