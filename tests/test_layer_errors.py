@@ -87,6 +87,7 @@ GRID = {
         f"InstanceNorm{n}d": (lambda n=n: getattr(nn, f"InstanceNorm{n}d")(4, affine=True), n, True, True)
         for n in (1, 2, 3)
     },
+    "SyncBatchNorm": (lambda: nn.SyncBatchNorm(4), 3, True, True),
     "GroupNorm": (lambda: nn.GroupNorm(2, 4), 2, True, True),
     "LayerNorm": (lambda: nn.LayerNorm([4, 9, 6]), 2, True, True),
     **_pads(),
