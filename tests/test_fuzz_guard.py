@@ -317,6 +317,31 @@ def _table_lookup(m, x):  # a learned table read at positions computed on the ro
     return x + bias + m.table[:, idx % 2].sum(0)[None, None, :, None]
 
 
+def _nan_check(m, x):  # a routine check on the values (any/all over the rows), and counts of them
+    if torch.isnan(x).any() or not torch.isfinite(x).all():
+        x = x * 0
+    return x * (1 + torch.count_nonzero(x > 0, dim=(2, 3)).to(x.dtype)[:, :, None, None] / 50)
+
+
+def _peak_rows(m, x):  # torch.max along the rows: values (gradient to the one element) and where
+    top, at = x.max(dim=2, keepdim=True)
+    low = torch.min(x.round(), 2, keepdim=True).values
+    return x + top * 0.5 + low * 0.2 + at.to(x.dtype) / 20 + x.round().argmax().to(x.dtype) / 500
+
+
+def _lp_pool(m, x):  # a power-average pool (of positive values), back to the size
+    return x + F.interpolate(F.lp_pool2d(F.softplus(x), 2, 2), scale_factor=2)
+
+
+def _crop_pad(m, x):  # crop a row at the start by a negative pad, pad it back at the end
+    return x + F.pad(F.pad(x, (0, 0, -1, 0)), (0, 0, 0, 1), mode="replicate")
+
+
+def _column_stats(m, x):  # statistics of what a mean over the rows leaves (the columns)
+    cols = x.mean(2)  # (N, C, W)
+    return x + torch.softmax(cols, -1).unsqueeze(2) + cols.std(-1)[:, :, None, None] * 0.1 + cols.amax()
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
@@ -325,6 +350,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
     _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows, _table_lookup,
+    _nan_check, _peak_rows, _lp_pool, _crop_pad, _column_stats,
 )}  # fmt: skip
 
 
@@ -332,7 +358,7 @@ STEPS = {f.__name__[1:]: f for f in (
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
-                "batch_windows", "fft_rows", "table_lookup")
+                "batch_windows", "fft_rows", "table_lookup", "peak_rows", "crop_pad", "column_stats")
 
 
 class Program(nn.Module):
