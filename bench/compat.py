@@ -8,6 +8,10 @@ convert a copy with ``snn.convert(model, mesh)``, run it on slabs of H (aligned 
 - ``exact``: max abs error <= 1e-9 (relative to the output's scale); for the models listed in
   ``FLOAT32_INSIDE``, which cast to float32 inside their own forward whatever the input dtype,
   1e-5 (float32 rounding of sums taken in another order), with the reason in the detail column;
+  for an ill-conditioned model, whose own output moves by more than 1e-10 (relative) when torch
+  runs it on a channels-last copy of the input (only the summation order changes; random
+  weights under randomised norms can amplify rounding a millionfold, as in
+  ``efficientnetv2_rw_t``: 1.9e-7), 10 times that, with the measured spread in the detail column;
 - ``refused``: a ``ShardingError`` / ``ShardingNotImplementedError`` on every rank, with its reason;
 - ``WRONG``: the model ran and the output differs (a silently wrong answer: must never happen);
 - ``error``: any other exception (a crash, not silent, but worth a look).
@@ -197,6 +201,18 @@ FIXED_SIZE = {"timm/vit_small_patch16_224", "timm/deit_tiny_distilled_patch16_22
               "monai/UNETR-3d"}
 
 
+def _own_spread(ref: nn.Module, x: torch.Tensor, y_ref: list) -> float:
+    """How far torch's own output moves (relative to its scale) when only the summation order
+    changes: the model run on a channels-last copy of the input (0 for other ranks of input)."""
+    if x.dim() not in (4, 5):
+        return 0.0
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    y_cl = _outputs(ref(x.contiguous(memory_format=fmt)))
+    err = max(((a - b).abs().max().item() for a, b in zip(y_cl, y_ref) if a.shape == b.shape), default=0.0)
+    scale = max((b.abs().max().item() for b in y_ref), default=0.0)
+    return err / max(scale, 1e-30)
+
+
 def _entry(name: str):
     """The table's entry for ``name``, or any other timm model name (3 input channels, 64x32)."""
     return MODELS.get(name) or MODELS.get(f"timm/{name}") or (_timm(name), (1, 3, 64, 32), "timm")
@@ -244,6 +260,7 @@ def _check_one(name: str, size_scale: int = 1, batch: int = 1, grid: bool = Fals
         out["warnings"] = [str(w.message)[:300] for w in caught if "Sharding" in type(w.message).__name__]
         with torch.no_grad():
             y_ref = _outputs(ref(x))
+            own = _own_spread(ref, x, y_ref)
             x_local = snn.shard(x, mesh, dims=dims, align=align)
             y_loc = _outputs(model(x_local))
             err, scale = 0.0, 0.0
@@ -255,7 +272,14 @@ def _check_one(name: str, size_scale: int = 1, batch: int = 1, grid: bool = Fals
                 scale = max(scale, b.abs().max().item())
         rel = err / max(scale, 1e-30)
         f32 = _float32_inside(name)
-        out.update(status="exact" if rel <= (1e-5 if f32 else 1e-9) else "WRONG", max_abs_err=err, rel_err=rel)
+        tol = 1e-5 if f32 else 1e-9
+        if 10 * own > tol:
+            # An ill-conditioned model (random weights, norms randomised): torch's own output
+            # moves this much when only its summation order does. Held to 10x that, said so.
+            tol = 10 * own
+            out["note"] = (f"torch's own output moves by {own:.1e} (relative) on a channels-last copy of the input "
+                           f"(another summation order): tolerance {tol:.0e}")
+        out.update(status="exact" if rel <= tol else "WRONG", max_abs_err=err, rel_err=rel)
         if f32:
             out["note"] = f32
     except (snn.ShardingError, snn.ShardingNotImplementedError) as e:
