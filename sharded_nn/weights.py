@@ -74,11 +74,11 @@ def _as_ints(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _tensor_digest(t: torch.Tensor) -> int:
-    bits = _as_ints(t)
     if isinstance(t, nn.parameter.UninitializedTensorMixin):
         return 1  # (a lazy module's parameter: no shape or values yet)
     # Ints only: Python salts str hashes per process, a tuple of ints hashes alike everywhere.
     digest = hash((t.element_size(), int(t.is_floating_point()), int(t.is_complex()), *t.shape)) % _P61
+    bits = _as_ints(t)
     if bits is None:
         return digest
     w = _weights(bits.device)
