@@ -3673,7 +3673,6 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
         self._set(out, _layer_output_state(mod, st) if base.startswith("adaptive") else st)
         return out
 
-
     def _lp_pool(self, L, n: int, x, args, kwargs, dims, st):
         """``F.lp_pool{n}d`` on a slab: torch's own formula (the p-th power averaged over each
         window, times the window's size, to the power 1/p) with the sharded average pool."""

@@ -47,7 +47,10 @@ from .layout import Layout
 from .mesh import axis_index, domain_axes, group_over
 from .sharding import default_dims
 
-__all__ = ["argmax", "argmin", "cumsum", "max_dim", "log_softmax", "logsumexp", "max", "mean", "norm", "softmax", "std", "std_mean", "sum", "var", "var_mean"]
+__all__ = [
+    "argmax", "argmin", "cumsum", "log_softmax", "logsumexp", "max", "max_dim", "mean", "norm", "softmax", "std",
+    "std_mean", "sum", "var", "var_mean",
+]
 
 
 def _plan(
