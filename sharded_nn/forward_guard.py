@@ -817,11 +817,17 @@ class _LayerHooks:
         mode.resume()
         out_state = state if self.same_state or same else _layer_output_state(module, state)
         states = mode.states
-        for t in (output,) if isinstance(output, torch.Tensor) else _flat_tensors(output):
-            if out_state is None:
+        tensors = (output,) if isinstance(output, torch.Tensor) else _flat_tensors(output)
+        per_output = getattr(module, "_guard_output_states", None)
+        # A layer whose outputs are laid out unlike one another (attention's output and weights)
+        # names each one's layout.
+        each = per_output(output, out_state) if per_output is not None and type(out_state) is tuple else None
+        for i, t in enumerate(tensors):
+            st = each[i] if each is not None else out_state
+            if st is None:
                 states.pop(t, None)
             else:
-                states[t] = out_state
+                states[t] = st
 
     # -- from the layer's own ``__call__``
 

@@ -298,10 +298,13 @@ def test_multihead_attention(run, world, attention, sizes, batch_first):
 
 
 def _mha_errors(world):
+    # need_weights=True (torch's default) runs since session 60 (tests/test_mha_weights.py), but
+    # not with attention dropout in training: the weights would carry torch's own draws.
     m = mesh(world)
-    mha = snn.convert(nn.MultiheadAttention(8, 2).double(), m)
+    torch.manual_seed(0)
+    mha = snn.convert(nn.MultiheadAttention(8, 2, dropout=0.1).double(), m)
     x = torch.randn(3, 1, 8, dtype=torch.float64)
-    with pytest.raises(snn.ShardingNotImplementedError, match="need_weights"):
+    with pytest.raises(snn.ShardingNotImplementedError, match="need_weights=True with attention dropout"):
         mha(x, x, x)
     return True
 

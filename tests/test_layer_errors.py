@@ -236,7 +236,9 @@ def _mha_errors(world: int, batch_first: bool):
             lambda: call(x, key_padding_mask=_one_rank(r, lambda: mask[:, :1], lambda: mask))
         ),
         "need_weights on one rank": _catch(lambda: call(x, need_weights=r == 1)),
-        "need_weights on every rank": _catch(lambda: call(x, need_weights=True)),
+        "need_weights with a mask of local size": _catch(
+            lambda: call(x, need_weights=True, attn_mask=torch.zeros(x.shape[1 if batch_first else 0], lk))
+        ),
         "embed dim on one rank": _catch(lambda: call(_one_rank(r, lambda: x[..., :7], lambda: x))),
         "ndim on one rank": _catch(lambda: call(_one_rank(r, lambda: x[None], lambda: x))),
         "dtype on one rank": _catch(lambda: call(_one_rank(r, x.float, lambda: x))),

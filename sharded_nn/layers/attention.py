@@ -28,6 +28,7 @@ from ..functional import ring_attention, ulysses_attention
 from ..mesh import axis_index, data_axis, domain_axes
 from ..registry import register
 from ..weights import arm as arm_values_check
+from ..comm import all_gather_grid, all_gather_uneven, domain_peers
 from .base import ShardedMixin, check_mesh, dtype_code, gather_facts
 
 _ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
@@ -158,7 +159,7 @@ class _AttentionMixin(ShardedMixin):
 
 @register(nn.MultiheadAttention)
 class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
-    """``nn.MultiheadAttention`` over token slabs (``need_weights=False``).
+    """``nn.MultiheadAttention`` over token slabs.
 
     Sharding contract: query/key/value are this rank's slabs, ``(B, L_local, E)`` with
     ``batch_first=True`` or ``(L_local, B, E)`` otherwise; the output is the query's slab.
@@ -167,9 +168,15 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
     it is taken as that causal mask, as torch's hint says). Attention dropout in training
     (``dropout``) uses the position-keyed mask law of ``ring_attention`` (see
     ``_AttentionMixin._dropout_facts``; ``dropout_seed`` records the last mask's seed): the law
-    of torch's dropout on the attention weights, not its random bits. Not supported: attention
-    weights (they are L x L), other ``attn_mask``s, ``add_bias_kv``, ``add_zero_attn``. Same
-    state_dict keys as ``nn.MultiheadAttention``.
+    of torch's dropout on the attention weights, not its random bits. Since session 60,
+    ``need_weights=True`` (torch's default) and an explicit ``attn_mask`` (bool or float, ``(L, S)``
+    or ``(B * heads, L, S)`` over the whole sequences, the same tensor on every rank) take an
+    explicit path, as torch's own module does: the keys and values are gathered, each rank
+    computes its queries' rows of the weights (``(B, L_local, S)``, or per head ``(B, heads,
+    L_local, S)``: this rank's query rows of torch's weights, sharded along the queries) and the
+    output from them (memory: this rank's share of what one device holds). Not supported there:
+    attention dropout in training and the zigzag layout. Not supported: ``add_bias_kv``,
+    ``add_zero_attn``. Same state_dict keys as ``nn.MultiheadAttention``.
 
     Keyword-only options: ``mesh``; ``attention`` (``"ring"`` or ``"ulysses"``); ``layout``
     (``"contiguous"`` or ``"zigzag"``).
@@ -200,20 +207,15 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
             "key_padding_mask given": (int(mask is not None),),
         }
         mask_bool = int(mask is None or mask.dtype == torch.bool)
+        explicit = need_weights or (attn_mask is not None and not is_causal)
+        # (Always sent, fixed width: a mask given on some ranks only must raise, not desync.)
+        mask_kind = -1 if attn_mask is None else int(attn_mask.dtype == torch.bool)
+        # With is_causal the mask is only torch's hint (each rank may pass its own slab's): no shape.
+        same["attn_mask (ndim, sizes, bool)"] = (*_shape_fact(None if is_causal else attn_mask, 3), mask_kind)
         local = (
             *_shape_fact(query, 3), *_shape_fact(key, 3), *_shape_fact(value, 3), *_shape_fact(mask, 2), mask_bool, seed
         )  # fmt: skip
         rows = gather_facts(self.mesh, name, same=same, local=local)
-        if need_weights:
-            raise ShardingNotImplementedError(
-                f"{name}: need_weights=True would build the L x L attention weights; call it with "
-                "need_weights=False (the output is the same)."
-            )
-        if attn_mask is not None and not is_causal:
-            raise ShardingNotImplementedError(
-                f"{name}: an explicit attn_mask is not supported on a sharded sequence; use "
-                "is_causal=True or key_padding_mask."
-            )
         q, k, v = ([r[i : i + 4] for r in rows] for i in (0, 4, 8))
         shapes = [(a[1:], b[1:], c[1:]) for a, b, c in zip(q, k, v)]
         layout = "(B, L_local, E)" if self.batch_first else "(L_local, B, E)"
@@ -242,7 +244,32 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
                     f"rank; domain ranks {bad} pass another dtype or shape (expected shapes by rank: "
                     f"{[w[1:] for w in want]})."
                 )
-        return self._set_dropout_seed(rows, self.dropout)
+        q_lens, k_lens = tuple(t[sd] for t in q), tuple(t[sd] for t in k)
+        dropout_p = self._set_dropout_seed(rows, self.dropout)
+        if explicit:
+            self._check_explicit(attn_mask, q_lens, k_lens, q[0][bd], dropout_p, need_weights)
+        return dropout_p, q_lens, k_lens
+
+    def _check_explicit(self, attn_mask, q_lens, k_lens, batch: int, dropout_p: float, need_weights: bool) -> None:
+        """The explicit path's own limits, from facts every rank shares (the mask's shape agreed)."""
+        name = type(self).__name__
+        why = "need_weights=True" if need_weights else "an explicit attn_mask"
+        if dropout_p > 0:
+            raise ShardingNotImplementedError(
+                f"{name}: {why} with attention dropout in training is not supported on a sharded sequence (the "
+                "weights would carry torch's dropout draws); call it with need_weights=False and is_causal or "
+                "key_padding_mask, or in eval."
+            )
+        if self.layout != "contiguous":
+            raise ShardingNotImplementedError(f"{name}: {why} needs layout='contiguous', got {self.layout!r}.")
+        if attn_mask is not None:
+            lq, lk = sum(q_lens), sum(k_lens)
+            shape = tuple(attn_mask.shape)
+            if shape not in ((lq, lk), (batch * self.num_heads, lq, lk)):
+                raise ShardingError(
+                    f"{name}: attn_mask must cover the whole sequences, (L, S) = ({lq}, {lk}) or (B * heads, L, S) = "
+                    f"({batch * self.num_heads}, {lq}, {lk}), the same tensor on every rank; got {shape}."
+                )
 
     def forward(  # noqa: D102
         self,
@@ -261,13 +288,15 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
         if query.dim() == 2:
             # Unbatched (L, E) input, as torch accepts: add the batch dim and remove it after.
             b = 0 if self.batch_first else 1
-            out, _ = self.forward(
+            out, weights = self.forward(
                 query.unsqueeze(b), key.unsqueeze(b), value.unsqueeze(b),
                 None if key_padding_mask is None else key_padding_mask.unsqueeze(0),
                 need_weights, attn_mask, average_attn_weights, is_causal,
             )
-            return out.squeeze(b), None
-        dropout_p = self._check_inputs(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+            return out.squeeze(b), None if weights is None else weights.squeeze(0)
+        dropout_p, q_lens, k_lens = self._check_inputs(
+            query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
+        )
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         if self._qkv_same_embed_dim:
@@ -282,11 +311,59 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
             F.linear(t, w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
             for t, w, bias in ((query, w_q, b_q), (key, w_k, b_k), (value, w_v, b_v))
         )
-        out = self._attend(q, k, v, is_causal, key_padding_mask, dropout_p=dropout_p)
+        weights = None
+        if need_weights or (attn_mask is not None and not is_causal):
+            out, weights = self._explicit(q, k, v, key_padding_mask, attn_mask, is_causal, q_lens, k_lens)
+            weights = (weights.mean(1) if average_attn_weights else weights) if need_weights else None
+        else:
+            out = self._attend(q, k, v, is_causal, key_padding_mask, dropout_p=dropout_p)
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         if not self.batch_first:
             out = out.transpose(0, 1)
-        return out, None
+        return out, weights
+
+    def _explicit(self, q, k, v, key_padding_mask, attn_mask, is_causal: bool, q_lens, k_lens):
+        """Attention written out as torch's module computes it with weights: this rank's query rows
+        against the gathered keys and values. Returns (output (B, H, L_local, D), weights (B, H,
+        L_local, S)); a query row with every key masked gives NaN, as torch's."""
+        peers = domain_peers(self.mesh)
+        me, parts = peers.index, peers.size
+        if parts > 1:
+            coords = [(r,) for r in range(parts)]
+            k = all_gather_grid(k, peers.group, (2,), coords, [k_lens], me)
+            v = all_gather_grid(v, peers.group, (2,), coords, [k_lens], me)
+        b, h, lq, d = q.shape
+        s_len = k.shape[2]
+        q0 = sum(q_lens[:me])
+        scores = (q * d**-0.5) @ k.transpose(-2, -1)  # (B, H, L_local, S)
+        if is_causal:
+            # (An attn_mask passed with is_causal is taken as the causal mask, as torch's hint says.)
+            rows = torch.arange(q0, q0 + lq, device=q.device)[:, None]
+            masked = torch.arange(s_len, device=q.device)[None, :] > rows
+            scores = scores.masked_fill(masked, float("-inf"))
+        elif attn_mask is not None:
+            m = attn_mask.narrow(-2, q0, lq)
+            if m.dim() == 3:
+                m = m.reshape(b, h, lq, s_len)
+            scores = scores.masked_fill(m, float("-inf")) if m.dtype == torch.bool else scores + m.to(scores.dtype)
+        if key_padding_mask is not None:
+            pad = key_padding_mask
+            if parts > 1:
+                got = all_gather_uneven(pad.to(torch.uint8), peers.group, [(b, n) for n in k_lens])
+                pad = torch.cat(got, 1).bool()
+            scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        return weights @ v, weights
+
+    def _guard_output_states(self, output, state):
+        """The forward guard's layouts of ``(out, weights)``: the output keeps the query's; the
+        weights are sharded along their query rows (dim 1 averaged, dim 2 per head)."""
+        _out, weights = output
+        states = [state]
+        if weights is not None:
+            q_dim = 1 if weights.dim() == 3 else 2
+            states.append(tuple(None if d is None else q_dim for d in state))
+        return states
 
     def extra_repr(self) -> str:
         return (
