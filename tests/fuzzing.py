@@ -78,6 +78,24 @@ def randomize_(model, seed: int, scale: float):
     return model
 
 
+def randomize_norm_state_(model, statistics: bool = True):
+    """``model`` with every parameter moved by a normal draw of 0.3 (norms start at weight 1, bias
+    0) and, with ``statistics``, random running statistics (means ~ N(0, 0.25), variances in
+    [0.5, 1.5)), from the global generator (seeded by the caller); returns it."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        if statistics:
+            for name, b in model.named_buffers():
+                if name.endswith("running_mean"):
+                    b.copy_(0.5 * torch.randn_like(b))
+                elif name.endswith("running_var"):
+                    b.copy_(0.5 + torch.rand_like(b))
+    return model
+
+
 def outcome(pools, case: Callable[[dict], Any], cfg: dict, timeout: float):
     """``case(cfg)`` on every rank of ``cfg["domain"]``'s pool: the ranks' common result (they must
     agree: a refusal on some ranks only would be a hang in a real run)."""

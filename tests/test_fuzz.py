@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, randomize_norm_state_
 from .harness import mesh
 from .reference import check_against_reference
 
@@ -55,18 +55,22 @@ def _layer(cfg: dict) -> nn.Module:
             cfg["kernel"], cfg["stride"], cfg["padding"], dilation=cfg["dilation"], ceil_mode=cfg["ceil_mode"]
         )
     if kind == "avg_pool":
+        # (tests/test_fuzz_grid_nd.py draws a divisor; AvgPool1d has none)
+        extra = {"divisor_override": cfg["divisor"]} if cfg.get("divisor") is not None and nd > 1 else {}
         return getattr(nn, f"AvgPool{nd}d")(
             cfg["kernel"], cfg["stride"], cfg["padding"], ceil_mode=cfg["ceil_mode"],
-            count_include_pad=cfg["count_include_pad"],
+            count_include_pad=cfg["count_include_pad"], **extra,
         )
     if kind == "upsample":
+        if cfg.get("size") is not None:  # (tests/test_fuzz_grid_nd.py: size= instead of factors)
+            return nn.Upsample(size=cfg["size"], mode=cfg["mode"], align_corners=cfg["align_corners"])
         return nn.Upsample(scale_factor=cfg["scale"], mode=cfg["mode"], align_corners=cfg["align_corners"])
     norm = cfg["norm"]
     c = cfg["cin"]
     if norm == "group":
         return nn.GroupNorm(cfg["groups"], c, affine=cfg["bias"])
     if norm == "instance":
-        return getattr(nn, f"InstanceNorm{nd}d")(c, affine=cfg["bias"])
+        return getattr(nn, f"InstanceNorm{nd}d")(c, affine=cfg["bias"], track_running_stats=cfg.get("track", False))
     if norm == "batch":
         return getattr(nn, f"BatchNorm{nd}d")(c)
     return nn.LayerNorm([c, *cfg["spatial"]], elementwise_affine=cfg["bias"])
@@ -77,16 +81,8 @@ def _case(cfg: dict):
     domain = cfg["domain"]
     m = mesh(domain)
     torch.manual_seed(cfg["seed"])
-    ref = _layer(cfg).double()
-    with torch.no_grad():  # non-trivial affine parameters (norms start at weight 1, bias 0)
-        for p in ref.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-        if cfg.get("eval"):  # inference: norms on non-trivial running statistics
-            for name, b in ref.named_buffers():
-                if name.endswith("running_mean"):
-                    b.copy_(0.5 * torch.randn_like(b))
-                elif name.endswith("running_var"):
-                    b.copy_(0.5 + torch.rand_like(b))
+    # Non-trivial affine parameters; in inference, norms on non-trivial running statistics.
+    ref = randomize_norm_state_(_layer(cfg).double(), statistics=bool(cfg.get("eval")))
     if cfg.get("eval"):
         ref.eval()
     x = torch.randn(cfg["batch"], cfg["cin"], *cfg["spatial"], dtype=torch.float64,

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import sharded_nn as snn
 from sharded_nn.errors import ShardingError
 
-from .fuzzing import fuzz_tests
+from .fuzzing import fuzz_tests, randomize_norm_state_
 from .harness import mesh, world_of
 from .test_fuzz_fft_modes import _split
 
@@ -52,15 +52,7 @@ def _case(cfg: dict):
     m = mesh(cfg["domain"], data=2)
     r = m.get_local_rank("domain")
     torch.manual_seed(cfg["seed"])
-    ref = _layer(cfg).double()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-        for name, b in ref.named_buffers():
-            if name.endswith("running_mean"):
-                b.copy_(0.5 * torch.randn_like(b))
-            elif name.endswith("running_var"):
-                b.copy_(0.5 + torch.rand_like(b))
+    ref = randomize_norm_state_(_layer(cfg).double())
     if cfg["eval"]:
         ref.eval()
     batch = 2 * cfg["per_replica"]

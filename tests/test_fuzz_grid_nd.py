@@ -26,12 +26,12 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn as nn
 from hypothesis import strategies as st
 
 import sharded_nn as snn
 
-from .fuzzing import fuzz_tests, outcome
+from .fuzzing import fuzz_tests, outcome, randomize_norm_state_
+from .test_fuzz import _layer  # the same layers, with the per-dim options this file draws
 from .harness import mesh
 from .reference import check_against_reference
 
@@ -41,56 +41,11 @@ KINDS = ("conv", "conv_transpose", "max_pool", "avg_pool", "upsample", "norm")
 # --------------------------------------------------------------------------- worker side
 
 
-def _layer(cfg: dict) -> nn.Module:
-    nd, kind = cfg["nd"], cfg["kind"]
-    if kind == "conv":
-        return getattr(nn, f"Conv{nd}d")(
-            cfg["cin"], cfg["cout"], cfg["kernel"], stride=cfg["stride"], padding=cfg["padding"],
-            dilation=cfg["dilation"], groups=cfg["groups"], padding_mode=cfg["mode"], bias=cfg["bias"],
-        )
-    if kind == "conv_transpose":
-        return getattr(nn, f"ConvTranspose{nd}d")(
-            cfg["cin"], cfg["cout"], cfg["kernel"], stride=cfg["stride"], padding=cfg["padding"],
-            output_padding=cfg["output_padding"], dilation=cfg["dilation"], groups=cfg["groups"], bias=cfg["bias"],
-        )
-    if kind == "max_pool":
-        return getattr(nn, f"MaxPool{nd}d")(
-            cfg["kernel"], cfg["stride"], cfg["padding"], dilation=cfg["dilation"], ceil_mode=cfg["ceil_mode"]
-        )
-    if kind == "avg_pool":
-        extra = {"divisor_override": cfg["divisor"]} if nd > 1 else {}  # (AvgPool1d has none)
-        return getattr(nn, f"AvgPool{nd}d")(
-            cfg["kernel"], cfg["stride"], cfg["padding"], ceil_mode=cfg["ceil_mode"],
-            count_include_pad=cfg["count_include_pad"], **extra,
-        )
-    if kind == "upsample":
-        if cfg["size"] is not None:
-            return nn.Upsample(size=cfg["size"], mode=cfg["mode"], align_corners=cfg["align_corners"])
-        return nn.Upsample(scale_factor=cfg["scale"], mode=cfg["mode"], align_corners=cfg["align_corners"])
-    norm, c = cfg["norm"], cfg["cin"]
-    if norm == "group":
-        return nn.GroupNorm(cfg["groups"], c, affine=cfg["bias"])
-    if norm == "instance":
-        return getattr(nn, f"InstanceNorm{nd}d")(c, affine=cfg["bias"], track_running_stats=cfg["track"])
-    if norm == "batch":
-        return getattr(nn, f"BatchNorm{nd}d")(c)
-    return nn.LayerNorm([c, *cfg["spatial"]], elementwise_affine=cfg["bias"])
-
-
 def _case(cfg: dict):
     """One fuzz example on this rank: ``"ok"``, or ``("refused", type, message)``; raises on a mismatch."""
     m = mesh(cfg["domain"])
     torch.manual_seed(cfg["seed"])
-    ref = _layer(cfg).double()
-    with torch.no_grad():  # non-trivial affine parameters (norms start at weight 1, bias 0)
-        for p in ref.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-        if cfg["eval"]:
-            for name, b in ref.named_buffers():
-                if name.endswith("running_mean"):
-                    b.copy_(0.5 * torch.randn_like(b))
-                elif name.endswith("running_var"):
-                    b.copy_(0.5 + torch.rand_like(b))
+    ref = randomize_norm_state_(_layer(cfg).double(), statistics=cfg["eval"])
     if cfg["eval"]:
         ref.eval()
     x = torch.randn(cfg["batch"], cfg["cin"], *cfg["spatial"], dtype=torch.float64,
