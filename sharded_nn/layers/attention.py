@@ -186,12 +186,15 @@ class ShardedMultiheadAttention(_AttentionMixin, nn.MultiheadAttention):
     def _seq_dim(self) -> int:  # type: ignore[override]
         return 1 if self.batch_first else 0
 
-    def _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> float:
+    def _check_inputs(
+        self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
+    ) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
         """Validate the call from facts gathered from every domain rank (one small all-gather).
 
         Every argument that can make a rank raise travels, so a bad input on one rank raises the
         same error on every rank instead of leaving the others waiting in the ring. Returns the
-        attention-dropout probability of this call (its seed set on ``dropout_seed``).
+        attention-dropout probability of this call (its seed set on ``dropout_seed``) and every
+        domain rank's query and key lengths (for the explicit path's rows and gathers).
         """
         name = type(self).__name__
         mask = key_padding_mask
