@@ -252,7 +252,12 @@ def argmin(
 def _arg_extreme(x, mesh, dim, keepdim: bool, sharded_dims, what: str, largest: bool) -> torch.Tensor:
     if dim is not None and not isinstance(dim, int):
         raise ShardingError(f"{what}: dim must be one int or None, got {dim!r}.")
-    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, what, keepdim)
+    return _arg_extreme_planned(x, mesh, dim, keepdim, _plan(x, mesh, dim, sharded_dims, what, keepdim), largest)
+
+
+def _arg_extreme_planned(x, mesh, dim, keepdim: bool, plan, largest: bool) -> torch.Tensor:
+    """``_arg_extreme``'s body once the plan (``_plan``'s result) is agreed."""
+    dims, axes, sharded = plan
     x = x.detach()
     if not largest:
         # Order-reversing and exact: the bitwise complement for integers, negation for floats.
@@ -294,8 +299,9 @@ def max_dim(
     what = "reductions.max_dim" if largest else "reductions.min_dim"
     if not isinstance(dim, int):
         raise ShardingError(f"{what}: dim must be one int, got {dim!r}.")
-    idx = _arg_extreme(x, mesh, dim, True, sharded_dims, what, largest)
-    dims, axes, sharded = _plan(x, mesh, dim, sharded_dims, what, keepdim)
+    plan = _plan(x, mesh, dim, sharded_dims, what, keepdim)  # one agreement for both parts
+    idx = _arg_extreme_planned(x, mesh, dim, True, plan, largest)
+    dims, axes, sharded = plan
     (d,) = dims
     if not axes:
         values = x.gather(d, idx)

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..functional import ring_attention, ulysses_attention
-from ..mesh import axis_index, data_axis, domain_axes
+from ..mesh import axis_index, axis_size, data_axis, domain_axes
 from ..registry import register
 from ..weights import arm as arm_values_check
 from ..comm import all_gather_grid, all_gather_uneven, domain_peers
@@ -114,6 +114,8 @@ class _AttentionMixin(ShardedMixin):
         self.mesh, self.attention, self.layout = mesh, attention, layout
         self.mesh_axes = domain_axes(mesh)
         self.dims = (self._seq_dim,)
+        # One domain rank: nothing to compare (as ShardedMixin's; a fact of the mesh).
+        self._local_only = all(axis_size(mesh, a) == 1 for a in self.mesh_axes)
         arm_values_check(self)
 
     #: The seed of the attention-dropout mask of the last training forward (None: no dropout),

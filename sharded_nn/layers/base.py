@@ -405,10 +405,8 @@ class ShardedMixin:
         ``load_state_dict``, else 0 (``sharded_nn.weights``). Inside a scope the model's entry
         facts check every weight of the model; with one domain rank nothing is compared. Both are
         facts every rank shares, so every rank sends the same number of facts."""
-        if scope_active() or torch.compiler.is_compiling():
+        if self._local_only or scope_active() or torch.compiler.is_compiling():
             return {}  # (compiled code: every rank traces alike; its eager calls check)
-        if all(axis_size(self.mesh, a) == 1 for a in self.mesh_axes):
-            return {}
         return {VALUES_FACT: (take_digest(self),)}
 
     def _default_dims(self, mesh: DeviceMesh) -> tuple[int, ...]:
