@@ -361,6 +361,7 @@ def convert(
     strict: bool = False,
     guard: bool = True,
     layout_scope: bool = True,
+    input_dims: Mapping[str | int, int | Sequence[int] | None] | None = None,
 ) -> nn.Module:
     """Swap every registered layer of ``model`` (in place) for its sharded class; return the model.
 
@@ -392,6 +393,11 @@ def convert(
             layer). Not installed on a single swapped layer (it agrees per call, as before) or
             on a mesh with one domain rank (nothing is agreed). ``False``: every layer agrees
             on its input per call.
+        input_dims: root inputs sharded along dims of their own: forward parameter name (or
+            position after ``self``) -> their sharded dims (one per domain axis, as ``dims``), or
+            ``None`` for a whole (replicated) tensor. E.g. ``{"target": (1,)}`` for class indices
+            ``(N, H, W)`` next to scores ``(N, C, H, W)`` sharded along dim 2 (a model that
+            returns ``F.cross_entropy(self.net(x), target)``). Other inputs: ``dims`` as above.
 
     Returns:
         The converted model. State-dict keys are unchanged; converting twice changes nothing.
@@ -402,7 +408,8 @@ def convert(
     """
     _DEPTH[0] += 1
     try:
-        return _convert(model, mesh, plan=plan, dims=dims, strict=strict, guard=guard, layout_scope=layout_scope)
+        return _convert(model, mesh, plan=plan, dims=dims, strict=strict, guard=guard, layout_scope=layout_scope,
+                        input_dims=input_dims)
     finally:
         _DEPTH[0] -= 1
 
@@ -420,7 +427,7 @@ def convert_as_model(module: nn.Module, mesh: DeviceMesh, **options) -> nn.Modul
         _DEPTH[0] = depth
 
 
-def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
+def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope, input_dims=None):
     domain_axes(mesh)  # a clear error now for a mesh without a domain axis
     _load_model_families()
     if not isinstance(model, nn.Module):
@@ -564,6 +571,11 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
         from .comm.sizes import ScopeHooks, disable_layout_scope, enable_layout_scope
 
         root_dims = _root_dims(model, mesh, dims, done)
+        entry = None
+        if input_dims:
+            from .entry_inputs import InputDims
+
+            entry = InputDims(model, root_dims, input_dims)
         # The domain size is a fact of the mesh, the same on every rank: P=1 agrees on nothing.
         multi = any(axis_size(mesh, a) > 1 for a in domain_axes(mesh))
         scope = layout_scope and multi and type(model) not in done
@@ -578,14 +590,15 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope):
             from .forward_guard import install
 
             # One pair of root hooks runs both the scope and the guard (scope first).
-            install(model, mesh, root_dims, set(done), plan_none, scope=ScopeHooks(root_dims, mesh) if scope else None)
+            install(model, mesh, root_dims, set(done), plan_none,
+                    scope=ScopeHooks(root_dims, mesh, entry) if scope else None, input_dims=entry)
         else:
             if not guard:
                 from .forward_guard import uninstall
 
                 uninstall(model)
             if scope:
-                enable_layout_scope(model, root_dims, mesh=mesh)
+                enable_layout_scope(model, root_dims, mesh=mesh, input_dims=entry)
     return model
 
 

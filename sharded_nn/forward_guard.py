@@ -666,10 +666,13 @@ class ForwardGuard:
     """
 
     def __init__(
-        self, model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], reviewed: Sequence[str] = (), scope=None
+        self, model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], reviewed: Sequence[str] = (), scope=None,
+        input_dims=None,
     ):
         # ``comm.sizes.ScopeHooks`` run from the root hooks below (one pair of root hooks for both).
         self.scope = scope
+        # ``entry_inputs.InputDims``: root inputs sharded along dims of their own (or whole).
+        self.input_dims = input_dims
         self.mesh = mesh
         self.axes = domain_axes(mesh)
         self.dims = tuple(dims)
@@ -709,9 +712,24 @@ class ForwardGuard:
             _tag_einops_recipes()
         mode = _GuardMode(self)
         states = mode.states
-        for t in [*args, *kwargs.values()]:
-            if isinstance(t, torch.Tensor) and t.dim() > max(self.dims, default=-1):
-                states[t] = tuple(self.dims)
+        if self.input_dims is None:
+            for t in [*args, *kwargs.values()]:
+                if isinstance(t, torch.Tensor) and t.dim() > max(self.dims, default=-1):
+                    states[t] = tuple(self.dims)
+        else:
+            for t, d, named in self.input_dims.tensors(args, kwargs):
+                if not named:
+                    if t.dim() > max(self.dims, default=-1):
+                        states[t] = d
+                elif d is not None:
+                    if t.dim() <= max(d):
+                        # (root_post still runs, always_call: it ends the scope entered above.)
+                        raise ShardingError(
+                            f"{type(module).__name__}: convert's input_dims shards an input of {t.dim()} dims along "
+                            f"dims {d}; expected a tensor with more than {max(d)} dims. Give that input's own "
+                            "sharded dims in input_dims (or None for a whole tensor)."
+                        )
+                    states[t] = d
         mode.__enter__()
         _ACTIVE.guard = mode
         module.__dict__["_snn_guard_mode"] = mode
@@ -4112,7 +4130,8 @@ def mark_guarded(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def install(
-    model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str], scope=None
+    model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str], scope=None,
+    input_dims=None,
 ) -> None:
     """Install the guard on ``model`` (the converted root): hooks on the root, sharded layers, reviewed modules.
 
@@ -4122,7 +4141,7 @@ def install(
     uninstall(model)
     from .layers.base import ShardedMixin  # (the layers import this module)
 
-    guard = ForwardGuard(model, mesh, dims, reviewed, scope)
+    guard = ForwardGuard(model, mesh, dims, reviewed, scope, input_dims)
     handles = [
         model.register_forward_pre_hook(guard.root_pre, with_kwargs=True),
         model.register_forward_hook(guard.root_post, with_kwargs=True, always_call=True),

@@ -184,7 +184,7 @@ def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: 
         i += len(vals)
 
 
-def agree_entry_inputs(shapes: Sequence[Sequence[int]], mesh: DeviceMesh, dims: Sequence[int]) -> bool:
+def agree_entry_inputs(shapes: Sequence[Sequence[int]], mesh: DeviceMesh, dims) -> bool:
     """Agree at a model's entry on the layouts of its slab inputs of local ``shapes``, in one all-gather.
 
     For a forward with several slab inputs (a field and its coordinates or conditioning):
@@ -193,13 +193,14 @@ def agree_entry_inputs(shapes: Sequence[Sequence[int]], mesh: DeviceMesh, dims: 
     is remembered in the scope, so that the layers derive theirs as they do from one input.
     Returns False, and remembers nothing, when some input has no layout along ``dims`` (its
     unsharded sizes differ between ranks: a tensor input that is not a slab); the caller then
-    lets every layer agree. Every rank decides from the same gathered rows.
+    lets every layer agree. Every rank decides from the same gathered rows. ``dims``: the
+    sharded dims of every input, or a list of them, one per input (``convert(input_dims=)``).
     """
     entry = scope_take_entry()
     meta = _layout_meta(mesh)
     n_axes = len(meta.axes)
-    dims = tuple(dims)
-    if len(dims) > n_axes or any(len(s) > _MAX_NDIM for s in shapes):
+    each = [tuple(d) for d in dims] if dims and not isinstance(dims[0], int) else [tuple(dims)] * len(shapes)
+    if any(len(d) > n_axes for d in each) or any(len(s) > _MAX_NDIM for s in shapes):
         return False
     facts = [v for vals in entry.values() for v in vals]
     part = 1 + _MAX_NDIM  # per input: its ndim, its shape padded with -1
@@ -224,11 +225,11 @@ def agree_entry_inputs(shapes: Sequence[Sequence[int]], mesh: DeviceMesh, dims: 
             for a in starts
         )
         try:
-            layouts.append(_layouts(rows, n_axes, meta.axis_sizes, dims, what, allow_empty=True))
+            layouts.append(_layouts(rows, n_axes, meta.axis_sizes, each[k], what, allow_empty=True))
         except ShardingError:
             return False
-    for shape, lays in zip(shapes, layouts):
-        scope_declare(mesh, dims, len(shape), lays)
+    for shape, d, lays in zip(shapes, each, layouts):
+        scope_declare(mesh, d, len(shape), lays)
     return True
 
 
@@ -421,7 +422,9 @@ def _digest(ints: list) -> int:
     return hash(tuple(ints))
 
 
-def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequence[int]) -> tuple[dict, int]:
+def entry_facts(
+    model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequence[int], input_dims=None
+) -> tuple[dict, list]:
     """The facts at a model's entry from which every layer's per-call facts follow.
 
     Inside a scope a layer that finds its input's layout does not gather the facts it would
@@ -434,15 +437,26 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
     per-tensor lists), to be agreed once (``layout_scope(entry=...)``). Costs one walk over the
     modules (about 0.3 ms for a 300-module timm CNN).
 
+    ``input_dims``: an ``entry_inputs.InputDims`` (``convert(..., input_dims=)``): the inputs it
+    names are slabs along their own dims (their sizes before the first are facts), or whole
+    tensors (every size a fact).
+
     Returns:
         ``(facts, slabs)``: the named facts, and the root tensor inputs that may be slabs (more
-        than ``min(dims)`` dims).
+        than ``min(dims)`` dims, or named with dims), each with its sharded dims.
     """
     first = min(dims) if dims and min(dims) >= 0 else 0
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if input_dims is None:
+        each = [(t, tuple(dims), False) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    else:
+        each = list(input_dims.tensors(args, kwargs))
     inputs: list = []
-    for t in tensors:
-        inputs += (_code(t.dtype), t.requires_grad, t.dim(), *t.shape[:first])
+    slabs: list = []
+    for t, d, named in each:
+        until = (min(d) if d else t.dim()) if named else first
+        inputs += (_code(t.dtype), t.requires_grad, t.dim(), *t.shape[:until])
+        if (d and named) or (not named and t.dim() > first):
+            slabs.append((t, d))
     state: list = []
     add = state.append
     codes = _DTYPE_CODES
@@ -476,7 +490,7 @@ def entry_facts(model: torch.nn.Module, args: tuple, kwargs: dict, dims: Sequenc
         # weights that differ by rank would compute each slab with other weights.
         VALUES_FACT: (take_digest(model),),
     }
-    return facts, [t for t in tensors if t.dim() > first]
+    return facts, slabs
 
 
 class ScopeHooks:
@@ -494,9 +508,10 @@ class ScopeHooks:
             nothing and every layer agrees.
     """
 
-    def __init__(self, dims: Sequence[int] | None = None, mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, dims: Sequence[int] | None = None, mesh: DeviceMesh | None = None, input_dims=None) -> None:
         self.dims = tuple(dims) if dims else (2,)
         self.mesh = mesh
+        self.input_dims = input_dims  # an ``entry_inputs.InputDims``: inputs with dims of their own
 
     def enter(self, module: torch.nn.Module, args, kwargs) -> None:
         if torch.compiler.is_compiling():
@@ -504,15 +519,15 @@ class ScopeHooks:
         if _SCOPE.depth > 0:
             layout_scope({}).__enter__()
             return
-        facts, slabs = entry_facts(module, args, kwargs, self.dims)
-        if len(slabs) <= 1:
+        facts, slabs = entry_facts(module, args, kwargs, self.dims, self.input_dims)
+        if len(slabs) <= 1 and all(d == self.dims for _, d in slabs):
             layout_scope(facts).__enter__()
             return
-        if self.mesh is None or min(self.dims) < 0 or any(t.dim() <= max(self.dims) for t in slabs):
+        if self.mesh is None or min(self.dims) < 0 or any(t.dim() <= max(d) for t, d in slabs):
             layout_scope(facts, derive=False).__enter__()
             return
         layout_scope(facts).__enter__()
-        if not agree_entry_inputs([tuple(t.shape) for t in slabs], self.mesh, self.dims):
+        if not agree_entry_inputs([tuple(t.shape) for t, _ in slabs], self.mesh, [d for _, d in slabs]):
             _SCOPE.off = True  # (remembered nothing: every layer agrees, as without the mesh)
 
     def leave(self, module: torch.nn.Module, args, kwargs, output) -> None:
@@ -521,7 +536,7 @@ class ScopeHooks:
 
 
 def enable_layout_scope(
-    model: torch.nn.Module, dims: Sequence[int] | None = None, *, mesh: DeviceMesh | None = None
+    model: torch.nn.Module, dims: Sequence[int] | None = None, *, mesh: DeviceMesh | None = None, input_dims=None
 ) -> torch.nn.Module:
     """Run every forward of ``model`` inside a ``layout_scope`` (hooks on the root module).
 
@@ -532,12 +547,13 @@ def enable_layout_scope(
     one all-gather with the entry facts, when ``mesh`` (the model's) is given; without it such a
     forward derives nothing (every layer agrees). ``dims``: the sharded dims of the model's
     input (default ``(2,)``). ``convert`` installs the same hooks (``layout_scope=True``, inside
-    the forward guard's root hooks when the guard is on). Returns ``model``. Idempotent.
+    the forward guard's root hooks when the guard is on). ``input_dims``: an
+    ``entry_inputs.InputDims`` (inputs sharded along dims of their own). Returns ``model``. Idempotent.
     """
     guard = model.__dict__.get("_snn_guard")
     if model.__dict__.get("_snn_layout_scope_handles") or getattr(guard, "scope", None) is not None:
         return model  # installed already (by convert: inside the forward guard's root hooks)
-    hooks = ScopeHooks(dims, mesh)
+    hooks = ScopeHooks(dims, mesh, input_dims)
     arm(model)  # the first forward's entry facts check the weights (``sharded_nn.weights``)
     # prepend: the entry facts are read before other root hooks (a forward guard's mode) run.
     model.__dict__["_snn_layout_scope_handles"] = (
