@@ -66,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 from . import reductions
 from .errors import ShardingError
 from .guard_fft import FftCalls
+from .guard_losses import LOSS_NAMES, LossCalls
 from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .guard_merged import Merged, MergedCalls, merged_of_reshape
 from .layout import overlap_lengths, slab_overlap
@@ -582,6 +583,8 @@ def _classify(func) -> tuple[str, str, bool]:
         return simple[base], base, inplace and base not in ("copy",)
     if base.startswith("fft_"):  # torch.fft's functions (``guard_fft``)
         return "fft", base, False
+    if base in LOSS_NAMES:  # (``guard_losses``)
+        return "loss", base, False
     if base in _RANDOM:
         return "random", base, inplace
     if base in _POOL_NAMES:
@@ -1235,7 +1238,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
+class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -1335,7 +1338,7 @@ class _GuardMode(FftCalls, MergedCalls, FoldCalls, TorchFunctionMode):
                         folded = True
             else:
                 tagged = True
-        if not stateful and not tagged and _classify_cached(func)[0] != "random":
+        if not stateful and not tagged and _classify_cached(func)[0] not in _ALWAYS_HANDLED:
             return func(*args, **kwargs)
         if _called_from_library():
             # sharded_nn's own functions (reductions, functional, gather) called in a model's
@@ -3899,6 +3902,9 @@ def _full_slice(i) -> bool:
 
 
 _CLASSIFIED: dict = {}
+#: Kinds handled even without a slab among the arguments: draws (the guard's streams) and
+#: losses (``F.l1_loss``'s weights, which torch's dispatch drops: ``guard_losses``).
+_ALWAYS_HANDLED = ("random", "loss")
 
 
 def _classify_cached(func):
@@ -3914,7 +3920,7 @@ def _classify_cached(func):
 
 
 #: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
-_HANDLERS = {name[3:]: fn for cls in (FftCalls, _GuardMode) for name, fn in vars(cls).items()
+_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, _GuardMode) for name, fn in vars(cls).items()
              if name.startswith("_h_") and callable(fn)}
 
 
