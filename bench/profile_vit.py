@@ -60,7 +60,9 @@ def _worker(name: str, size: int, depth: int, iters: int, bwd: bool, top: int, c
     def step():
         if bwd:
             model.zero_grad(set_to_none=True)
-            model(x.detach().requires_grad_()).sum().backward()
+            loss = model(x.detach().requires_grad_()).sum()
+            # (Replicated logits: each rank back-propagates its 1/P share, as the convention asks.)
+            (loss if mesh is None else snn.losses.share(loss, mesh)).backward()
         else:
             with torch.no_grad():
                 model(x)

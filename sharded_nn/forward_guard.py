@@ -744,7 +744,7 @@ class ForwardGuard:
         mode = module.__dict__.pop("_snn_guard_mode", None)
         if mode is None:
             return None
-        _ACTIVE.guard = module.__dict__.pop("_snn_guard_outer", None)
+        outer = _ACTIVE.guard = module.__dict__.pop("_snn_guard_outer", None)
         if mode is _SINGLE:
             return None
         mode.__exit__(None, None, None)
@@ -756,7 +756,45 @@ class ForwardGuard:
                 "sharded_nn.gather would assemble it wrongly. Keep the sharded dim as one dim of the output, "
                 "or register a sharded class for the module that produces it (sharded_nn.register)."
             )
-        return None
+        # (A root nested in another guarded model's layer hands its outputs on to that model,
+        # whose own outputs are checked.)
+        return self._checked_outputs(module, mode, output) if outer is None else None
+
+    #: Outputs up to this many elements are checked (losses, logits): a check reads the gradient.
+    SEED_CHECKED_NUMEL = 4096
+
+    def _checked_outputs(self, module: nn.Module, mode, output):
+        """``output`` with each small replicated output that needs a gradient behind
+        ``losses.check_seeded`` (a ``backward()`` on it without ``share`` raises instead of giving
+        P times the gradient), or None where there is none (the output stays as it is)."""
+        if not torch.is_grad_enabled():
+            return None
+        picked: dict[int, tuple] = {}
+        for t in _flat_tensors(output):
+            if t.grad_fn is None or not t.is_floating_point() or not 0 < t.numel() <= self.SEED_CHECKED_NUMEL:
+                continue
+            st = mode.states.get(t)
+            if st is UNKNOWN or type(st) in FOLDED:
+                continue
+            axes = [a for k, a in enumerate(self.axes) if st is None or st[k] is None]
+            if axes:
+                picked[id(t)] = tuple(axes)
+        if not picked:
+            return None
+        from torch.utils._pytree import tree_map_only
+
+        from .losses import check_seeded
+        from .mesh import group_over
+
+        what = f"the output of {type(module).__name__}"
+
+        def checked(t):
+            axes = picked.get(id(t))
+            if axes is None:
+                return t
+            return check_seeded(t, group_over(self.mesh, axes), math.prod(axis_size(self.mesh, a) for a in axes), what)
+
+        return tree_map_only(torch.Tensor, checked, output)
 
 
 def _flat_tensors(obj) -> list[torch.Tensor]:
@@ -4287,8 +4325,8 @@ def _eager_guarded_forward_impl(module: nn.Module, method, *args, **kwargs):
     except BaseException:
         guard.root_post(module, args, kwargs, None)
         raise
-    guard.root_post(module, args, kwargs, out)
-    return out
+    checked = guard.root_post(module, args, kwargs, out)
+    return out if checked is None else checked
 
 
 #: ``torch._dynamo.disable(_eager_guarded_forward_impl)``, made by the first eager ``_GuardedEntry``.
