@@ -10,9 +10,9 @@ The check costs no collective of its own. A value digest of the parameters and b
 (``value_digest``: exact, every bit and position counts) rides in the agreement that the first
 sharded layer makes anyway: the model's entry facts inside a layout scope (``convert``'s
 default), or a standalone layer's own agreement. It is computed once after the model or layer
-is made (``arm``) and again after each ``load_state_dict`` on it (a post-hook re-arms it); a
-call that is not armed sends 0, so a rank that loaded weights the others did not makes the
-agreement fail too, and a failed check is armed again (``rearm_checked``) so that it fails at
+is made (``arm``) and again after each ``load_state_dict`` on it or on one of its submodules (a
+post-hook re-arms it); a call that is not armed sends 0, so a rank that loaded weights the
+others did not makes the agreement fail too, and a failed check is armed again (``rearm_checked``) so that it fails at
 every call until the weights agree. ``sync_weights`` copies the first rank's weights to every
 rank of a mesh.
 """
@@ -121,16 +121,34 @@ def value_digest(tensors: Iterable[torch.Tensor]) -> int:
     return digest or 1
 
 
-def _rearm(module: nn.Module, incompatible_keys) -> None:
-    module.__dict__[_ARMED] = True
+class _Rearm:
+    """A ``load_state_dict`` post-hook on ``root`` and on each of its submodules: loading any of
+    them (``model.head.load_state_dict(...)`` on rank 0 only, fine-tuning a new head) checks the
+    root's values again. Holds the root weakly; a deep copy of the root re-points its copies' hooks
+    at the copy (``memo``: the root was copied before its submodules)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = weakref.ref(root)
+
+    def __call__(self, module: nn.Module, incompatible_keys) -> None:
+        root = self.root()
+        if root is not None:
+            root.__dict__[_ARMED] = True
+
+    def __deepcopy__(self, memo):
+        root = self.root()
+        return _Rearm(memo.get(id(root), root)) if root is not None else self
 
 
 def arm(module: nn.Module) -> None:
-    """Check ``module``'s values at its next agreement and again after each ``load_state_dict`` on it."""
+    """Check ``module``'s values at its next agreement and again after each ``load_state_dict``
+    on it or on any of its submodules."""
     module.__dict__[_ARMED] = True
-    hooks = getattr(module, "_load_state_dict_post_hooks", {})
-    if not any(getattr(h, "hook", h) is _rearm for h in hooks.values()):
-        module.register_load_state_dict_post_hook(_rearm)
+    for m in module.modules():
+        hooks = getattr(m, "_load_state_dict_post_hooks", {})
+        held = (getattr(h, "hook", h) for h in hooks.values())
+        if not any(isinstance(h, _Rearm) and h.root() is module for h in held):
+            m.register_load_state_dict_post_hook(_Rearm(module))
 
 
 def take_digest(module: nn.Module) -> int:

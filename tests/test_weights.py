@@ -105,6 +105,12 @@ def _loaded(how: str):
         model.load_state_dict(sd)
     if how == "rank1_other":  # every rank loads, rank 1 another checkpoint
         model.load_state_dict(sd if rank == 0 else {k: v + 2 for k, v in model.state_dict().items()})
+    if how == "submodule_rank0" and rank == 0:  # a new last layer, loaded on rank 0 only
+        model[3].load_state_dict({k: v + 1 for k, v in model[3].state_dict().items()})
+    if how == "deepcopy_submodule":  # a deep copy's submodule, loaded on rank 0: the copy re-checks
+        model = copy.deepcopy(model)
+        if rank == 0:
+            model[1].load_state_dict({k: v + 1 for k, v in model[1].state_dict().items()})
     first = _outcome(lambda: model(local))
     second = _outcome(lambda: model(local))  # a failed check is repeated (a passed one is not)
     snn.sync_weights(model, m)
@@ -203,6 +209,14 @@ def test_load_state_dict_rechecks(run):
     assert all(r == ("ran", "ran", "ran") for r in run(2, _loaded, "every"))
     # every rank loads, not the same weights.
     res = run(2, _loaded, "rank1_other")
+    assert all(MESSAGE in r[0] and MESSAGE in r[1] and r[2] == "ran" for r in res), res
+
+
+@pytest.mark.parametrize("how", ["submodule_rank0", "deepcopy_submodule"])
+def test_load_state_dict_on_a_submodule_rechecks(run, how):
+    """Before session 61 only a load on the converted root re-armed the check: a new head loaded
+    on rank 0 alone (``model.head.load_state_dict``) computed on with other weights, silently."""
+    res = run(2, _loaded, how)
     assert all(MESSAGE in r[0] and MESSAGE in r[1] and r[2] == "ran" for r in res), res
 
 
