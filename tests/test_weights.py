@@ -135,6 +135,21 @@ def _standalone(kind: str, seeded: bool):
             layer.weight.normal_()
         local = _slab(x, m, (5, 3))
         return _outcome(lambda: layer(local))
+    if kind.startswith("physics"):
+        from sharded_nn.layers.physics_attention import (
+            ShardedPhysicsAttentionIrregularMesh,
+            ShardedPhysicsAttentionStructuredMesh2D,
+        )
+
+        points = torch.randn(2, 9 * 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+        if kind == "physics":
+            layer = ShardedPhysicsAttentionIrregularMesh(8, heads=2, dim_head=4, slice_num=3, mesh=m).double()
+        else:  # the structured form (its projections are sharded convolutions of their own)
+            layer = ShardedPhysicsAttentionStructuredMesh2D(8, heads=2, dim_head=4, slice_num=3, spatial_shape=(9, 4),
+                                                            mesh=m).double()
+        rows = (5, 4)[m.get_local_rank("domain")] * 4
+        local = points.narrow(1, 5 * 4 * m.get_local_rank("domain"), rows)
+        return _outcome(lambda: layer(local))
     layer = snn.ShardedMultiheadAttention(8, 2, batch_first=True, mesh=m).double()
     tokens = torch.randn(2, 9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     local = tokens.narrow(1, 5 * m.get_local_rank("domain"), (5, 4)[m.get_local_rank("domain")])
@@ -220,7 +235,7 @@ def test_load_state_dict_on_a_submodule_rechecks(run, how):
     assert all(MESSAGE in r[0] and MESSAGE in r[1] and r[2] == "ran" for r in res), res
 
 
-@pytest.mark.parametrize("kind", ["conv3d", "groupnorm", "mha"])
+@pytest.mark.parametrize("kind", ["conv3d", "groupnorm", "mha", "physics", "physics_structured"])
 def test_standalone_layers_check_their_own_weights(run, kind):
     res = run(2, _standalone, kind, False)
     assert all(MESSAGE in r for r in res) and len(set(res)) == 1, res

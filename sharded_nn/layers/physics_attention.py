@@ -42,9 +42,12 @@ from einops import einsum, rearrange
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import all_reduce_sum, domain_peers, gather_ints
+from ..comm.sizes import scope_active
 from ..errors import ShardingError
 from ..mesh import domain_axes, domain_group, domain_size
 from ..registry import register
+from ..weights import VALUES_FACT, VALUES_HINT, rearm_checked, take_digest, values_shown
+from ..weights import arm as arm_values_check
 from .conv import ShardedConv2d, ShardedConv3d
 
 __all__ = [
@@ -320,6 +323,7 @@ class _ShardedPhysicsAttention:
             raise TypeError(f"{type(self).__name__}: mesh must be a torch DeviceMesh, got {type(mesh).__name__}.")
         self.mesh = mesh
         self.mesh_axes = domain_axes(mesh)
+        arm_values_check(self)  # its weights are compared at its first call (``point_counts``)
 
     def reduce_points(self, sums: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if domain_size(self.mesh) == 1:
@@ -335,9 +339,19 @@ class _ShardedPhysicsAttention:
 
         One all-gather of four integers; every rank runs the same checks on the same numbers, so
         a bad input raises the same error everywhere instead of leaving ranks in the all-reduce.
+        Used on its own (outside a converted model's layout scope, whose entry checks every
+        weight), the layer's weights ride along: a value digest at its first call and after each
+        ``load_state_dict`` (``sharded_nn.weights``; 0 otherwise, so the width is fixed).
         """
-        mine = [x.dim(), *(list(x.shape[:3]) + [-1] * 3)[:3]]
+        own = domain_size(self.mesh) > 1 and not scope_active() and not torch.compiler.is_compiling()
+        mine = [x.dim(), *(list(x.shape[:3]) + [-1] * 3)[:3], take_digest(self) if own else 0]
         rows = gather_ints(mine, domain_peers(self.mesh))
+        if len({r[4] for r in rows}) != 1:
+            rearm_checked()  # (every rank alike): checked again at the next call until they agree
+            raise ShardingError(
+                f"{type(self).__name__}: the domain ranks hold different {VALUES_FACT}: "
+                f"{values_shown([r[4] for r in rows])}. {VALUES_HINT}"
+            )
         if any(r[0] != 3 or r[1] != rows[0][1] or r[3] != self.dim for r in rows):
             raise ShardingError(
                 f"{type(self).__name__}: every rank needs a (B, N_local, {self.dim}) input with the same B; "
