@@ -72,7 +72,7 @@ class LossCalls:
         if base in _CLASSES:
             out, st = self._loss_by_class(func, call, args, kw)
         else:
-            out = func(*args, **kw)
+            out = self._local_loss(func, call, args, kw)
             st = self._broadcast(base, args, kw, out)
             if not isinstance(st, tuple):
                 self.fail(call, "its operands' layouts do not line up (or the guard lost one)",
@@ -126,7 +126,29 @@ class LossCalls:
         weight = kw.get("weight")
         if weight is not None and self._st(weight) is not None:
             self.fail(call, "its class weights are a slab", "pass the class weights whole (one per class)")
-        return func(*args, **kw), dropped
+        return self._local_loss(func, call, args, kw), dropped
+
+    def _local_loss(self, func, call: str, args, kw):
+        """torch's loss on this rank's slabs, where every rank learns whether some rank's raised.
+
+        torch checks values (a class index out of range, a probability outside [0, 1], a
+        negative variance): a bad value in one slab would raise on its rank alone and leave the
+        others in the reduction's collective. One small all-reduce makes the error every rank's.
+        """
+        from .comm import all_reduce_max
+        from .mesh import domain_group
+
+        try:
+            out, error = func(*args, **kw), None
+        except (RuntimeError, ValueError, IndexError) as e:
+            out, error = None, e
+        device = next(t.device for t in (*args, *kw.values()) if isinstance(t, torch.Tensor))
+        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+        if float(all_reduce_max(flag, domain_group(self.guard.mesh))) > 0:
+            here = f"here: {type(error).__name__}: {error}" if error is not None else "not on this rank"
+            self.fail(call, f"torch's loss raised on the slab of at least one rank ({here})",
+                      "check the values of the targets (and weights) there")
+        return out
 
     def _class_mean(self, out, st, args, kwargs):
         """torch's ``mean`` of ``cross_entropy``/``nll_loss``: the sum of the losses over the sum of
