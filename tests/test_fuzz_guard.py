@@ -11,7 +11,7 @@ windows folded into the batch, window-row-major and batch-major), token
 flattening with attention over all tokens (fused, written out, einsum, linear, keys of a pooled
 grid; on the 2x2 mesh the guard's merged tokens), Fourier transforms (FNO-style mode crops and
 assignments, shifted spectra), strided phases, class-token style concatenation and
-removal, tables looked up at positions computed on the rows, ...), interleaved with 3x3 convolutions, and a head that keeps the slab or pools it.
+removal, tables looked up at positions computed on the rows, ...), interleaved with 3x3 convolutions, and a head that keeps the slab, pools it, or (since session 61) returns a loss of it (cross entropy against its own argmax with label smoothing, or a Huber loss).
 The converted model (``snn.convert``: the convolutions swapped, the guard installed) runs on
 uneven slabs of the image rows at 1-4 ranks (or rows and columns on a 2x2 mesh), and its output, input gradient and summed
 parameter gradients must equal the plain model's on the whole image (float64, 1e-9). A
@@ -367,6 +367,7 @@ class Program(nn.Module):
     def __init__(self, steps: list[str], head: str, height: int) -> None:
         super().__init__()
         self.steps, self.head = steps, head
+        self.ce = False  # the "loss" head: cross entropy (set per example) or a Huber loss
         self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1) for s in steps if s == "conv")
         self.cls = nn.Parameter(torch.randn(1, 1, C))
         self.row_bias = nn.Parameter(torch.randn(1, C, height, 1) * 0.3)
@@ -385,6 +386,9 @@ class Program(nn.Module):
             else:
                 x = STEPS[s](self, x)
         x = self.out(x)
+        if self.head == "loss":  # (since session 61) a loss of the map, as a model that returns its loss
+            return F.cross_entropy(x, x.detach().argmax(1), label_smoothing=0.1) if self.ce else F.huber_loss(
+                x, 0.5 * x.detach() + 0.1, delta=0.3)
         return x.mean((2, 3)) if self.head == "pool" else x
 
 
@@ -394,6 +398,7 @@ def _case(cfg: dict):
     torch.manual_seed(cfg["seed"])
     h = sum(cfg["sizes"])
     ref = Program(cfg["steps"], cfg["head"], h).double()
+    ref.ce = cfg["seed"] % 2 == 1
     x = torch.randn(2, C, h, cfg["width"], dtype=torch.float64, generator=torch.Generator().manual_seed(cfg["seed"]))
     xr = x.clone().requires_grad_()
     y_ref = ref(xr)
@@ -409,7 +414,7 @@ def _case(cfg: dict):
     try:
         model = snn.convert(copy.deepcopy(ref), m)
         y = model(x_local)
-        if cfg["head"] == "pool":
+        if cfg["head"] in ("pool", "loss"):
             snn.losses.share((y * g).sum(), m).backward()
         else:
             y = snn.gather(y, m, dims=dims)
@@ -434,7 +439,7 @@ def configs(draw):
     steps = draw(st.lists(st.sampled_from(names), min_size=2, max_size=7))
     width = 2 * draw(st.integers(1 if isinstance(domain, int) else 2, 3))  # two aligned column slabs on 2x2
     return dict(domain=domain, sizes=sizes, width=width, steps=steps,
-                head=draw(st.sampled_from(["slab", "pool"])), seed=draw(st.integers(0, 2**16)))
+                head=draw(st.sampled_from(["slab", "pool", "loss"])), seed=draw(st.integers(0, 2**16)))
 
 
 def _run(pools, cfg, timeout: float = 300.0):
