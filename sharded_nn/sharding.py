@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
+from .comm.sizes import SHARD_DIMS
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import axis_index, axis_size, data_axis, default_dims, domain_axes, domain_group, group_over, stated_layout
@@ -197,13 +198,27 @@ def shard(
         if x is None:
             raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
         sl = local_slices(x.shape, mesh, dims=dims, align=align, batch_dim=batch_dim)
-        return x[sl].clone(memory_format=torch.contiguous_format)
+        out = x[sl].clone(memory_format=torch.contiguous_format)
+        return mark_sharded(out, resolve_layout(mesh, dims, align, x.shape, "shard")[0])
     if batch_dim is not None:
         raise ValueError(
             f"shard: batch_dim={batch_dim} needs src=None (every rank passes the global batch); with src={src}, "
             "pass each replica's samples (x[batch_slice(mesh, B)]) on the src rank instead."
         )
     return _scatter(x, mesh, dims, align, src)
+
+
+def mark_sharded(slab: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """Mark ``slab`` (in place; returned) as cut along ``dims`` by the domain axes.
+
+    A converted model compares it with the dims it takes that input along, at its entry
+    (``comm.sizes.entry_facts``): a slab cut along W fed to a model sharded along H ran without
+    error and was silently wrong before session 61 (every rank's halo taken from another dim).
+    The mark is a Python attribute: ``clone``, ``.to(other device)`` and arithmetic drop it (the
+    model then takes the input as it always did).
+    """
+    setattr(slab, SHARD_DIMS, tuple(dims))  # (``comm.sizes.SHARD_DIMS``: read at the model's entry)
+    return slab
 
 
 def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
@@ -242,7 +257,7 @@ def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
             # Moved to the communication device here, on src only: every rank derives that
             # device from the group (a shared fact), never from its own (or a missing) x.
             parts.append(x[tuple(idx)].to(device))
-    return scatter_uneven(parts, shapes[me], dtype, device, group, src, shapes)
+    return mark_sharded(scatter_uneven(parts, shapes[me], dtype, device, group, src, shapes), dims)
 
 
 def _group_coords(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[tuple[int, ...]]:

@@ -26,6 +26,13 @@ from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import _flat_mesh, axis_size, domain_axes, domain_group, mesh_cached
 from ..weights import VALUES_FACT, VALUES_HINT, arm, rearm_checked, take_digest, values_shown
+
+#: The entry fact counting the root's inputs that ``sharding.shard`` cut along other dims than
+#: the model takes them (must be 0 on every rank), the attribute its mark is, and this rank's
+#: descriptions of them for the message.
+SHARD_FACT = "inputs cut along the dims the model takes"
+SHARD_DIMS = "_snn_shard_dims"
+_MISPLACED: list[list[str]] = [[]]
 from .collectives import all_gather_stacked
 
 _MAX_NDIM = 12
@@ -164,11 +171,30 @@ ENTRY_HINT = (
 )
 
 
+def raise_if_misplaced(by_rank: Sequence[tuple[int, ...]], what: str, rearm: bool) -> None:
+    """Raise on every rank where some rank's ``SHARD_FACT`` (by rank) counts misplaced inputs;
+    ``rearm``: the agreement also carried the weights' digest, not compared then."""
+    if all(v == (0,) for v in by_rank):
+        return
+    if rearm:
+        rearm_checked()
+    shown = "; ".join(_MISPLACED[0]) or f"ranks {[r for r, v in enumerate(by_rank) if v != (0,)]} say so"
+    raise ShardingError(
+        f"{what}: {shown}. Each rank would compute its slab as rows of another dim, a silently wrong answer. "
+        "Shard the input along the dims the model takes (sharded_nn.shard(x, mesh, dims=...) with convert's dims), "
+        "or convert the model with the dims you shard (convert(..., dims=...), or input_dims={name: dims} for an "
+        "input of its own)."
+    )
+
+
 def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: str) -> None:
-    """Raise on every rank where the ranks' entry facts (``got``, by rank) differ."""
+    """Raise on every rank where the ranks' entry facts (``got``, by rank) differ, or where
+    some rank's inputs were cut along other dims than the model takes them (``SHARD_FACT``)."""
     i = 0
     for name, vals in entry.items():
         by_rank = [tuple(g[i : i + len(vals)]) for g in got]
+        if name == SHARD_FACT:
+            raise_if_misplaced(by_rank, what, VALUES_FACT in entry)
         if len(set(by_rank)) != 1:
             shown = [v if len(v) > 1 else v[0] for v in by_rank]
             if VALUES_FACT in entry:
@@ -452,11 +478,23 @@ def entry_facts(
         each = list(input_dims.tensors(args, kwargs))
     inputs: list = []
     slabs: list = []
-    for t, d, named in each:
+    misplaced = _MISPLACED[0] = []
+    main = each[0][0].dim() if each else 0
+    for i, (t, d, named) in enumerate(each):
         until = (min(d) if d else t.dim()) if named else first
         inputs += (_code(t.dtype), t.requires_grad, t.dim(), *t.shape[:until])
         if (d and named) or (not named and t.dim() > first):
             slabs.append((t, d))
+        cut = getattr(t, SHARD_DIMS, None)  # (``sharding.shard``'s mark: the dims it cut)
+        # The model's dims describe its first input and inputs of that rank; an input of another
+        # rank not named in input_dims means what the layer that takes it says (a sharded
+        # attention's key-padding mask (B, S) is cut along S), so it is not compared.
+        if cut is not None and (named or t.dim() == main):
+            # How the model takes it (the forward guard's rule): along its dims, or whole.
+            taken = tuple(d) if d and (named or t.dim() > max(d)) else None
+            if cut != taken:
+                misplaced.append(f"input {i} was cut by sharded_nn.shard along dims {cut}, but the model takes it "
+                                 + (f"along dims {taken}" if taken else "whole"))
     state: list = []
     add = state.append
     codes = _DTYPE_CODES
@@ -486,6 +524,9 @@ def entry_facts(
         "autocast": autocast,
         "model inputs (dtype, requires_grad, ndim, unsharded sizes)": (_digest(inputs),),
         "module state (parameter dtypes and requires_grad, buffer dtypes, training flags)": (_digest(state),),
+        # Slabs that ``sharding.shard`` cut along other dims than the model takes them: each rank
+        # would compute its slab as rows of another dim (a silently wrong answer).
+        SHARD_FACT: (len(misplaced),),
         # The values themselves once after convert and after each load_state_dict (0 otherwise):
         # weights that differ by rank would compute each slab with other weights.
         VALUES_FACT: (take_digest(model),),

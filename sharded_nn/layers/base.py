@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
 from ..comm.sizes import (
-    ENTRY_HINT, scope_active, scope_coords, scope_declare, scope_forget, scope_lookup, scope_take_entry,
+    ENTRY_HINT, SHARD_FACT, raise_if_misplaced, scope_active, scope_coords, scope_declare, scope_forget, scope_lookup,
+    scope_take_entry,
 )
 from ..errors import ShardingError
 from ..layout import Layout
@@ -280,6 +281,8 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
     i = offset
     for name, vals in facts.items():
         got = [tuple(r[i : i + len(vals)]) for r in rows]
+        if SHARD_FACT in name:  # (the entry's count of inputs cut along other dims: 0 everywhere)
+            raise_if_misplaced(got, what, any(VALUES_FACT in n for n in facts))
         if len(set(got)) != 1:
             if name == "dtype":
                 shown = [dtype_name(g[0]) for g in got]

@@ -1,0 +1,101 @@
+"""A slab cut by ``snn.shard`` along other dims than the converted model takes it raises.
+
+Before session 61, ``model(snn.shard(x, mesh, dims=[3]))`` on a model sharded along H (dim 2)
+ran without error: each rank took its W-half for rows of H, exchanged halos with the wrong
+neighbour and returned a plausible, silently wrong output (0.42 off on a two-conv model). Now
+``shard`` marks its slab with the dims it cut, and the model's entry facts compare the mark with
+the dims the model takes that input along: a mismatch raises the same ``ShardingError`` on every
+rank, naming both. Checked on 2 and 3 ranks and a 2x2 mesh (axes swapped), through ``shard``'s
+scatter form (``src=``), and for an input the model takes whole; matching dims run exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sharded_nn as snn
+
+from .harness import mesh
+
+TOL = {"atol": 1e-10, "rtol": 1e-10}
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 2, 3, padding=1)).double()
+
+
+class Biased(nn.Module):
+    """A conv plus a bias passed in whole (``input_dims={"bias": None}``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x, bias):
+        return self.conv(x) + bias
+
+
+def _case(domain, model_dims, shard_dims, how: str):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = _net()
+    x = torch.randn(1, 3, 9, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model = snn.convert(copy.deepcopy(ref), m, dims=model_dims)
+    if how == "scatter":
+        first = all(m.get_local_rank(a) == 0 for a in snn.domain_axes(m))
+        local = snn.shard(x if first else None, m, dims=shard_dims, src=0)
+    else:
+        local = snn.shard(x, m, dims=shard_dims)
+    try:
+        y = model(local)
+    except snn.ShardingError as e:
+        msg = str(e)
+    else:
+        torch.testing.assert_close(snn.gather(y, m, dims=shard_dims), ref(x), **TOL)
+        msg = "ran exactly"
+    # The refusal leaves the model usable: the input cut as the model takes it runs exactly.
+    y = model(snn.shard(x, m, dims=model_dims))
+    torch.testing.assert_close(snn.gather(y, m, dims=model_dims), ref(x), **TOL)
+    return msg
+
+
+@pytest.mark.parametrize("how", ["shard", "scatter"])
+@pytest.mark.parametrize("domain", [2, 3])
+def test_slab_cut_along_another_dim_raises_on_every_rank(run, domain, how):
+    out = run(domain, _case, domain, [2], [3], how)
+    assert len(set(out)) == 1, out
+    assert "input 0 was cut by sharded_nn.shard along dims (3,), but the model takes it along dims (2,)" in out[0]
+    assert "silently wrong" in out[0]
+    # The same dims on both sides: exact, no error.
+    assert run(domain, _case, domain, [3], [3], how) == ["ran exactly"] * domain
+
+
+def test_swapped_axes_on_a_2x2_mesh_raise(run):
+    # dims[k] is sharded by mesh axis k: (3, 2) puts W on the first axis, where the model has H.
+    out = run(4, _case, (2, 2), [2, 3], [3, 2], "shard")
+    assert len(set(out)) == 1 and "along dims (3, 2), but the model takes it along dims (2, 3)" in out[0], out
+    assert run(4, _case, (2, 2), [2, 3], [2, 3], "shard") == ["ran exactly"] * 4
+
+
+def _whole(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    model = snn.convert(Biased().double(), m, input_dims={"bias": None})
+    x = snn.shard(torch.randn(1, 3, 8, 5, dtype=torch.float64), m)
+    bias = torch.randn(1, 2, 8, 5, dtype=torch.float64)
+    try:
+        model(x, snn.shard(bias, m))
+    except snn.ShardingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_slab_of_an_input_taken_whole_raises(run):
+    out = run(2, _whole, 2)
+    assert len(set(out)) == 1 and "input 1 was cut by sharded_nn.shard along dims (2,), but the model takes it whole" \
+        in out[0], out
+
