@@ -756,9 +756,20 @@ class ForwardGuard:
                 "sharded_nn.gather would assemble it wrongly. Keep the sharded dim as one dim of the output, "
                 "or register a sharded class for the module that produces it (sharded_nn.register)."
             )
-        # (A root nested in another guarded model's layer hands its outputs on to that model,
-        # whose own outputs are checked.)
-        return self._checked_outputs(module, mode, output) if outer is None else None
+        if outer is not None:
+            # (A root nested in another guarded model's layer hands its outputs on to that model,
+            # whose own outputs are marked and checked.)
+            return None
+        from .comm.sizes import SHARD_DIMS
+
+        for t in _flat_tensors(output):
+            # Slabs sharded by every domain axis carry their dims (as ``snn.shard``'s slabs do):
+            # ``gather``, the reductions and a next converted model compare them with the dims
+            # they are given (``comm.sizes.check_cut``).
+            st = mode.states.get(t)
+            if type(st) is tuple and None not in st:
+                setattr(t, SHARD_DIMS, st)
+        return self._checked_outputs(module, mode, output)
 
     #: Outputs up to this many elements are checked (losses, logits): a check reads the gradient.
     SEED_CHECKED_NUMEL = 4096

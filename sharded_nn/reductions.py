@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce_max, all_reduce_sum, gather_layouts
 from .comm.collectives import all_gather_stacked
-from .comm.sizes import scope_declare, scope_forget
+from .comm.sizes import check_cut, scope_declare, scope_forget
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import axis_index, domain_axes, group_over
@@ -70,6 +70,7 @@ def _plan(
     if sharded_dims is None:
         sharded_dims = default_dims(mesh)
     sharded_dims = (sharded_dims,) if isinstance(sharded_dims, int) else tuple(sharded_dims)
+    check_cut(x, sharded_dims, what)
     pairs = [(d, a) for d, a in zip(sharded_dims, all_axes) if d is not None]
     sharded_dims, axes = tuple(d for d, _ in pairs), tuple(a for _, a in pairs)
     # Inside a converted model's layout scope the input's layout is usually known (no collective).

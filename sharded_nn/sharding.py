@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_gather_grid, comm_device, gather_layouts, metadata_group, scatter_uneven
-from .comm.sizes import SHARD_DIMS
+from .comm.sizes import SHARD_DIMS, SHARD_SOURCE, check_cut
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import axis_index, axis_size, data_axis, default_dims, domain_axes, domain_group, group_over, stated_layout
@@ -199,7 +199,7 @@ def shard(
             raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
         sl = local_slices(x.shape, mesh, dims=dims, align=align, batch_dim=batch_dim)
         out = x[sl].clone(memory_format=torch.contiguous_format)
-        return mark_sharded(out, resolve_layout(mesh, dims, align, x.shape, "shard")[0])
+        return mark_sharded(out, resolve_layout(mesh, dims, align, x.shape, "shard")[0], source_digest(x))
     if batch_dim is not None:
         raise ValueError(
             f"shard: batch_dim={batch_dim} needs src=None (every rank passes the global batch); with src={src}, "
@@ -208,17 +208,38 @@ def shard(
     return _scatter(x, mesh, dims, align, src)
 
 
-def mark_sharded(slab: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
-    """Mark ``slab`` (in place; returned) as cut along ``dims`` by the domain axes.
+def mark_sharded(slab: torch.Tensor, dims: Sequence[int], source: int = 0) -> torch.Tensor:
+    """Mark ``slab`` (in place; returned) as cut along ``dims`` by the domain axes, from a full
+    tensor of digest ``source`` (``source_digest``; 0: not compared).
 
-    A converted model compares it with the dims it takes that input along, at its entry
-    (``comm.sizes.entry_facts``): a slab cut along W fed to a model sharded along H ran without
-    error and was silently wrong before session 61 (every rank's halo taken from another dim).
-    The mark is a Python attribute: ``clone``, ``.to(other device)`` and arithmetic drop it (the
-    model then takes the input as it always did).
+    A converted model compares the dims with those it takes that input along, and the sources
+    across its domain ranks, at its entry (``comm.sizes.entry_facts``): a slab cut along W fed
+    to a model sharded along H, or slabs cut from different tensors (a random crop drawn on each
+    rank, a data loader shuffled per rank), ran without error and were silently wrong before
+    session 61. The mark is a Python attribute: ``clone``, ``.to(other device)`` and arithmetic
+    drop it (the model then takes the input as it always did).
     """
     setattr(slab, SHARD_DIMS, tuple(dims))  # (``comm.sizes.SHARD_DIMS``: read at the model's entry)
+    setattr(slab, SHARD_SOURCE, int(source))
     return slab
+
+
+#: Elements of the full tensor that ``source_digest`` reads (evenly spaced, in logical order).
+_SOURCE_SAMPLES = 4096
+
+
+def source_digest(x: torch.Tensor) -> int:
+    """A digest of ``x``'s shape and of up to 4,096 of its elements, evenly spaced: equal tensors
+    give equal digests on every rank; tensors drawn or loaded apart on each rank almost surely not.
+    Costs microseconds (``torch.take`` reads the elements without copying ``x``)."""
+    from .weights import value_digest
+
+    n = x.numel()
+    if n == 0 or x.is_meta:
+        return hash(tuple(x.shape)) or 1
+    idx = torch.linspace(0, n - 1, min(n, _SOURCE_SAMPLES), device=x.device).long()
+    sample = torch.take(x.detach(), idx)
+    return (hash(tuple(x.shape)) * 1_000_003 + value_digest([sample])) % (1 << 61) or 1
 
 
 def _scatter(x, mesh, dims, align, src) -> torch.Tensor:
@@ -301,6 +322,7 @@ def gather(x_local: torch.Tensor, mesh: DeviceMesh, *, dims: int | Sequence[int]
     # Empty slabs are fine: a deep stage can leave a rank without rows (issue 10 item 6).
     layouts = gather_layouts(x_local.shape, mesh, dims, what="gather", allow_empty=True)
     dims = normalize_dims(dims, x_local.dim(), "gather")
+    check_cut(x_local, dims, "gather")
     # Only the axes that shard a gathered dim take part: over the other domain axes the slab is
     # a replica, whose gradient must stay this replica's share (summing over those axes too
     # would count every replica's share once per replica).

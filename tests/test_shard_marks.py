@@ -99,3 +99,76 @@ def test_slab_of_an_input_taken_whole_raises(run):
     assert len(set(out)) == 1 and "input 1 was cut by sharded_nn.shard along dims (2,), but the model takes it whole" \
         in out[0], out
 
+
+
+class Tokens(nn.Module):
+    """Tokens (B, L, C) sharded along L, through a norm and an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.mlp = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def _gathered_along_another_dim(domain):
+    """A converted model's slab output carries its dims: gathering or reducing it along the
+    default dims (2,) of a grid, where its tokens are sharded along dim 1, raises instead of
+    assembling it along the channels (equal slab sizes: no other error would show)."""
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Tokens().double()
+    x = torch.randn(2, 4 * domain, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    model = snn.convert(copy.deepcopy(ref), m, dims=(1,))
+    y = model(snn.shard(x, m, dims=(1,)))
+    out = []
+    for call in (lambda: snn.gather(y, m), lambda: snn.reductions.mean(y, m, dims=(1,)),
+                 lambda: snn.gather(snn.shard(x, m, dims=(1,)), m)):
+        try:
+            call()
+        except snn.ShardingError as e:
+            out.append(str(e))
+        else:
+            out.append("no error")
+    torch.testing.assert_close(snn.gather(y, m, dims=(1,)), ref(x), **TOL)  # (its own dims: exact)
+    torch.testing.assert_close(snn.reductions.mean(y, m, dims=(1,), sharded_dims=(1,)), ref(x).mean(1), **TOL)
+    return out
+
+
+def test_gather_and_reductions_along_another_dim_than_the_slabs_raise(run):
+    for domain in (2, 3):
+        out = run(domain, _gathered_along_another_dim, domain)
+        assert len({tuple(o) for o in out}) == 1, out
+        for msg in out[0]:
+            assert "this slab was cut along dims (1,)" in msg and "dims (2,) were asked" in msg, msg
+
+
+def _sources(domain, data: int, per_rank: bool):
+    """Slabs cut by shard from a tensor drawn on each rank (per_rank: a random crop or a loader
+    shuffled per rank) raise alike; data replicas may hold different samples."""
+    m = mesh(domain, data=data)
+    torch.manual_seed(0)
+    ref = _net()
+    model = snn.convert(copy.deepcopy(ref), m)
+    rank = torch.distributed.get_rank()
+    replica = m.get_local_rank("data") if data > 1 else 0
+    seed = 10 + (rank if per_rank else replica)
+    x = torch.randn(1, 3, 9, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    try:
+        y = model(snn.shard(x, m))
+    except snn.ShardingError as e:
+        return str(e)
+    torch.testing.assert_close(snn.gather(y, m), ref(x), **TOL)
+    return "ran exactly"
+
+
+def test_slabs_cut_from_different_tensors_raise(run):
+    out = run(2, _sources, 2, 1, True)
+    assert len(set(out)) == 1 and "input slabs were cut from different tensors" in out[0], out
+    assert "DistributedSampler" in out[0] and "src=0" in out[0]
+    out = run(3, _sources, 3, 1, True)
+    assert len(set(out)) == 1 and "cut from different tensors" in out[0], out
+    # Each data replica its own sample, the same on its domain ranks: exact.
+    assert run(4, _sources, 2, 2, False) == ["ran exactly"] * 4

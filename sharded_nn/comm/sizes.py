@@ -27,13 +27,26 @@ from ..layout import Layout
 from ..mesh import _flat_mesh, axis_size, domain_axes, domain_group, mesh_cached
 from ..weights import VALUES_FACT, VALUES_HINT, arm, rearm_checked, take_digest, values_shown
 
+from .collectives import all_gather_stacked
+
 #: The entry fact counting the root's inputs that ``sharding.shard`` cut along other dims than
 #: the model takes them (must be 0 on every rank), the attribute its mark is, and this rank's
 #: descriptions of them for the message.
 SHARD_FACT = "inputs cut along the dims the model takes"
 SHARD_DIMS = "_snn_shard_dims"
 _MISPLACED: list[list[str]] = [[]]
-from .collectives import all_gather_stacked
+#: The entry fact digesting the full tensors ``sharding.shard`` cut the inputs from (the same on
+#: every domain rank, or the slabs are of different samples), and the attribute it reads.
+SOURCE_FACT = "full tensors the inputs were cut from (sharded_nn.shard)"
+SHARD_SOURCE = "_snn_shard_source"
+SOURCE_HINT = (
+    "Every domain rank must pass the same full tensor to sharded_nn.shard: each slab here was cut from "
+    "another one, so the model would compute a mosaic of different samples (a silently wrong answer). "
+    "A random augmentation or crop drawn on each rank, a data loader shuffled per rank (seed it alike, "
+    "torch.manual_seed(s) and a generator for the DataLoader), or a DistributedSampler spread over the domain "
+    "ranks (sample per data replica: sharded_nn.batch_slice) do this. Or load on one rank and scatter: "
+    "sharded_nn.shard(x, mesh, src=0)."
+)
 
 _MAX_NDIM = 12
 
@@ -171,6 +184,27 @@ ENTRY_HINT = (
 )
 
 
+def check_cut(x: torch.Tensor, dims: Sequence[int | None], what: str) -> None:
+    """Raise where ``x`` is marked as cut along other dims than ``dims`` (``SHARD_DIMS``: by
+    ``sharding.shard``, or as a converted model's slab output).
+
+    A slab gathered or reduced along other dims than its own is assembled wrongly without an
+    error where the slabs happen to have equal sizes (``gather(model(x), mesh)`` of tokens sharded
+    along dim 1). The mark is the same on every rank (one ``shard`` call, or the model's agreed
+    layouts), so every rank raises alike, before any collective.
+    """
+    cut = getattr(x, SHARD_DIMS, None)
+    if cut is None:
+        return
+    asked = tuple(d % x.dim() if d is not None else None for d in dims)
+    if tuple(cut) != asked:
+        raise ShardingError(
+            f"{what}: this slab was cut along dims {tuple(cut)} (by sharded_nn.shard, or as a converted model's "
+            f"output), but dims {asked} were asked: the slabs would be assembled along another dim, a silently "
+            f"wrong answer. Pass dims={tuple(cut)}."
+        )
+
+
 def raise_if_misplaced(by_rank: Sequence[tuple[int, ...]], what: str, rearm: bool) -> None:
     """Raise on every rank where some rank's ``SHARD_FACT`` (by rank) counts misplaced inputs;
     ``rearm``: the agreement also carried the weights' digest, not compared then."""
@@ -199,6 +233,8 @@ def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: 
             shown = [v if len(v) > 1 else v[0] for v in by_rank]
             if VALUES_FACT in entry:
                 rearm_checked()  # the values were not checked, or differ: check them next forward
+            if name == SOURCE_FACT:
+                raise ShardingError(f"{what}: the domain ranks' input slabs were cut from different tensors. {SOURCE_HINT}")
             if name == VALUES_FACT:
                 raise ShardingError(
                     f"{what}: the domain ranks hold different {name}: {values_shown(by_rank)}. {VALUES_HINT}"
@@ -527,6 +563,7 @@ def entry_facts(
         # Slabs that ``sharding.shard`` cut along other dims than the model takes them: each rank
         # would compute its slab as rows of another dim (a silently wrong answer).
         SHARD_FACT: (len(misplaced),),
+        SOURCE_FACT: (_digest([getattr(t, SHARD_SOURCE, 0) for t, _, _ in each]),),
         # The values themselves once after convert and after each load_state_dict (0 otherwise):
         # weights that differ by rank would compute each slab with other weights.
         VALUES_FACT: (take_digest(model),),
