@@ -378,7 +378,10 @@ def convert(
             layer that takes a ``dims`` option unless its plan entry sets its own; also the dims
             the hazard check compares with. Default: each layer's own default, which is
             ``default_dims(mesh)`` (the first spatial dims) for grid layers.
-        strict: raise instead of warning when some layer would compute a wrong answer on slabs.
+        strict: raise instead of warning when some layer would compute a wrong answer on slabs,
+            and (with the guard) when every rank backs up a replicated output of the model
+            seeded with ones (``loss.backward()`` without ``snn.losses.share``: P times the
+            gradient; one small all-reduce per backward).
         guard: install the forward guard on the returned model (see the module docstring and
             ``sharded_nn.forward_guard``): position-mixing calls in the model's own ``forward``
             are computed exactly or refused with a ``ShardingError``. The tensor inputs of the
@@ -591,7 +594,7 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope, input_dims
 
             # One pair of root hooks runs both the scope and the guard (scope first).
             install(model, mesh, root_dims, set(done), plan_none,
-                    scope=ScopeHooks(root_dims, mesh, entry) if scope else None, input_dims=entry)
+                    scope=ScopeHooks(root_dims, mesh, entry) if scope else None, input_dims=entry, strict=strict)
         else:
             if not guard:
                 from .forward_guard import uninstall

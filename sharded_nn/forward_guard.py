@@ -670,12 +670,14 @@ class ForwardGuard:
 
     def __init__(
         self, model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], reviewed: Sequence[str] = (), scope=None,
-        input_dims=None,
+        input_dims=None, strict: bool = False,
     ):
         # ``comm.sizes.ScopeHooks`` run from the root hooks below (one pair of root hooks for both).
         self.scope = scope
         # ``entry_inputs.InputDims``: root inputs sharded along dims of their own (or whole).
         self.input_dims = input_dims
+        # ``convert(..., strict=True)``: an unshared replicated output's backward raises (else warns).
+        self.strict = strict
         self.mesh = mesh
         self.axes = domain_axes(mesh)
         self.dims = tuple(dims)
@@ -776,8 +778,9 @@ class ForwardGuard:
 
     def _checked_outputs(self, module: nn.Module, mode, output):
         """``output`` with each small replicated output that needs a gradient behind
-        ``losses.check_seeded`` (a ``backward()`` on it without ``share`` raises instead of giving
-        P times the gradient), or None where there is none (the output stays as it is)."""
+        ``losses.check_seeded`` (a ``backward()`` on it without ``share`` warns, or raises with
+        ``strict``, instead of giving P times the gradient silently), or None where there is none
+        (the output stays as it is)."""
         if not torch.is_grad_enabled():
             return None
         picked: dict[int, tuple] = {}
@@ -803,7 +806,8 @@ class ForwardGuard:
             axes = picked.get(id(t))
             if axes is None:
                 return t
-            return check_seeded(t, group_over(self.mesh, axes), math.prod(axis_size(self.mesh, a) for a in axes), what)
+            ranks = math.prod(axis_size(self.mesh, a) for a in axes)
+            return check_seeded(t, group_over(self.mesh, axes), ranks, what, self.strict)
 
         return tree_map_only(torch.Tensor, checked, output)
 
@@ -4186,7 +4190,7 @@ def mark_guarded(cls: type[nn.Module]) -> type[nn.Module]:
 
 def install(
     model: nn.Module, mesh: DeviceMesh, dims: Sequence[int], sharded: set[type], reviewed: Sequence[str], scope=None,
-    input_dims=None,
+    input_dims=None, strict: bool = False,
 ) -> None:
     """Install the guard on ``model`` (the converted root): hooks on the root, sharded layers, reviewed modules.
 
@@ -4196,7 +4200,7 @@ def install(
     uninstall(model)
     from .layers.base import ShardedMixin  # (the layers import this module)
 
-    guard = ForwardGuard(model, mesh, dims, reviewed, scope, input_dims)
+    guard = ForwardGuard(model, mesh, dims, reviewed, scope, input_dims, strict)
     handles = [
         model.register_forward_pre_hook(guard.root_pre, with_kwargs=True),
         model.register_forward_hook(guard.root_post, with_kwargs=True, always_call=True),

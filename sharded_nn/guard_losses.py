@@ -10,8 +10,8 @@ global count, or by the global sum of the weights where torch divides by it: ``c
 and ``nll_loss`` with class weights or ignored positions, ``mse_loss``/``l1_loss`` with
 ``weight``). The result is a replicated value with the library's gradient convention, as
 ``x.mean()`` in a forward gives: share it before ``backward`` (``sharded_nn.losses.share``), or
-the backward raises where every rank seeds it with ones (``sharded_nn.losses``' check of
-replicated outputs). ``reduction="none"`` keeps the slabs' layout.
+the backward warns where a rank seeds it with ones, and raises under ``convert(...,
+strict=True)`` (``sharded_nn.losses``' check of replicated outputs). ``reduction="none"`` keeps the slabs' layout.
 
 Refused alike on every rank: the class dim of ``cross_entropy``/``nll_loss`` sharded, a target
 laid out unlike its input, operands whose layouts do not line up, and the losses called through ``torch``'s internal forms

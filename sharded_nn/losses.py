@@ -30,13 +30,14 @@ one rank raises the same ``ValueError`` on every rank instead of leaving the oth
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce_max, all_reduce_sum
-from .errors import ShardingError
+from .errors import ShardingError, ShardingWarning
 from .comm.peers import domain_peers
 from .comm.ring_pass import gather_ints
 from .mesh import axis_group, axis_size, data_axis, domain_axes, group_over
@@ -60,38 +61,46 @@ class _ShareGrad(torch.autograd.Function):
 
 
 class _SeededOnce(torch.autograd.Function):
-    """Identity on a replicated model output whose backward refuses the seed of an unshared loss.
+    """Identity on a replicated model output whose backward flags the seed of an unshared loss.
 
     A value replicated over ``ranks`` ranks (a loss a converted model returns, a pooled head's
     logits) counts once per rank under the gradient convention: ``out.backward()`` on every rank
-    gives ``ranks`` times the gradient, silently. Every rank seeding its backward with ones is
-    that mistake (a shared loss seeds ``1/ranks``, a loss built further from the output seeds
-    other values), so the ranks agree on it (one one-element all-reduce per backward; on a GPU
-    also one host synchronisation, to read the decision) and all raise alike.
+    gives ``ranks`` times the gradient, silently. A rank seeding its backward with ones is that
+    mistake (a shared loss seeds ``1/ranks``, a loss built further from the output other
+    values): a ``ShardingWarning`` says so on that rank (a timing run that backs up
+    ``out.sum()`` on purpose gets the warning only). With ``strict`` (``convert(...,
+    strict=True)``) the ranks agree on it (one one-element all-reduce per backward; on a GPU also
+    one host synchronisation) and all raise the same ``ShardingError`` where every rank seeded
+    ones.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, ranks: int, what: str):  # noqa: D102
-        ctx.group, ctx.ranks, ctx.what = group, ranks, what
+    def forward(ctx, x: torch.Tensor, group, ranks: int, what: str, strict: bool):  # noqa: D102
+        ctx.group, ctx.ranks, ctx.what, ctx.strict = group, ranks, what, strict
         return x.clone()  # (not a view: a user may scale the logits in place, ``out.div_(t)``)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
-        unshared = torch.ones(1, device=g.device) if bool((g == 1).all()) else torch.zeros(1, device=g.device)
-        if float(-all_reduce_max(-unshared, ctx.group)) == 1:  # the minimum: every rank seeded ones
-            raise ShardingError(
-                f"backward: {ctx.what} is replicated over {ctx.ranks} domain ranks, and every rank seeded its backward "
-                "with ones (backward() called on it directly). Under the gradient convention each rank counts a "
-                f"replicated value once, so this is {ctx.ranks} times the single device's gradient (a silently wrong "
-                "update). Expected a shared loss: call sharded_nn.losses.share(loss, mesh).backward() on every rank "
-                f"(or seed it with 1/{ctx.ranks} by hand); see the README, 'Gradient convention'."
-            )
-        return g, None, None, None
+        ones = bool((g == 1).all())
+        message = (
+            f"backward: {ctx.what} is replicated over {ctx.ranks} domain ranks, and {{who}} seeded its backward "
+            "with ones (backward() called on it directly). Under the gradient convention each rank counts a "
+            f"replicated value once, so this is {ctx.ranks} times the single device's gradient. Expected a shared "
+            "loss: call sharded_nn.losses.share(loss, mesh).backward() on every rank (or seed it with "
+            f"1/{ctx.ranks} by hand); see the README, 'Gradient convention'."
+        )
+        if ctx.strict:
+            unshared = torch.ones(1, device=g.device) if ones else torch.zeros(1, device=g.device)
+            if float(-all_reduce_max(-unshared, ctx.group)) == 1:  # the minimum: every rank seeded ones
+                raise ShardingError(message.format(who="every rank"))
+        elif ones:
+            warnings.warn(message.format(who="this rank"), ShardingWarning, stacklevel=2)
+        return g, None, None, None, None
 
 
-def check_seeded(value: torch.Tensor, group, ranks: int, what: str) -> torch.Tensor:
+def check_seeded(value: torch.Tensor, group, ranks: int, what: str, strict: bool = False) -> torch.Tensor:
     """``value`` (replicated over the ``ranks`` ranks of ``group``) with ``_SeededOnce``'s check on its backward."""
-    return _SeededOnce.apply(value, group, ranks, what)
+    return _SeededOnce.apply(value, group, ranks, what, strict)
 
 
 def _mesh_axes(mesh: DeviceMesh, mesh_axes: str | Sequence[str] | None, what: str) -> tuple[str, ...]:

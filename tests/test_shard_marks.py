@@ -12,6 +12,7 @@ scatter form (``src=``), and for an input the model takes whole; matching dims r
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -156,19 +157,22 @@ def _sources(domain, data: int, per_rank: bool):
     replica = m.get_local_rank("data") if data > 1 else 0
     seed = 10 + (rank if per_rank else replica)
     x = torch.randn(1, 3, 9, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    try:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         y = model(snn.shard(x, m))
-    except snn.ShardingError as e:
-        return str(e)
+    said = [str(w.message) for w in caught if issubclass(w.category, snn.ShardingWarning)]
+    if said:
+        return said[0]
     torch.testing.assert_close(snn.gather(y, m), ref(x), **TOL)
     return "ran exactly"
 
 
-def test_slabs_cut_from_different_tensors_raise(run):
+def test_slabs_cut_from_different_tensors_warn(run):
+    # A warning, not an error: a timing run feeds random inputs drawn on each rank on purpose.
     out = run(2, _sources, 2, 1, True)
     assert len(set(out)) == 1 and "input slabs were cut from different tensors" in out[0], out
     assert "DistributedSampler" in out[0] and "src=0" in out[0]
     out = run(3, _sources, 3, 1, True)
     assert len(set(out)) == 1 and "cut from different tensors" in out[0], out
-    # Each data replica its own sample, the same on its domain ranks: exact.
+    # Each data replica its own sample, the same on its domain ranks: exact, no warning.
     assert run(4, _sources, 2, 2, False) == ["ran exactly"] * 4

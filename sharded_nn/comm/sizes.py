@@ -15,6 +15,7 @@ CUDA stream nor blocks CUDA-graph capture of the layers' device work.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..errors import ShardingError
+from ..errors import ShardingError, ShardingWarning
 from ..layout import Layout
 from ..mesh import _flat_mesh, axis_size, domain_axes, domain_group, mesh_cached
 from ..weights import VALUES_FACT, VALUES_HINT, arm, rearm_checked, take_digest, values_shown
@@ -45,7 +46,8 @@ SOURCE_HINT = (
     "A random augmentation or crop drawn on each rank, a data loader shuffled per rank (seed it alike, "
     "torch.manual_seed(s) and a generator for the DataLoader), or a DistributedSampler spread over the domain "
     "ranks (sample per data replica: sharded_nn.batch_slice) do this. Or load on one rank and scatter: "
-    "sharded_nn.shard(x, mesh, src=0)."
+    "sharded_nn.shard(x, mesh, src=0). (A run where the values do not matter, timing random inputs, may "
+    "ignore this warning.)"
 )
 
 _MAX_NDIM = 12
@@ -205,6 +207,15 @@ def check_cut(x: torch.Tensor, dims: Sequence[int | None], what: str) -> None:
         )
 
 
+def warn_if_other_sources(by_rank: Sequence[tuple[int, ...]], what: str) -> None:
+    """Warn (on every rank alike) where the ranks' ``SOURCE_FACT`` differ: their input slabs were
+    cut from different tensors. A warning, not an error: a timing or memory run feeds random
+    inputs drawn on each rank on purpose, where the values do not matter."""
+    if len(set(by_rank)) != 1:
+        warnings.warn(f"{what}: the domain ranks' input slabs were cut from different tensors. {SOURCE_HINT}",
+                      ShardingWarning, stacklevel=3)
+
+
 def raise_if_misplaced(by_rank: Sequence[tuple[int, ...]], what: str, rearm: bool) -> None:
     """Raise on every rank where some rank's ``SHARD_FACT`` (by rank) counts misplaced inputs;
     ``rearm``: the agreement also carried the weights' digest, not compared then."""
@@ -229,12 +240,12 @@ def _check_entry(got: list[list[int]], entry: dict[str, tuple[int, ...]], what: 
         by_rank = [tuple(g[i : i + len(vals)]) for g in got]
         if name == SHARD_FACT:
             raise_if_misplaced(by_rank, what, VALUES_FACT in entry)
-        if len(set(by_rank)) != 1:
+        if name == SOURCE_FACT:
+            warn_if_other_sources(by_rank, what)
+        elif len(set(by_rank)) != 1:
             shown = [v if len(v) > 1 else v[0] for v in by_rank]
             if VALUES_FACT in entry:
                 rearm_checked()  # the values were not checked, or differ: check them next forward
-            if name == SOURCE_FACT:
-                raise ShardingError(f"{what}: the domain ranks' input slabs were cut from different tensors. {SOURCE_HINT}")
             if name == VALUES_FACT:
                 raise ShardingError(
                     f"{what}: the domain ranks hold different {name}: {values_shown(by_rank)}. {VALUES_HINT}"

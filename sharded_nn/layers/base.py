@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import domain_peers, gather_ints, layouts_from_shapes
 from ..comm.sizes import (
-    ENTRY_HINT, SHARD_FACT, SOURCE_FACT, SOURCE_HINT, raise_if_misplaced, scope_active, scope_coords, scope_declare,
-    scope_forget, scope_lookup, scope_take_entry,
+    ENTRY_HINT, SHARD_FACT, SOURCE_FACT, raise_if_misplaced, scope_active, scope_coords, scope_declare, scope_forget,
+    scope_lookup, scope_take_entry, warn_if_other_sources,
 )
 from ..errors import ShardingError
 from ..layout import Layout
@@ -283,7 +283,9 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
         got = [tuple(r[i : i + len(vals)]) for r in rows]
         if SHARD_FACT in name:  # (the entry's count of inputs cut along other dims: 0 everywhere)
             raise_if_misplaced(got, what, any(VALUES_FACT in n for n in facts))
-        if len(set(got)) != 1:
+        if SOURCE_FACT in name:  # (the full tensors the inputs were cut from: a warning where they differ)
+            warn_if_other_sources(got, what)
+        elif len(set(got)) != 1:
             if name == "dtype":
                 shown = [dtype_name(g[0]) for g in got]
             elif name == "device":
@@ -295,8 +297,6 @@ def _check_same(rows, offset: int, facts: Mapping[str, Sequence[int]], what: str
             if VALUES_FACT in name:
                 raise ShardingError(f"{what}: the domain ranks hold different {VALUES_FACT}: {values_shown(got)}. "
                                     f"{VALUES_HINT}")
-            if SOURCE_FACT in name:
-                raise ShardingError(f"{what}: the domain ranks' input slabs were cut from different tensors. {SOURCE_HINT}")
             if name == "requires_grad":
                 hint = " Every rank must run the same backward: set requires_grad alike on every rank."
             elif name.startswith("the model's"):
