@@ -68,6 +68,8 @@ class LossCalls:
             reduction = _reduction.legacy_get_string(kwargs.get("size_average"), kwargs.get("reduce"))
         if reduction not in ("none", "mean", "sum") and not (base == "kl_div" and reduction == "batchmean"):
             return func(*args, **kwargs)  # torch's own error, alike on every rank
+        if reduction != "none":
+            self._routing(base)  # (refused inside torch.utils.checkpoint, before any collective)
         kw = {**kwargs, "reduction": "none", **{k: None for k in _LEGACY if k in kwargs}}
         if base in _CLASSES:
             out, st = self._loss_by_class(func, call, args, kw)
@@ -80,7 +82,6 @@ class LossCalls:
         if reduction == "none":
             self._set(out, st)
             return out
-        self._routing(base)
         every = tuple(range(out.dim()))
         if reduction == "sum":
             return self._route_reduce("sum", out, every, False, st)
