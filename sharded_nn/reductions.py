@@ -60,11 +60,14 @@ def _plan(
     sharded_dims: int | Sequence[int] | None,
     what: str,
     keepdim: bool = False,
+    allow_empty: bool = False,
 ) -> tuple[tuple[int, ...], list[str], dict[int, tuple[str, Layout]]]:
     """(reduced dims, mesh axes to reduce over, {sharded dim: (axis, layout)}).
 
     ``sharded_dims``: one dim per domain axis in order, ``None`` for an axis that shards none
     (the tensor is replicated over it: the columns of a 2x2 mesh after a reduction over the rows).
+    ``allow_empty``: the reduction is defined on an empty slab (a sum: zeros), so ranks without
+    rows (a deep stage on many ranks) take part instead of being refused.
     """
     all_axes = domain_axes(mesh)
     if sharded_dims is None:
@@ -74,7 +77,7 @@ def _plan(
     pairs = [(d, a) for d, a in zip(sharded_dims, all_axes) if d is not None]
     sharded_dims, axes = tuple(d for d, _ in pairs), tuple(a for _, a in pairs)
     # Inside a converted model's layout scope the input's layout is usually known (no collective).
-    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True, axes=axes)
+    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True, axes=axes, allow_empty=allow_empty)
     nd = x.dim()
     if dims is None:
         dims = tuple(range(nd))
@@ -139,7 +142,7 @@ def sum(  # noqa: A001 - mirrors torch.sum
         sharded_dims: dims of ``x`` sharded by the domain axes, one per axis in order, ``None``
             for an axis that shards none (default: the first spatial dims).
     """
-    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum", keepdim)
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum", keepdim, allow_empty=True)
     if not x.is_floating_point():
         return _reduce_sum(x.sum(dims, keepdim=keepdim), mesh, axes)
     # Partial sums cross ranks in the accumulation dtype: rounding each rank's partial sum to
@@ -157,7 +160,7 @@ def mean(
     sharded_dims: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``torch.mean(x_full, dims, keepdim)`` from slabs (exact on uneven slabs); see ``sum``."""
-    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean", keepdim)
+    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean", keepdim, allow_empty=True)
     # The count comes from the agreed global layout: an exact Python int on every rank.
     count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
     total = _reduce_sum(x.sum(dims, keepdim=keepdim, dtype=accumulation_dtype(x.dtype)), mesh, axes)

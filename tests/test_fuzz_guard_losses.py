@@ -10,7 +10,8 @@ reduction, grids of 1-3 spatial dims of lengths 1-7 with any of them sharded, or
 ``(L, C)`` sharded along dim 0, slabs of random uneven lengths (empty ones too), on 2-4 ranks or
 a 2x2 mesh (float64). The model is a per-channel affine map followed by the loss; the loss value
 (gathered for ``none``), the input-slab gradient and the summed parameter gradients must be the
-single device's. An empty slab may be refused, alike on every rank (counted, not a failure).
+single device's. Empty slabs (one draw in ten) compute since session 61 (the sums and means
+take them); a refusal there would be alike on every rank (counted, not a failure).
 
 - ``test_fuzz_guard_losses_fast``: the CI subset (derandomized, a few examples).
 - ``test_fuzz_guard_losses_campaign`` (``pytest -m slow``): ``SNN_FUZZ_GUARD_LOSSES_EXAMPLES``

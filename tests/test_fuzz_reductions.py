@@ -9,7 +9,7 @@
 numbers with many ties, or with lines of ``-inf`` for ``max`` and the log-partitions) or int64 where
 torch takes it, the reduced dims (all, one, several, negative or not) and ``keepdim``, any dims
 sharded (reduced or not), slabs of random uneven lengths (empty ones sometimes: refused, as
-documented), on 1-4 ranks or a 2x2 mesh. The result must be this rank's part of torch's on the
+documented, except by ``sum`` and ``mean`` since session 61), on 1-4 ranks or a 2x2 mesh. The result must be this rank's part of torch's on the
 whole tensor (replicated along the reduced sharded dims, still sharded along the others), and
 the input's gradient the single device's slab, under the library's convention (a value
 replicated over ``r`` ranks carries ``1 / r`` of the loss on each; float64, 1e-10). A ``ShardingError`` raised alike on every rank is

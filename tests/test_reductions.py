@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -376,3 +377,60 @@ def _cumsum_uneven_slabs(sizes):
 
 def test_cumsum_on_uneven_slabs(run):
     assert all(run(3, _cumsum_uneven_slabs, (5, 1, 6)))
+
+
+class _DeepMean(torch.nn.Module):
+    """A stride-4 conv (a deep stage: 2 output rows over 3 ranks, one rank empty), then a
+    squeeze-excite gate from the mean over the rows and a loss of the map: routed sums and means."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = torch.nn.Conv2d(3, 4, 4, stride=4)
+
+    def forward(self, x, target):
+        y = self.down(x)
+        y = y * torch.sigmoid(y.mean((2, 3), keepdim=True))
+        return torch.nn.functional.mse_loss(y, target)
+
+
+def _empty_slabs(domain):
+    m = mesh(domain)
+    rank = m.get_local_rank("domain")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 5, dtype=torch.float64)
+    sizes = (3, 0, 6)[:domain] if domain == 3 else (0, 9)
+    local = x.narrow(2, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+    xr = x.clone().requires_grad_()
+    out = []
+    for op in ("sum", "mean"):
+        for dims in ((2,), (2, 3), None):
+            y = getattr(snn.reductions, op)(local, m, dims)
+            ref = _reference(op, xr, dims, False)
+            torch.testing.assert_close(y, ref, atol=1e-12, rtol=1e-12)
+            g = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+            local.grad = xr.grad = None
+            snn.losses.share((y * g).sum(), m).backward()
+            (ref * g).sum().backward()
+            torch.testing.assert_close(local.grad, xr.grad.narrow(2, sum(sizes[:rank]), sizes[rank]))
+            out.append(float(y.sum()))
+    # In a converted model: a deep stage leaves a rank without rows; the guard's routed mean
+    # and the loss still compute (aligned slabs of 4 rows: 4 and 4 and 0 of 8).
+    model = _DeepMean().double()
+    ref_model = copy.deepcopy(model)
+    x8 = torch.randn(1, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    target = torch.randn(1, 4, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    expected = ref_model(x8, target)
+    split = (4, 4, 0)[:domain] if domain == 3 else (8, 0)
+    conv = snn.convert(model, m)
+    part = x8.narrow(2, sum(split[:rank]), split[rank]).clone()
+    t_split = [s // 4 for s in split]
+    got = conv(part, target.narrow(2, sum(t_split[:rank]), t_split[rank]).clone())
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+    return out
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_sum_and_mean_take_empty_slabs(run, domain):
+    """Before session 61 every reduction refused a rank without rows; a sum is defined there."""
+    out = run(domain, _empty_slabs, domain)
+    assert all(o == out[0] for o in out)
