@@ -25,6 +25,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .errors import ShardingError
+
 __all__ = ["LOSS_NAMES", "LossCalls"]
 
 #: Elementwise losses -> how torch's ``mean`` divides: "count" (the number of elements) or
@@ -146,9 +148,12 @@ class LossCalls:
         device = next(t.device for t in (*args, *kw.values()) if isinstance(t, torch.Tensor))
         flag = torch.tensor([0.0 if error is None else 1.0], device=device)
         if float(all_reduce_max(flag, domain_group(self.guard.mesh))) > 0:
-            here = f"here: {type(error).__name__}: {error}" if error is not None else "not on this rank"
-            self.fail(call, f"torch's loss raised on the slab of at least one rank ({here})",
-                      "check the values of the targets (and weights) there")
+            here = f"{type(error).__name__}: {error}" if error is not None else "no error"
+            try:
+                self.fail(call, "torch's loss raised on the slab of at least one rank",
+                          "check the values of the targets (and weights) there")
+            except ShardingError as e:  # (the same message on every rank, then this rank's own cause)
+                raise ShardingError(f"{e} This rank: {here}") from None
         return out
 
     def _class_mean(self, out, st, args, kwargs):

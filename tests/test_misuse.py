@@ -247,6 +247,45 @@ def _zoo_unknown(r, tmp):
     return lambda: zoo.create_model("vit_smal_patch16_224", mesh=_m(), img_size=64)  # a typo
 
 
+def _shard_other_dims(r, tmp):
+    m = _m()
+    torch.manual_seed(0)
+    model = snn.convert(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).double(), m)
+    x = torch.randn(1, 3, 8, 8, dtype=D)
+    return lambda: model(snn.shard(x, m, dims=[3]))  # the model takes H (dim 2)
+
+
+def _input_dims_unknown(r, tmp):
+    return lambda: snn.convert(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)), _m(), input_dims={"target": 1})
+
+
+class _SegLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x, target):
+        return nn.functional.cross_entropy(self.conv(x), target)
+
+
+def _loss_bad_target(r, tmp):
+    m = _m()
+    torch.manual_seed(0)
+    model = snn.convert(_SegLoss().double(), m, input_dims={"target": 1})
+    x = torch.randn(1, 3, 8, 4, dtype=D)
+    target = torch.randint(0, 4, (1, 8, 4))
+    target[0, -1, 0] = 9  # out of range, in rank 1's rows only
+    return lambda: model(snn.shard(x, m), snn.shard(target, m, dims=(1,)))
+
+
+def _gather_other_dims(r, tmp):
+    m = _m()
+    torch.manual_seed(0)
+    model = snn.convert(nn.Sequential(nn.Linear(6, 6)).double(), m, dims=(1,))  # tokens (B, L, C) along L
+    y = model(snn.shard(torch.randn(2, 8, 6, dtype=D), m, dims=(1,)))
+    return lambda: snn.gather(y, m)  # the default dims (2,) are a grid's
+
+
 CATALOGUE: dict[str, Misuse] = {
     "misaligned-slab": Misuse("a slab starts off the alignment (strided conv, rank 1 starts at 5, stride 2)",
                               "ShardingError", r"needs every slab to start at a multiple of 2",
@@ -310,6 +349,17 @@ CATALOGUE: dict[str, Misuse] = {
     "attention-causal-one-rank": Misuse("ring attention with is_causal on one rank only", "ShardingError",
                                         r"disagree on is_causal, scale or layout",
                                         r"pass the same is_causal, scale and layout", _causal_one_rank),
+    "shard-other-dims": Misuse("a slab cut by shard along another dim than the model takes", "ShardingError",
+                               r"was cut by sharded_nn.shard along dims \(3,\), but the model takes it along dims "
+                               r"\(2,\)", r"Shard the input along the dims the model takes", _shard_other_dims),
+    "input-dims-unknown": Misuse("convert(input_dims=) naming no input of forward", "ValueError",
+                                 r"not a tensor input of Sequential.forward", r"Name an input of forward",
+                                 _input_dims_unknown),
+    "loss-bad-target-one-rank": Misuse("a class index out of range in one rank's slab, in a loss inside forward",
+                                       "ShardingError", r"torch's loss raised on the slab of at least one rank",
+                                       r"check the values of the targets", _loss_bad_target),
+    "gather-other-dims": Misuse("gather a model's output along other dims than its slabs", "ShardingError",
+                                r"this slab was cut along dims \(1,\)", r"Pass dims=\(1,\)", _gather_other_dims),
 }
 
 
@@ -323,6 +373,10 @@ def _run_catalogue(names: list[str], tmp: str) -> dict[str, tuple[str, str] | No
     r = m.get_local_rank("domain")
     out = {}
     for name in names:
+        # Every entry builds its modules from the same seed on every rank (this torch seeds each
+        # process differently: an entry built unseeded failed the weights check instead of its
+        # own misuse when the pool's workers were fresh).
+        torch.manual_seed(0)
         call = CATALOGUE[name].make(r, tmp)
         try:
             call()
