@@ -401,6 +401,8 @@ def convert(
             ``None`` for a whole (replicated) tensor. E.g. ``{"target": (1,)}`` for class indices
             ``(N, H, W)`` next to scores ``(N, C, H, W)`` sharded along dim 2 (a model that
             returns ``F.cross_entropy(self.net(x), target)``). Other inputs: ``dims`` as above.
+            A later ``convert`` (or ``parallelize``) of the same model without ``input_dims``
+            keeps these.
 
     Returns:
         The converted model. State-dict keys are unchanged; converting twice changes nothing.
@@ -574,11 +576,14 @@ def _convert(model, mesh, *, plan, dims, strict, guard, layout_scope, input_dims
         from .comm.sizes import ScopeHooks, disable_layout_scope, enable_layout_scope
 
         root_dims = _root_dims(model, mesh, dims, done)
-        entry = None
         if input_dims:
             from .entry_inputs import InputDims
 
-            entry = InputDims(model, root_dims, input_dims)
+            entry = model.__dict__["_snn_input_dims"] = InputDims(model, root_dims, input_dims)
+        else:
+            # Converting again (``parallelize`` converts what it is given) keeps the input dims an
+            # earlier ``convert`` was given: "converting twice changes nothing".
+            entry = model.__dict__.get("_snn_input_dims")
         # The domain size is a fact of the mesh, the same on every rank: P=1 agrees on nothing.
         multi = any(axis_size(mesh, a) > 1 for a in domain_axes(mesh))
         scope = layout_scope and multi and type(model) not in done

@@ -56,6 +56,7 @@ def parallelize(
     strict: bool = False,
     mode: str = "ddp",
     fsdp_modules: Sequence[str] = (),
+    input_dims: Mapping[str | int, int | Sequence[int] | None] | None = None,
     **kwargs: Any,
 ) -> nn.Module:
     """Convert ``model`` for ``mesh`` and reduce its gradients like one device would.
@@ -67,7 +68,8 @@ def parallelize(
     Args:
         model: the single-device model (converted in place).
         mesh: a mesh with domain axes and optionally a ``"data"`` axis.
-        plan, dims, strict: passed to ``convert``.
+        plan, dims, strict, input_dims: passed to ``convert`` (a model converted before with
+            ``input_dims`` keeps them).
         mode: ``"ddp"``: wrap in ``DistributedDataParallel`` with the domain-sum / data-mean
             hook. ``"fsdp"``: apply FSDP2's ``fully_shard`` (HSDP on a data x domain mesh:
             parameters replicated over ``"data"``, sharded over ``"domain"``; a mesh with
@@ -86,7 +88,7 @@ def parallelize(
         raise ValueError(f"parallelize: mode must be 'ddp' or 'fsdp', got {mode!r}.")
     if fsdp_modules and mode != "fsdp":
         raise ValueError(f"parallelize: fsdp_modules={tuple(fsdp_modules)!r} needs mode='fsdp', got mode={mode!r}.")
-    model = convert(model, mesh, plan=plan, dims=dims, strict=strict)
+    model = convert(model, mesh, plan=plan, dims=dims, strict=strict, input_dims=input_dims)
     check_model_mesh(model, mesh, "parallelize")
     if mode == "fsdp":
         # FSDP2 keeps each rank's own values (DDP broadcasts the first rank's at construction):

@@ -145,3 +145,34 @@ def _too_few_dims(domain):
 def test_input_dims_beyond_the_tensor_are_refused(run):
     out = run(2, _too_few_dims, 2)
     assert len(set(out)) == 1 and "expected a tensor with more than 1 dims" in out[0], out
+
+
+def _parallelized(domain, how: str):
+    """input_dims through parallelize: given to it, or to an earlier convert (kept: parallelize
+    converts what it is given again, and converting twice changes nothing)."""
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = Masked().double()
+    sizes = (5, 4) if domain == 2 else (3, 2, 4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, sum(sizes), 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    mask = (torch.rand(2, sum(sizes), 5, generator=gen) > 0.3).double()
+    bias = torch.randn(4, 1, 1, dtype=torch.float64, generator=gen)
+    ref(x, mask, bias).square().sum().backward()
+    dims = {"mask": 1, "bias": None}
+    model = copy.deepcopy(ref)
+    if how == "convert_first":
+        model = snn.parallelize(snn.convert(model, m, input_dims=dims), m)
+    else:
+        model = snn.parallelize(model, m, input_dims=dims)
+    y = model(_slab(x.detach(), m, (sizes,), 2), _slab(mask, m, (sizes,), 1), bias)
+    y.square().sum().backward()  # (a partial sum per rank: no share)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)  # (parallelize summed the domain's parts)
+    return True
+
+
+@pytest.mark.parametrize("how", ["convert_first", "parallelize"])
+def test_input_dims_through_parallelize(run, how):
+    assert all(run(2, _parallelized, 2, how))
+    assert all(run(3, _parallelized, 3, how))
