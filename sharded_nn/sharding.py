@@ -171,6 +171,7 @@ def shard(
     align: int | Sequence[int] | None = None,
     src: int | None = None,
     batch_dim: int | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """This rank's slab of ``x``.
 
@@ -189,6 +190,9 @@ def shard(
             a fact every rank shares: a CPU ``x`` on an NCCL mesh is moved there on ``src``.
         batch_dim: also cut this dim of a global batch by the data axis (``batch_slice``); with
             ``src=None`` only, since ``src`` scatters over the domain ranks of one replica.
+        device: put the slab there (``"cuda"``): only the slab is copied, and it keeps the marks
+            a converted model checks (``mark_sharded``), which ``.to(device)`` on the result
+            would drop. With ``src=None`` only (``src`` sends to the group's device).
 
     Returns:
         A contiguous tensor that owns its memory (it does not keep ``x`` alive). With ``src=r``
@@ -198,8 +202,15 @@ def shard(
         if x is None:
             raise ValueError("shard: x is None but src is None; pass the tensor on every rank or name a src rank.")
         sl = local_slices(x.shape, mesh, dims=dims, align=align, batch_dim=batch_dim)
-        out = x[sl].clone(memory_format=torch.contiguous_format)
+        part = x[sl]
+        if device is not None and torch.device(device) != part.device:
+            out = part.to(device, memory_format=torch.contiguous_format)  # (a copy: another device)
+        else:
+            out = part.clone(memory_format=torch.contiguous_format)
         return mark_sharded(out, resolve_layout(mesh, dims, align, x.shape, "shard")[0], source_digest(x))
+    if device is not None:
+        raise ValueError(f"shard: device={device!r} needs src=None; with src={src} the slabs arrive on the domain "
+                         "group's device (CUDA under NCCL).")
     if batch_dim is not None:
         raise ValueError(
             f"shard: batch_dim={batch_dim} needs src=None (every rank passes the global batch); with src={src}, "

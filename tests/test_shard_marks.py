@@ -176,3 +176,25 @@ def test_slabs_cut_from_different_tensors_warn(run):
     assert len(set(out)) == 1 and "cut from different tensors" in out[0], out
     # Each data replica its own sample, the same on its domain ranks: exact, no warning.
     assert run(4, _sources, 2, 2, False) == ["ran exactly"] * 4
+
+
+def _device_keeps_marks(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    model = snn.convert(_net(), m)
+    x = torch.randn(1, 3, 9, 7, dtype=torch.float64)
+    local = snn.shard(x, m, dims=[3], device="cpu")  # (on a GPU: device="cuda"; .to() would drop the marks)
+    out = []
+    try:
+        model(local)
+    except snn.ShardingError as e:
+        out.append("along dims (3,), but the model takes it along dims (2,)" in str(e))
+    try:
+        snn.shard(x, m, src=0, device="cpu")
+    except ValueError as e:
+        out.append("needs src=None" in str(e))
+    return out
+
+
+def test_shard_to_a_device_keeps_the_marks(run):
+    assert run(2, _device_keeps_marks, 2) == [[True, True]] * 2
