@@ -64,6 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from . import reductions
+from .comm.sizes import SHARD_DIMS
 from .errors import ShardingError
 from .guard_fft import FftCalls
 from .guard_losses import LOSS_NAMES, LossCalls
@@ -750,7 +751,8 @@ class ForwardGuard:
         if mode is _SINGLE:
             return None
         mode.__exit__(None, None, None)
-        bad = [t for t in _flat_tensors(output) if mode.states.get(t) is UNKNOWN or type(mode.states.get(t)) in FOLDED]
+        tensors = _flat_tensors(output)
+        bad = [t for t in tensors if mode.states.get(t) is UNKNOWN or type(mode.states.get(t)) in FOLDED]
         if bad and sys.exc_info()[0] is None:
             raise ShardingError(
                 f"forward guard: the output of {type(module).__name__} is a tensor whose layout the guard "
@@ -762,29 +764,27 @@ class ForwardGuard:
             # (A root nested in another guarded model's layer hands its outputs on to that model,
             # whose own outputs are marked and checked.)
             return None
-        from .comm.sizes import SHARD_DIMS
-
-        for t in _flat_tensors(output):
+        for t in tensors:
             # Slabs sharded by every domain axis carry their dims (as ``snn.shard``'s slabs do):
             # ``gather``, the reductions and a next converted model compare them with the dims
             # they are given (``comm.sizes.check_cut``).
             st = mode.states.get(t)
             if type(st) is tuple and None not in st:
                 setattr(t, SHARD_DIMS, st)
-        return self._checked_outputs(module, mode, output)
+        return self._checked_outputs(module, mode, output, tensors)
 
     #: Outputs up to this many elements are checked (losses, logits): a check reads the gradient.
     SEED_CHECKED_NUMEL = 4096
 
-    def _checked_outputs(self, module: nn.Module, mode, output):
-        """``output`` with each small replicated output that needs a gradient behind
-        ``losses.check_seeded`` (a ``backward()`` on it without ``share`` warns, or raises with
-        ``strict``, instead of giving P times the gradient silently), or None where there is none
-        (the output stays as it is)."""
+    def _checked_outputs(self, module: nn.Module, mode, output, tensors: list):
+        """``output`` (``tensors``: its tensors) with each small replicated output that needs a
+        gradient behind ``losses.check_seeded`` (a ``backward()`` on it without ``share`` warns, or
+        raises with ``strict``, instead of giving P times the gradient silently), or None where
+        there is none (the output stays as it is)."""
         if not torch.is_grad_enabled():
             return None
         picked: dict[int, tuple] = {}
-        for t in _flat_tensors(output):
+        for t in tensors:
             if t.grad_fn is None or not t.is_floating_point() or not 0 < t.numel() <= self.SEED_CHECKED_NUMEL:
                 continue
             st = mode.states.get(t)

@@ -25,7 +25,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .comm import all_reduce_max
 from .errors import ShardingError
+from .mesh import domain_group
 
 __all__ = ["LOSS_NAMES", "LossCalls"]
 
@@ -87,9 +89,9 @@ class LossCalls:
         every = tuple(range(out.dim()))
         if reduction == "sum":
             return self._route_reduce("sum", out, every, False, st)
-        weight = kwargs.get("weight")
         if base in _CLASSES:
             return self._class_mean(out, st, args, kwargs)
+        weight = kwargs.get("weight")
         if reduction == "batchmean":  # kl_div's: the sum over the (global) length of dim 0
             total = self._route_reduce("sum", out, every, False, st)
             if 0 in st:  # (tokens sharded along dim 0): their global count
@@ -138,9 +140,6 @@ class LossCalls:
         negative variance): a bad value in one slab would raise on its rank alone and leave the
         others in the reduction's collective. One small all-reduce makes the error every rank's.
         """
-        from .comm import all_reduce_max
-        from .mesh import domain_group
-
         try:
             out, error = func(*args, **kw), None
         except (RuntimeError, ValueError, IndexError) as e:

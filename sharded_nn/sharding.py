@@ -20,6 +20,7 @@ from .comm.sizes import SHARD_DIMS, SHARD_SOURCE, check_cut
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import axis_index, axis_size, data_axis, default_dims, domain_axes, domain_group, group_over, stated_layout
+from .weights import value_digest
 
 
 def normalize_dims(dims: int | Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
@@ -243,8 +244,6 @@ def source_digest(x: torch.Tensor) -> int:
     """A digest of ``x``'s shape and of up to 4,096 of its elements, evenly spaced: equal tensors
     give equal digests on every rank; tensors drawn or loaded apart on each rank almost surely not.
     Costs microseconds (``torch.take`` reads the elements without copying ``x``)."""
-    from .weights import value_digest
-
     n = x.numel()
     if n == 0 or x.is_meta:
         return hash(tuple(x.shape)) or 1
