@@ -440,9 +440,7 @@ def _moments(
     count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
     acc = accumulation_dtype(x.dtype)
     mean = _reduce_sum(x.sum(dims, keepdim=True, dtype=acc), mesh, axes) / count
-    # The mean's own gradient path is exactly zero (the deviations sum to zero), so the
-    # variance's backward skips it (torch's var backward has no such term either).
-    dev = x.to(acc) - mean.detach()
+    dev = _Deviation.apply(x.to(acc), mean, dims)
     total = _reduce_sum((dev * dev).sum(dims, keepdim=keepdim), mesh, axes)
     dof = count - correction
     if dof >= 0:
@@ -453,6 +451,30 @@ def _moments(
     if not keepdim:
         mean = mean.squeeze(dims)
     return var.to(x.dtype), mean.to(x.dtype)
+
+
+class _Deviation(torch.autograd.Function):
+    """``x - mean`` (``mean`` the mean of ``x`` over ``dims``, kept), for a variance.
+
+    The mean's own gradient path is zero in a first derivative (the deviations sum to zero, and
+    the variance's gradient is ``2 * dev`` times a factor constant over ``dims``), so the
+    backward skips it, and the all-reduce behind the mean, there (torch's var backward has no
+    such term either). A second derivative (``create_graph``) differentiates ``2 * dev`` itself,
+    where the mean's path is not zero: the backward then gives the mean its gradient (recorded,
+    through the mean's all-reduce). Every rank builds the same kind of backward, so the
+    collectives match.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mean: torch.Tensor, dims: tuple[int, ...]):  # noqa: D102
+        ctx.dims = dims
+        return x - mean
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        if not torch.is_grad_enabled():  # a first derivative only
+            return g, None, None
+        return g, -g.sum(ctx.dims, keepdim=True), None
 
 
 def var(
@@ -610,10 +632,10 @@ def cumsum(
 
     Each rank adds to its own running sum the totals of the slabs before it (one all-gather of
     one slice per slab); backward is the reversed running sum plus the gradient totals of the
-    slabs after it (one all-gather). Exact for integers and integer-valued floats (a count of
-    mask positions, as in EdgeNeXt's position encoding); other floats are summed in another
-    order than one device's (rounding differences only). Sums accumulate in float32 for
-    fp16/bf16 inputs. First-order gradients only.
+    slabs after it (one all-gather), itself differentiable (second derivatives, ``create_graph``).
+    Exact for integers and integer-valued floats (a count of mask positions, as in EdgeNeXt's
+    position encoding); other floats are summed in another order than one device's (rounding
+    differences only). Sums accumulate in float32 for fp16/bf16 inputs.
     """
     dims, axes, _ = _plan(x, mesh, dim, sharded_dims, "reductions.cumsum", keepdim=True)
     out_dtype = dtype or (torch.int64 if not (x.is_floating_point() or x.is_complex()) else x.dtype)
@@ -625,23 +647,30 @@ def cumsum(
 
 
 class _CumSum(torch.autograd.Function):
-    """The running sum along a dim sharded over ``group`` (this rank at ``rank`` along it)."""
+    """The running sum along a dim sharded over ``group`` (this rank at ``rank`` along it), from
+    the first position on, or from the last one backwards (``reverse``: the adjoint)."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, rank, acc, out_dtype):  # noqa: D102
-        local = torch.cumsum(x.to(acc), dim)
-        ctx.dim, ctx.group, ctx.rank, ctx.acc, ctx.in_dtype = dim, group, rank, acc, x.dtype
+    def forward(ctx, x, dim, group, rank, acc, out_dtype, reverse=False):  # noqa: D102
+        ctx.args, ctx.in_dtype, ctx.reverse = (dim, group, rank, acc), x.dtype, reverse
+        xa = x.to(acc)
         # (Every slab holds data: ``_plan`` refuses empty slabs, as for every reduction.)
-        offset = _earlier_totals(local.narrow(dim, local.shape[dim] - 1, 1), group, rank, before=True)
-        return (local + offset).to(out_dtype)
+        if reverse:
+            local = xa.flip(dim).cumsum(dim).flip(dim)
+            total = local.narrow(dim, 0, 1)
+        else:
+            local = torch.cumsum(xa, dim)
+            total = local.narrow(dim, local.shape[dim] - 1, 1)
+        return (local + _earlier_totals(total, group, rank, before=not reverse)).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
-        ga = g.to(ctx.acc)
-        d = ctx.dim
-        later = _earlier_totals(ga.sum(d, keepdim=True), ctx.group, ctx.rank, before=False)
-        dx = ga.flip(d).cumsum(d).flip(d) + later
-        return dx.to(ctx.in_dtype), None, None, None, None, None
+        # The adjoint runs the other way (the reversed running sum plus the gradient totals of
+        # the slabs after this one). Applying the Function records its all-gather, so that a
+        # second derivative is exact; computed here by plain ops, it would be a constant.
+        dim, group, rank, acc = ctx.args
+        dx = _CumSum.apply(g, dim, group, rank, acc, ctx.in_dtype, not ctx.reverse)
+        return dx, None, None, None, None, None, None
 
 
 def _earlier_totals(t: torch.Tensor, group, rank: int, *, before: bool) -> torch.Tensor:

@@ -7,9 +7,10 @@ more bytes than a direct all-to-all, never holds more than its own part plus one
 chunk, and works on gloo and NCCL alike through the ring primitive. The backward is the same
 exchange with the transposed counts.
 
-``ring_rows`` / ``RowGather`` fetch given rows of a point tensor that is distributed over the ranks
+``gather_rows`` fetches given rows of a point tensor that is distributed over the ranks
 (the neighbour gather of ``knn``): every rank's block travels once around the ring and each rank
-copies the rows it asked for; the backward sends a gradient accumulator around with each block.
+copies the rows it asked for; the backward sends a gradient accumulator around with each block. Each backward applies the
+adjoint's autograd Function, so second derivatives (``create_graph``) are exact too.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
-        counts, ring = ctx.counts, ctx.ring
-        p = ring.size
+        # The adjoint is the exchange with the transposed counts; applying the Function (not
+        # ``_exchange``) records it, so that a second derivative is exact.
+        counts, p = ctx.counts, ctx.ring.size
         back = [[counts[d][s] for d in range(p)] for s in range(p)]  # transposed
-        blocks = list(torch.split(g.contiguous(), back[ring.index], 0))
-        return torch.cat(_exchange(blocks, back, ring), 0), None, None
+        return _Exchange.apply(g.contiguous(), back, ctx.ring), None, None
 
 
 def exchange(x: torch.Tensor, dest_counts: list[list[int]], ring: AxisPeers) -> torch.Tensor:
@@ -81,51 +82,77 @@ def exchange(x: torch.Tensor, dest_counts: list[list[int]], ring: AxisPeers) -> 
     return _Exchange.apply(x, dest_counts, ring)
 
 
-class _GatherRows(torch.autograd.Function):
-    """``full[idx]`` for a row-distributed ``full`` whose rank-r block is ``x`` on rank r."""
+def _gather(x: torch.Tensor, idx: torch.Tensor, sizes: list[int], ring: AxisPeers) -> torch.Tensor:
+    """``full[idx]`` for a row-distributed ``full`` whose rank-r block is ``x`` on rank r: every
+    block travels once around the ring and each rank copies the rows it asked for."""
+    # x: (n_local, F); idx: (M,) global rows (concatenation of the blocks in rank order),
+    # -1 for "no row" (gives zeros).
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    out = x.new_zeros(idx.shape[0], *x.shape[1:])
+    block, owner = x.contiguous(), ring.index
+    for step in range(ring.size):
+        handle = None
+        if step < ring.size - 1:
+            nxt = (owner - 1) % ring.size
+            handle = ring_pass(ring, [block], [(sizes[nxt], *x.shape[1:])], tag=7100)
+        sel = (idx >= offsets[owner]) & (idx < offsets[owner] + sizes[owner])
+        if sel.any():
+            out[sel] = block[idx[sel] - offsets[owner]]
+        if handle is not None:
+            (block,) = handle.wait()
+            owner = nxt
+    return out
 
+
+def _scatter_add(g: torch.Tensor, idx: torch.Tensor, sizes: list[int], ring: AxisPeers) -> torch.Tensor:
+    """The adjoint of ``_gather``: the rows of ``g`` added into the rows ``idx`` of the
+    row-distributed tensor, this rank's ``(sizes[rank], ...)`` block returned."""
+    p = ring.size
+    offsets = [sum(sizes[:k]) for k in range(p)]
+    g = g.contiguous()
+    # An accumulator for each block travels the ring the way the block did, collecting the
+    # rows of every rank; after P hops it is back with its owner.
+    owner = ring.index
+    acc = g.new_zeros(sizes[owner], *g.shape[1:])
+    for step in range(p):
+        sel = (idx >= offsets[owner]) & (idx < offsets[owner] + sizes[owner])
+        if sel.any():
+            acc.index_add_(0, idx[sel] - offsets[owner], g[sel])
+        if p > 1:
+            nxt = (owner - 1) % p
+            (acc,) = ring_pass(ring, [acc], [(sizes[nxt], *g.shape[1:])], tag=7200).wait()
+            owner = nxt
+    return acc
+
+
+# Each backward applies the other Function, so that a second derivative (``create_graph``:
+# gradient penalties, losses on input derivatives) records the communication and is exact;
+# computed by the plain functions above, it would be a constant there: the halo rows' terms of
+# the second derivative silently missing.
+class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, idx: torch.Tensor, sizes: list[int], ring: AxisPeers):  # noqa: D102
-        # x: (n_local, F); idx: (M,) global rows (concatenation of the blocks in rank order),
-        # -1 for "no row" (gives zeros).
         ctx.sizes, ctx.ring = sizes, ring
         ctx.save_for_backward(idx)
-        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-        out = x.new_zeros(idx.shape[0], *x.shape[1:])
-        block, owner = x.contiguous(), ring.index
-        for step in range(ring.size):
-            handle = None
-            if step < ring.size - 1:
-                nxt = (owner - 1) % ring.size
-                handle = ring_pass(ring, [block], [(sizes[nxt], *x.shape[1:])], tag=7100)
-            sel = (idx >= offsets[owner]) & (idx < offsets[owner] + sizes[owner])
-            if sel.any():
-                out[sel] = block[idx[sel] - offsets[owner]]
-            if handle is not None:
-                (block,) = handle.wait()
-                owner = nxt
-        return out
+        return _gather(x, idx, sizes, ring)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         (idx,) = ctx.saved_tensors
-        sizes, ring = ctx.sizes, ctx.ring
-        p = ring.size
-        offsets = [sum(sizes[:k]) for k in range(p)]
-        g = g.contiguous()
-        # An accumulator for each block travels the ring the way the block did, collecting the
-        # gradient rows of every rank; after P hops it is back with its owner.
-        owner = ring.index
-        acc = g.new_zeros(sizes[owner], *g.shape[1:])
-        for step in range(p):
-            sel = (idx >= offsets[owner]) & (idx < offsets[owner] + sizes[owner])
-            if sel.any():
-                acc.index_add_(0, idx[sel] - offsets[owner], g[sel])
-            if p > 1:
-                nxt = (owner - 1) % p
-                (acc,) = ring_pass(ring, [acc], [(sizes[nxt], *g.shape[1:])], tag=7200).wait()
-                owner = nxt
-        return acc, None, None, None
+        return _ScatterRows.apply(g, idx, ctx.sizes, ctx.ring), None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, idx: torch.Tensor, sizes: list[int], ring: AxisPeers):  # noqa: D102
+        ctx.sizes, ctx.ring = sizes, ring
+        ctx.save_for_backward(idx)
+        return _scatter_add(g, idx, sizes, ring)
+
+    @staticmethod
+    def backward(ctx, gg: torch.Tensor):  # noqa: D102
+        (idx,) = ctx.saved_tensors
+        return _GatherRows.apply(gg, idx, ctx.sizes, ctx.ring), None, None, None
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, sizes: list[int], ring: AxisPeers) -> torch.Tensor:
