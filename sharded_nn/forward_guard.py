@@ -1673,6 +1673,17 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
         return result
 
     def _h_view_as(self, func, base, args, kwargs, stateful):
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        ost = self._st(other)
+        if type(ost) is tuple and type(self._st(args[0])) is tuple:
+            # ``y.view_as(x)`` of a slab is ``y.view(x.shape)`` with the sizes read from ``x`` (local
+            # where ``x`` is sharded), which the guard maps; without them the output dim of the
+            # sharded factor is unknown (``probs.view_as(x)`` after a softmax over flattened rows
+            # left the model's output unfollowed before session 62).
+            pos = {d: k for k, d in enumerate(ost) if d is not None}
+            request = [LocalLength(v, pos[i]) if i in pos else v for i, v in enumerate(other.shape)]
+            view = torch.Tensor.view if base == "view_as" else torch.Tensor.reshape
+            return self._h_reshape(view, base[: -len("_as")], (args[0], *request), {}, stateful)
         return self._h_reshape(func, base, args, kwargs, stateful)
 
     def _h_copy(self, func, base, args, kwargs, stateful):
@@ -2734,11 +2745,16 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
         mesh = self.guard.mesh
         kw = {"keepdim": keepdim, "sharded_dims": self._leading_dims(base, st)}
         if base in ("sum", "nansum"):
-            x = torch.nan_to_num(x, nan=0.0) if base == "nansum" else x
+            # nansum: NaNs count as zeros, with a zero gradient, as torch's (``nan_to_num`` would
+            # also turn an infinity into the largest finite number: a finite sum where torch's
+            # is infinite, silently, before session 62).
+            x = torch.where(torch.isnan(x), 0, x) if base == "nansum" else x
             out = reductions.sum(x, mesh, dims, **kw)
-        elif base in ("mean", "nanmean"):
-            if base == "nanmean":
-                self.fail("`nanmean`", "it reduces over a sharded dim", "")
+        elif base == "nanmean":
+            # torch's own formula: the sum of the numbers over their (integer) count.
+            kept = ~torch.isnan(x)
+            out = reductions.sum(torch.where(kept, x, 0), mesh, dims, **kw) / reductions.sum(kept.long(), mesh, dims, **kw)
+        elif base == "mean":
             out = reductions.mean(x, mesh, dims, **kw)
         elif base in ("amax", "max"):
             out = reductions.max(x, mesh, dims, **kw)

@@ -57,6 +57,16 @@ class Fold:
     def at(self, dim: int) -> Fold:
         return replace(self, dim=dim)
 
+    def virtual(self, shape) -> tuple:
+        """``(shape, state)``: ``shape`` with the folded dim written as its factors ``outer``, this
+        rank's part of the sharded dim and ``inner`` (ones left out), and the slab state of that
+        virtual tensor (the axis on its factor)."""
+        d = self.dim
+        factors = [self.outer] * (self.outer != 1) + [shape[d] // (self.outer * self.inner)]
+        factors += [self.inner] * (self.inner != 1)
+        st = tuple(d + (self.outer != 1) if k == self.axis else None for k in range(self.naxes))
+        return (*shape[:d], *factors, *shape[d + 1 :]), st
+
     def length(self, n: int):
         """The size of the folded dim as ``x.shape`` gives it to the model's code."""
         return fg.FoldLength(n, self.axis)
@@ -68,7 +78,8 @@ class Fold:
 
     def describe(self, axes) -> str:
         return (f"dim {self.dim} folding {self.outer} blocks of the slab of mesh axis {axes[self.axis]!r} "
-                f"(times {self.inner}): windows of several samples, whose rows are not in one device's order")
+                f"(times {self.inner}), whose rows are not in one device's order (windows of several samples, or "
+                "the sharded dim flattened with dims in front of it)")
 
 
 # ------------------------------------------------------------------------------- views
@@ -248,6 +259,15 @@ def map_folded_reshape(in_shape, out_shape, fold: Fold, request):
 def _dim_of(args, kwargs, i: int, name: str, default, nd: int) -> int | None:
     dim = fg._arg(args, kwargs, i, name, default)
     return None if dim is None else dim % nd
+
+
+#: Calls over the whole folded or merged dim computed on its factors (``FoldCalls._reduce_over_factors``):
+#: order-free reductions (``max``/``min`` without a dim only: with one, they return indices in
+#: the single device's order), and the normalisations along it.
+_ALONG = frozenset(["softmax", "log_softmax", "softmin"])
+_OVER_FACTORS = frozenset(["sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "logsumexp", "any",
+                           "all", "count_nonzero", "aminmax", "norm", "linalg_vector_norm", "var", "std", "var_mean",
+                           "std_mean"]) | _ALONG
 
 
 class FoldCalls:
@@ -522,7 +542,10 @@ class FoldCalls:
         keep = base in ("softmax", "log_softmax", "softmin", "normalize", "cumsum", "cumprod", "logcumsumexp",
                         "cummax", "cummin", "sort", "argsort", "topk", "kthvalue")
         dim = self._reduce_dim_arg(base, args, kwargs)
-        if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        whole = dim is None or (isinstance(dim, (list, tuple)) and not dim)
+        if (whole or fold.dim in fg._norm_dims(dim, nd)) and self._over_factors(base, fold, None if whole else dim):
+            return self._reduce_over_factors(func, base, args, kwargs, fold, None if whole else dim)
+        if whole:
             self._fold_fail(base, fold, "it reduces over every dim, the folded one among them")
         dims = fg._norm_dims(dim, nd)
         if fold.dim in dims:
@@ -532,6 +555,66 @@ class FoldCalls:
         out = func(*args, **kwargs)
         self._set_fold(out, fold.at(fold.dim if keepdim else fold.dim - sum(r < fold.dim for r in dims)))
         return out
+
+    def _over_factors(self, base: str, layout, dim) -> bool:
+        """Whether ``base`` over (or along) the whole folded or merged dim is computed on its
+        factors (``_reduce_over_factors``)."""
+        return (base in _OVER_FACTORS and not getattr(layout, "prefix", 0)
+                and (base not in ("max", "min") or dim is None) and (base not in _ALONG or dim is not None))
+
+    def _reduce_over_factors(self, func, base, args, kwargs, layout, dim):
+        """A reduction over the whole folded or merged dim (or a softmax along it) on that dim
+        written out as its factors: ``x.flatten(1).mean(1)`` of ``(B, C, H, W)`` with ``H`` sharded (a
+        per-sample mean or norm, LpLoss's ``x.reshape(b, -1)``), windows of several samples
+        summed, the tokens of a 2-D mesh. Every position of that dim lies on one rank and
+        these calls do not depend on the positions' order, so the slab reductions
+        (``sharded_nn.reductions``, through the guard's own routing) over the factors are the
+        single device's, without gathering anything. (Before session 62: refused where the dim
+        held several blocks, and on the tokens of a 2-D mesh computed on the gathered whole dim.)"""
+        x = args[0]
+        nd = x.dim()
+        shape, st = layout.virtual(tuple(x.shape))
+        extra = len(shape) - nd
+        md = layout.dim
+        span = tuple(range(md, md + extra + 1))
+        xv = x.reshape(shape)
+        self._set(xv, st)
+        if base in _ALONG:
+            if fg._norm_dims(dim, nd) != (md,):
+                self._fold_fail(base, layout, "it acts along that dim and others together")
+            dtype = kwargs.get("dtype") or next((a for a in args[2:] if isinstance(a, torch.dtype)), None)
+            src = xv.to(dtype) if dtype is not None else xv
+            src = -src if base == "softmin" else src
+            self._set(src, st)
+            lse = self._h_reduce(torch.logsumexp, "logsumexp", (src, span, True), {}, (src,))
+            out = src - lse
+            out = (out if base == "log_softmax" else out.exp()).reshape(x.shape)
+            self._set(out, layout)
+            return out
+        args = list(args)
+        args[0] = xv
+        kwargs = dict(kwargs)
+        if dim is not None:
+            vdims: list[int] = []
+            for d in fg._norm_dims(dim, nd):
+                vdims.extend(span if d == md else (d if d < md else d + extra,))
+            at = 2 if base in ("norm", "linalg_vector_norm") else 1
+            if "dim" in kwargs or len(args) <= at:
+                kwargs["dim"] = tuple(vdims)
+            else:
+                args[at] = tuple(vdims)
+        out = self._h_reduce(func, base, tuple(args), kwargs, (xv,))
+
+        def back(t):  # keepdim: the factors' ones written as the dim's one
+            if isinstance(t, torch.Tensor) and t.dim() == nd + extra:
+                t = t.reshape(*t.shape[:md], 1, *t.shape[md + extra + 1 :])
+            self._set(t, None)  # every sharded factor reduced: replicated
+            return t
+
+        if isinstance(out, torch.Tensor):
+            return back(out)
+        parts = tuple(back(t) for t in out)
+        return type(out)(parts)  # (a tuple, or torch's named tuples, which take one too)
 
     @staticmethod
     def _reduce_dim_arg(base: str, args, kwargs):

@@ -454,6 +454,8 @@ class MergedCalls:
                                    or m.dim in fg._norm_dims(dim, x.dim()))
         if not along or type(m) is not Merged or any(self.states.get(t) is not None for t in stateful if t is not x):
             return self._f_reduce(func, base, args, kwargs, stateful, merged)
+        if self._over_factors(base, m, dim):
+            return self._reduce_over_factors(func, base, args, kwargs, m, dim)
         if not m.tokens:
             self._fold_fail(base, m, "it acts along a dim of windows of several samples")
         if base in ("sum", "mean", "nansum", "nanmean") and dim is not None and not (

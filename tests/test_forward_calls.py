@@ -239,6 +239,16 @@ class Hazards(nn.Module):
             h = h + self.table[rows % 5 > 1].sum()
         elif k == "tolist":
             h = h * h.mean(1).sum(0).tolist()[0][0]
+        elif k == "nan_reductions":  # NaN-skipping sums and means over the sharded rows
+            peak = h.detach() == h.detach().amax((2, 3), keepdim=True)  # one infinity per channel
+            inf = torch.where(peak, torch.full_like(h, float("inf")), h)
+            nan = torch.where(h.detach() > 0.5, torch.full_like(h, float("nan")), h)
+            # nansum keeps an infinity (a finite sum before session 62: nan_to_num clipped it)
+            h = h * (1 + torch.isinf(torch.nansum(inf, (2, 3), keepdim=True)).to(h.dtype))
+            h = h + torch.nanmean(nan, (2, 3), keepdim=True) + nan.nanmean()  # (refused before session 62)
+        elif k == "view_as_slab":  # rows flattened, then back by another slab's shape
+            flat = h.reshape(h.shape[0], h.shape[1], -1)
+            h = flat.softmax(-1).view_as(h) * 10 + (flat * 2).reshape_as(h)  # (the output unfollowed before session 62)
         elif k == "nan_check":  # a routine NaN check in a forward: any/all over the sharded rows
             if torch.isnan(h).any() or not torch.isfinite(h).all(dim=2).all():
                 h = h * 0
@@ -271,7 +281,8 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call", "setitem_const", "table_rows", "nan_check", "peak_positions",
+    "group_norm_call", "instance_norm_call", "setitem_const", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
+    "peak_positions",
     "max_along_rows", "columns_after_rows",
 ]  # fmt: skip
 REFUSED = {

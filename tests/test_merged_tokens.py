@@ -147,7 +147,9 @@ class ReducedKeys(nn.Module):
 
 
 class Statistics(nn.Module):
-    """Sums, means, amax, var and a softmax over the tokens (einops round trip)."""
+    """Sums, means, amax, var, norms and softmaxes over the tokens (einops round trip); since
+    session 62 on the tokens written out as the blocks' rows and columns (each a slab), not
+    gathered whole."""
 
     def forward(self, x):
         from einops import rearrange
@@ -156,6 +158,8 @@ class Statistics(nn.Module):
         t = rearrange(x, "b c h w -> b (h w) c")
         t = t * torch.sigmoid(t.mean(1, keepdim=True)) + t.amax(1, keepdim=True) * 0.1
         t = t + t.var(dim=1, keepdim=True) + t.softmax(dim=1) + t.sum(1, keepdim=True) * 0.01
+        t = t + t.log_softmax(1) * 0.1 + t.norm(dim=1, keepdim=True) + t.logsumexp(1, keepdim=True) * 0.1
+        t = t / (t.nanmean(1, keepdim=True).abs() + 1) + torch.std_mean(t, (1, 2))[0].view(-1, 1, 1)
         return rearrange(t, "b (h w) c -> b c h w", h=h, w=w)
 
 
