@@ -629,6 +629,11 @@ def _arg(args, kwargs, i: int, name: str, default=None):
     return kwargs.get(name, default)
 
 
+def _plain_int(i) -> bool:
+    """Whether an index item is an integer position (not a bool: torch reads ``True`` as a mask)."""
+    return isinstance(i, int) and not isinstance(i, bool)
+
+
 def _norm_dims(dim, nd: int) -> tuple[int, ...] | None:
     if dim is None:
         return None
@@ -2293,13 +2298,23 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
                 self.fail("index assignment", "it indexes with a slab (index values differ by rank)", "")
             return func(*args, **kwargs)
         items = idx if isinstance(idx, tuple) else (idx,)
-        ok = all(isinstance(i, slice) or i is Ellipsis for i in items) and len([i for i in items if i is Ellipsis]) <= 1
+        ok = all(isinstance(i, slice) or i is Ellipsis or _plain_int(i) for i in items) and len(
+            [i for i in items if i is Ellipsis]) <= 1
         if ok:
             n_real = sum(1 for i in items if i is not Ellipsis)
             exp: list = []
             for i in items:
                 exp += [slice(None)] * (x.dim() - n_real) if i is Ellipsis else [i]
-            ok = st is not UNKNOWN and not isinstance(st, tuple(FOLDED))
+            ok = st is not UNKNOWN and not isinstance(st, tuple(FOLDED)) and len(exp) <= x.dim()
+            # Trailing dims written out (``x[:, :, :8] = 0`` on a 2-D mesh has no item for dim 3:
+            # read as past the index, it failed with an IndexError).
+            exp += [slice(None)] * (x.dim() - len(exp))
+            if ok and any(_plain_int(exp[d]) for d in st if d is not None and d < len(exp)):
+                # An integer position along a sharded dim (a boundary condition, ``u[:, :, 0] = 0``,
+                # ``u[..., -1, :] = wall``): the length-1 slice at that global position, the value
+                # given that dim, so the owner of the row writes it (refused before session 62).
+                exp, value = self._int_rows_as_slices(x, st, exp, args[2])
+                args = (x, tuple(exp), value, *args[3:])
             if ok and not self._keeps_slabs(x, st, exp):
                 return self._setitem_global(func, x, st, exp, args[2], kwargs)
             if ok and any(d is not None and d < len(exp) and not _full_slice(exp[d]) for d in st):
@@ -2311,6 +2326,28 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
             self.fail("index assignment", f"it writes local positions of a tensor sharded along {self.describe(st)}",
                       "build position masks on the full tensor before sharding, or register a sharded class")
         return func(*args, **kwargs)
+
+    def _int_rows_as_slices(self, x, st, index: list, value):
+        """``index`` with each integer along a sharded dim written as the length-1 slice at that
+        position (negative positions count from the whole sample's end, as the slices' bounds do),
+        and ``value`` given a dim of extent 1 there where it reaches that far (it broadcasts
+        against the assigned positions from the right, as torch aligns it)."""
+        index = list(index)
+        for d in sorted(d for d in st if d is not None and d < len(index) and _plain_int(index[d])):
+            i = index[d]  # (a position computed from a slab's size keeps its tag: the global number)
+            index[d] = slice(i, None if type(i) is int and i == -1 else i + 1)
+            if isinstance(value, torch.Tensor):
+                after = sum(1 for q in range(d + 1, x.dim()) if not (q < len(index) and _plain_int(index[q])))
+                if value.dim() > after:
+                    vst = self.states.get(value)
+                    if vst is not None and type(vst) is not tuple:
+                        self.fail("index assignment", f"it writes a tensor sharded along {self.describe(vst)} into "
+                                  f"one position along sharded dim {d}", "")
+                    at = value.dim() - after
+                    value = value.unsqueeze(at)
+                    if vst is not None:  # a slab along another dim (a profile along a sharded W)
+                        self._set(value, tuple(None if v is None else v + (v >= at) for v in vst))
+        return index, value
 
     def _setitem_global(self, func, x, st, index: list, value, kwargs):
         """``x[..., a:b, ...] = value`` along sharded dims by **global** positions, as on one device
@@ -2337,7 +2374,9 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
             out_index[p] = slice(lo, hi)
             if not isinstance(value, torch.Tensor):
                 continue
-            vd = d - (x.dim() - value.dim())
+            # (The value aligns from the right with the assigned positions: integer positions
+            # along other dims drop theirs.)
+            vd = value.dim() - 1 - sum(1 for q in range(d + 1, x.dim()) if not (q < len(index) and _plain_int(index[q])))
             vst = self.states.get(value)
             if vd < 0 or (value.shape[vd] == 1 and (vst is None or vd not in vst)):
                 continue  # broadcast along this dim
@@ -2784,12 +2823,42 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
             out = self._positions_of_rows(func, base, args, kwargs)
             if out is not None:
                 return out
+        if base == "meshgrid" and stateful and not any(_is_tagged(v) for v in found):
+            return self._meshgrid(func, args, kwargs)
         if stateful or any(_is_tagged(v) for v in found):
             self.fail(
                 f"`{base}`", "it builds a grid of positions from a slab's local size (local positions, not global ones)",
                 "build position grids for the full domain before sharding and shard them with the input",
             )
         return func(*args, **kwargs)
+
+    def _meshgrid(self, func, args, kwargs):
+        """``torch.meshgrid`` of coordinate vectors, some of them slabs (``torch.linspace(-1, 1,
+        x.shape[2])``: this rank's rows of the whole sample's coordinates): each output dim holds
+        one input's positions, so the grids are slabs along the dims of the sharded inputs
+        (``indexing="xy"`` swaps the first two), local and exact (refused before session 62: a
+        coordinate grid for a CoordConv or a neural operator's position channels)."""
+        tensors = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        dims = list(range(len(tensors)))
+        if kwargs.get("indexing") == "xy" and len(dims) > 1:
+            dims[0], dims[1] = 1, 0
+        state: list = [None] * len(self.guard.axes)
+        for i, t in enumerate(tensors):
+            st = self._st(t)
+            if st is None:
+                continue
+            if type(st) is not tuple or t.dim() != 1:
+                self.fail("`meshgrid`", f"its input {i} is sharded along {self.describe(st)}, not a vector of "
+                          "positions along one sharded dim", "")
+            for k, d in enumerate(st):
+                if d is not None:
+                    if state[k] is not None:
+                        self.fail("`meshgrid`", f"two of its inputs are sharded along mesh axis {self.guard.axes[k]!r}",
+                                  "")
+                    state[k] = dims[i]
+        out = func(*args, **kwargs)
+        self._set(out, tuple(state))
+        return out
 
     def _positions_of_rows(self, func, base, args, kwargs):
         """``torch.arange(n)`` and ``torch.linspace/logspace(a, b, n)`` whose count ``n`` is a slab's

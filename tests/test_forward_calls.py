@@ -226,6 +226,19 @@ class Hazards(nn.Module):
         elif k == "setitem_const":  # the first 8 rows of the whole sample (refused before session 56)
             h = h.clone()
             h[:, :, :8] = 0.0
+        elif k == "setitem_positions":  # boundary conditions by integer position (refused before session 62)
+            h = h.clone()
+            h[:, :, 0] = 0.0  # a wall: the whole sample's first row
+            h[..., -1, :] = torch.linspace(0, 1, h.shape[3], dtype=h.dtype)  # the last row, a plain profile
+            h[:, 1, h.shape[2] - 2] = h[:, 0, 1] * 3  # a row by a position read from the size; one row's values
+            h[:, 2, 3, -1] = 5.0  # one element (on a 2-D mesh: one rank's)
+            h[:, 0] = h[:, 0] * 2  # an integer position along an unsharded dim, a slab value
+        elif k == "meshgrid":  # coordinate channels (CoordConv, a neural operator's grid; refused before session 62)
+            ys = torch.linspace(-1, 1, h.shape[2], dtype=h.dtype)
+            xs = torch.linspace(-1, 1, h.shape[3], dtype=h.dtype)
+            gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+            gx2, gy2 = torch.meshgrid(xs, ys, indexing="xy")
+            h = h + gy + 2 * gx + h * gy2 * gx2
         elif k == "table_rows":  # a whole table indexed by the slab's global row positions
             rows = torch.arange(h.shape[2])
             dist = (rows.unsqueeze(-1) * 3 + 2.0).long() % 5  # (H, 1), a slab
@@ -281,7 +294,7 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call", "setitem_const", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
+    "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
     "peak_positions",
     "max_along_rows", "columns_after_rows",
 ]  # fmt: skip
@@ -369,7 +382,7 @@ def _size_values_2d(kind: str):
 @pytest.mark.parametrize(
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
              "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
-             "nan_check", "columns_after_rows"]
+             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a

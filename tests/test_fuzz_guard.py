@@ -342,6 +342,26 @@ def _column_stats(m, x):  # statistics of what a mean over the rows leaves (the 
     return x + torch.softmax(cols, -1).unsqueeze(2) + cols.std(-1)[:, :, None, None] * 0.1 + cols.amax()
 
 
+def _sample_stats(m, x):  # per-sample statistics of the sample flattened with its channels (since session 62)
+    flat = x.flatten(1)
+    scale = flat.norm(dim=1) + flat.std(1) + flat.amax(1).abs() + x.reshape(x.shape[0], -1).mean(1).abs()
+    return x / (1 + scale.view(-1, 1, 1, 1)) + flat.softmax(1).view_as(x)
+
+
+def _boundaries(m, x):  # boundary conditions written by integer position (since session 62)
+    y = x.clone()
+    y[:, :, 0] = 0.5
+    y[..., -1, :] = y[:, :, 1] * 2
+    y[:, 1, y.shape[2] // 2] = torch.linspace(-1, 1, y.shape[3], dtype=y.dtype)
+    return y
+
+
+def _coordinates(m, x):  # coordinate channels from a meshgrid of the rows and columns (since session 62)
+    gy, gx = torch.meshgrid(torch.linspace(-1, 1, x.shape[2], dtype=x.dtype),
+                            torch.linspace(0, 2, x.shape[3], dtype=x.dtype), indexing="ij")
+    return x * (1 + 0.1 * gy) + 0.2 * gx
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
@@ -350,7 +370,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _pixel_round_trip, _einsum_attention, _rearranged, _chunks, _differences, _pad_valid_pool,
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
     _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows, _table_lookup,
-    _nan_check, _peak_rows, _lp_pool, _crop_pad, _column_stats,
+    _nan_check, _peak_rows, _lp_pool, _crop_pad, _column_stats, _sample_stats, _boundaries, _coordinates,
 )}  # fmt: skip
 
 
@@ -358,7 +378,8 @@ STEPS = {f.__name__[1:]: f for f in (
 #: last dim), named ``T:<step>``.
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
-                "batch_windows", "fft_rows", "table_lookup", "peak_rows", "crop_pad", "column_stats")
+                "batch_windows", "fft_rows", "table_lookup", "peak_rows", "crop_pad", "column_stats", "sample_stats",
+                "boundaries", "coordinates")
 
 
 class Program(nn.Module):
@@ -484,6 +505,12 @@ EXAMPLES = [
     # Session 59: a whole table read at positions computed on the rows (and on the columns of a 2x2 mesh).
     dict(domain=3, sizes=[2, 5, 1], width=4, steps=["table_lookup", "conv", "T:table_lookup"], head="slab", seed=37),
     dict(domain=(2, 2), sizes=[4, 2], width=5, steps=["T:table_lookup", "table_lookup"], head="pool", seed=41),
+    # Session 62: per-sample statistics over the flattened sample, boundary rows written by
+    # integer position, meshgrid coordinates; one-row slabs and the 2x2 mesh.
+    dict(domain=3, sizes=[1, 5, 2], width=4, steps=["sample_stats", "boundaries", "coordinates", "T:boundaries"],
+         head="slab", seed=43),
+    dict(domain=(2, 2), sizes=[3, 4], width=5, steps=["T:sample_stats", "boundaries", "coordinates"], head="pool",
+         seed=47),
 ]
 
 
