@@ -291,6 +291,16 @@ def launch(
         ``RuntimeError`` when a rank died without a Python exception (killed by the OS);
         ``TimeoutError`` when the run exceeds ``timeout``.
     """
+    if getattr(mp.current_process(), "_inheriting", False):
+        # "spawn" starts each rank by importing the main module (as ``__mp_main__``): a call at
+        # its top level runs again in every rank, which cannot start processes while it is being
+        # started. Said first, in the ranks' stderr (Python's own message comes after a port
+        # bound and a build, buried in every rank's traceback).
+        raise RuntimeError(
+            "launch: called while a rank was importing the script that calls it. Ranks start by importing "
+            "the main module, so its top level runs in every rank; put the call under "
+            '`if __name__ == "__main__":` (as in the README\'s Usage).'
+        )
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}.")
     resolve_mmap_threshold(mmap_threshold, True)  # a bad value fails here, not in every rank
@@ -416,8 +426,9 @@ def _raise_failure(
             hint = " (killed by a signal: out of memory is a common cause)"
         else:
             hint = (
-                " (os._exit, or a crash before fn ran: see the rank's stderr; a function the ranks cannot "
-                "import, such as one defined in an interactive session, is a common cause)"
+                " (os._exit, or a crash before fn ran: see the rank's stderr; common causes: a script that calls "
+                'launch outside `if __name__ == "__main__":`, and a function the ranks cannot import, such as one '
+                "defined in an interactive session)"
             )
         raise RuntimeError(
             f"launch: rank {root} died with {_exit_status(code)} and no traceback{hint}{other_text}"

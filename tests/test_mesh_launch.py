@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -451,6 +452,31 @@ def test_launch_parent_interrupted_or_killed_leaves_no_ranks(tmp_path, sig):
         assert report["interrupted_at"] - sent < 10
     else:
         assert parent.returncode == -signal.SIGKILL
+
+
+_UNGUARDED_SCRIPT = """
+import sharded_nn as snn
+
+def main():
+    return 1
+
+print("result", snn.launch(main, 2, timeout=60, device_type="cpu", threads=1))
+"""
+
+
+def test_launch_from_an_unguarded_script_says_where_the_call_belongs(tmp_path):
+    # A newcomer's first script: launch at the top level, no `if __name__ == "__main__":`. Every
+    # rank imports the script and reaches the call again: each says so first, and the parent's
+    # error names the cause.
+    script = tmp_path / "first.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "result" not in done.stdout
+    assert done.stderr.count("launch: called while a rank was importing the script") == 2, done.stderr[-3000:]
+    assert 'outside `if __name__ == "__main__":`' in done.stderr, done.stderr[-3000:]
+    # Said before Python's own bootstrapping error (which each rank would reach after binding a port).
+    assert "bootstrapping phase" not in done.stderr, done.stderr[-3000:]
 
 
 def test_launch_unpicklable_fn_raises_without_processes():
