@@ -70,6 +70,7 @@ from .guard_fft import FftCalls
 from .guard_losses import LOSS_NAMES, LossCalls
 from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .guard_merged import Merged, MergedCalls, merged_of_reshape
+from .guard_sample import SampleCalls
 from .layout import overlap_lengths, slab_overlap
 from .mesh import axis_index, axis_size, domain_axes, one_rank
 
@@ -475,7 +476,7 @@ _REDUCE = frozenset(
 _POSITIONAL = frozenset(
     """flip fliplr flipud rot90 tril triu diagonal diag diag_embed index_select gather scatter scatter_add
     scatter_reduce index_add index_copy index_fill index_put take take_along_dim masked_select nonzero
-    masked_scatter unfold fold grid_sample affine_grid pixel_shuffle_any embedding_bag
+    masked_scatter unfold fold affine_grid pixel_shuffle_any embedding_bag
     conv_tbc histc bincount searchsorted bucketize cross""".split()
 )
 _CREATE_SIZED = frozenset(["zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"])
@@ -577,7 +578,7 @@ def _classify(func) -> tuple[str, str, bool]:
         "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
         "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
-        "embedding": "embedding", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
+        "embedding": "embedding", "grid_sample": "grid_sample", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
         "new_tensor": "literal", "view_as_real": "complex_view", "view_as_complex": "complex_view",
     }  # fmt: skip
     if base in simple:
@@ -1296,7 +1297,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode):
+class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -2083,6 +2084,11 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
             return out
         self._require_known("indexing", [x])
         items = idx if isinstance(idx, tuple) else (idx,)
+        picked = self._pick_along_unsharded(x, st, items)
+        if picked is not None:
+            out = func(*args, **kwargs)
+            self._set(out, st)
+            return out
         if any(isinstance(i, (torch.Tensor, list)) or i is True or i is False for i in items):
             self.fail("indexing with a tensor/list", "the guard cannot map advanced indexing of a slab", "")
         n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -2151,6 +2157,26 @@ class _GuardMode(FftCalls, LossCalls, MergedCalls, FoldCalls, TorchFunctionMode)
         if crops:
             out = self._keep_crop_boundaries(out, st, crops, bounds, [mapping[d] for _, d, _ in crops])
         return out
+
+    def _pick_along_unsharded(self, x, st, items) -> bool | None:
+        """True where ``items`` pick positions along one unsharded dim by a list or a plain 1-D
+        tensor, every other item a whole slice (``grid[..., [1, 0]]``: VoxelMorph reorders its
+        coordinates so): local, the dims where they are (refused as advanced indexing before
+        session 62). None otherwise."""
+        adv = [p for p, i in enumerate(items) if isinstance(i, (torch.Tensor, list))]
+        if len(adv) != 1 or type(st) is not tuple or sum(1 for i in items if i is Ellipsis) > 1:
+            return None
+        pick = items[adv[0]]
+        if isinstance(pick, torch.Tensor):
+            if pick.dim() != 1 or self.states.get(pick) is not None or pick.is_floating_point():
+                return None
+        elif not all(_plain_int(v) and type(v) is int for v in pick):
+            return None
+        if not all(i is Ellipsis or (isinstance(i, slice) and _full_slice(i)) for p, i in enumerate(items) if p != adv[0]):
+            return None
+        # (An Ellipsis in front: the dim counts from the end.)
+        dim = x.dim() - len(items) + adv[0] if any(i is Ellipsis for i in items[: adv[0]]) else adv[0]
+        return True if 0 <= dim < x.dim() and dim not in st else None
 
     def _axis_span(self, x, st, dims: list[int], what: str) -> list[tuple[int, int, int]]:
         """Per sharded dim of ``dims``: (this slab's global start, its length, the global length)."""
@@ -4058,7 +4084,7 @@ def _classify_cached(func):
 
 
 #: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
-_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, _GuardMode) for name, fn in vars(cls).items()
+_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, SampleCalls, _GuardMode) for name, fn in vars(cls).items()
              if name.startswith("_h_") and callable(fn)}
 
 

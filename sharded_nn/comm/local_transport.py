@@ -609,6 +609,7 @@ class _Transport:
         self.poller.register(self.listener.fileno(), select.POLLIN)
         self.lock = threading.RLock()
         self.spin = spin_seconds()  # decided once: the thread count is set before the first message
+        self.spun = 0  # polls made without sleeping, for the tests (CPU time depends on the host's load)
         gloo_exit.arm()  # this process talks over a gloo group (a mesh from torch's own init)
         self.store.set(f"{self.prefix}{self.rank}", f"{self.host}\n{self.boot}\n{self.name}")
 
@@ -994,6 +995,7 @@ class _Transport:
                 if done():
                     return
                 if spinning:
+                    self.spun += 1
                     # Let a runnable thread of this core go first (gloo's workers, this rank's
                     # own included, which the peer may be waiting on): a busy poll loop would
                     # otherwise hold the core for the scheduler's whole time slice.
