@@ -2616,9 +2616,14 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
         dim = _arg(args, kwargs, 1, "dim")
         if base in ("softmax", "log_softmax", "softmin", "normalize", "cumsum", "cumprod", "logcumsumexp",
                     "cummax", "cummin", "sort", "argsort", "diff"):
-            dim = _arg(args, kwargs, 1, "dim", 1 if base == "normalize" else (-1 if base in ("sort", "argsort", "diff") else None))
+            dim = _arg(args, kwargs, 1, "dim", 1 if base == "normalize" else (-1 if base in ("sort", "argsort") else None))
             if base == "normalize":
                 dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
+            elif base == "diff":
+                # torch.diff(input, n=1, dim=-1, ...): the dim is the third argument (read as the
+                # second before session 62, ``torch.diff(x, 1, 2)`` ran locally along sharded dim
+                # 2: the differences across slab boundaries missing, silently).
+                dim = _arg(args, kwargs, 2, "dim", -1)
             dims = _norm_dims(dim, nd) if dim is not None else tuple(range(nd))
             if base == "normalize" and any(d in st for d in dims):
                 return self._route_normalize(x, args, kwargs, dims, st)
@@ -2630,6 +2635,8 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
                                         sharded_dims=self._leading_dims(base, st))
                 self._set(out, st)
                 return out
+            if base == "diff" and any(d in st for d in dims):
+                return self._route_diff(x, args, kwargs, dims[0], st)
             if any(d in st for d in dims):
                 self.fail(f"`{base}`", f"it acts along sharded dim(s) {sorted(set(dims) & set(st))}", "")
             out = func(*args, **kwargs)
@@ -2740,6 +2747,24 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
         out = fn(-x if base == "softmin" else x, self.guard.mesh, dim, sharded_dims=active)
         self._set(out, st)
         return out
+
+    def _route_diff(self, x, args, kwargs, dim: int, st):
+        """``torch.diff`` along a sharded dim (finite differences in a physics loss, a total
+        variation): ``n`` times the crop ``[1:]`` minus the crop ``[:-1]`` along it, by global
+        positions; both crops keep the slab boundaries (``kept_boundaries``), so they line up on
+        every rank as on one device (refused before session 62)."""
+        if _arg(args, kwargs, 3, "prepend") is not None or _arg(args, kwargs, 4, "append") is not None:
+            self.fail("`diff`", f"it joins prepend/append tensors along sharded dim {dim}",
+                      "concatenate them with torch.cat first, then take the difference")
+        y = x
+        for _ in range(int(_arg(args, kwargs, 1, "n", 1))):
+            later = tuple(slice(1, None) if d == dim else slice(None) for d in range(x.dim()))
+            earlier = tuple(slice(None, -1) if d == dim else slice(None) for d in range(x.dim()))
+            hi = self._h_getitem(torch.Tensor.__getitem__, "__getitem__", (y, later), {}, [y])
+            lo = self._h_getitem(torch.Tensor.__getitem__, "__getitem__", (y, earlier), {}, [y])
+            y = hi - lo if y.dtype != torch.bool else hi ^ lo  # (torch's diff of booleans: logical xor)
+            self._set(y, self._st(hi))
+        return y
 
     def _route_normalize(self, x, args, kwargs, dims, st):
         """``F.normalize`` along a sharded dim: the routed vector norm, then torch's own formula."""

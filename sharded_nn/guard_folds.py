@@ -540,7 +540,7 @@ class FoldCalls:
             return self._f_pointwise(func, base, args, kwargs, stateful, fold)
         nd = x.dim()
         keep = base in ("softmax", "log_softmax", "softmin", "normalize", "cumsum", "cumprod", "logcumsumexp",
-                        "cummax", "cummin", "sort", "argsort", "topk", "kthvalue")
+                        "cummax", "cummin", "sort", "argsort", "topk", "kthvalue", "diff")
         dim = self._reduce_dim_arg(base, args, kwargs)
         whole = dim is None or (isinstance(dim, (list, tuple)) and not dim)
         if (whole or fold.dim in fg._norm_dims(dim, nd)) and self._over_factors(base, fold, None if whole else dim):
@@ -625,6 +625,8 @@ class FoldCalls:
             return fg._arg(args, kwargs, 1, "dim", -1)
         if base in ("topk", "kthvalue", "quantile", "nanquantile"):
             return fg._arg(args, kwargs, 2, "dim", -1 if base in ("topk", "kthvalue") else None)
+        if base == "diff":  # torch.diff(input, n=1, dim=-1, ...)
+            return fg._arg(args, kwargs, 2, "dim", -1)
         return fg._arg(args, kwargs, 1, "dim")
 
     def _f_trailing_norm(self, func, base, args, kwargs, stateful, fold):
