@@ -2863,9 +2863,40 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
         return func(*args, **kwargs)
 
     def _h_positional(self, func, base, args, kwargs, stateful):
+        if base in ("flip", "fliplr", "flipud") and len(stateful) == 1 and stateful[0] is args[0] and type(
+                self._st(args[0])) is tuple:
+            return self._flip(func, base, args, kwargs)
         if stateful:
             self.fail(f"`{base}`", f"it reads or writes positions by index on {self._what(stateful, False)}", "")
         return self._plain_or_fail(func, base, args, kwargs, stateful)
+
+    def _flip(self, func, base, args, kwargs):
+        """``flip`` of a slab (test-time augmentation, a mirrored branch; refused before session
+        62): along unsharded dims local; along a sharded dim each rank takes the rows that the
+        flipped whole sample puts in its slab (the mirror of its range, fetched from their owners
+        by ``comm.halo_gather``, gradients back) and flips them, so the layout stays the input's."""
+        from .comm import axis_peers
+        from .comm.halo import HaloGather, halo_gather
+
+        x = args[0]
+        st = self._st(x)
+        if base == "flip":  # torch.flip(x, dims), or x.flip(d0, d1, ...)
+            dims = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(
+                args, kwargs, 1, "dims")
+            dims = _norm_dims([dims] if isinstance(dims, int) else list(dims), x.dim())
+        else:
+            dims = (1,) if base == "fliplr" else (0,)
+        y = x
+        for d in [d for d in dims if d in st]:
+            self._routing(f"`{base}`")
+            k = st.index(d)
+            (lens,) = self._lengths([(k, int(y.shape[d]))], f"forward guard: `{base}` (slab lengths)")
+            total, starts = sum(lens), [sum(lens[:r]) for r in range(len(lens))]
+            mirrored = [(total - a - n, total - a - 1) for a, n in zip(starts, lens)]
+            y = halo_gather(y, HaloGather.of_blocks(d, lens, mirrored), axis_peers(self.guard.mesh, self.guard.axes[k]))
+        out = y.flip(dims)
+        self._set(out, st)
+        return out
 
     def _h_positions(self, func, base, args, kwargs, stateful):
         found: list = []

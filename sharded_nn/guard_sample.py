@@ -76,7 +76,7 @@ class SampleCalls:
         lo, hi = self._rows_touched(grid[..., comp].detach(), total, align, mode)
         blocks = [(int(a), int(b)) for a, b in self._along_axis(
             self._gather_with_coords([lo, hi], "forward guard: `grid_sample` (rows each rank samples)"), k)]
-        block = halo_gather(x, _block_gather(d, lens, blocks), axis_peers(self.guard.mesh, self.guard.axes[k]))
+        block = halo_gather(x, HaloGather.of_blocks(d, lens, blocks), axis_peers(self.guard.mesh, self.guard.axes[k]))
         n = hi - lo + 1
         # The coordinate on the block: the same position, normalised by the block's extent (the
         # whole dim: the grid as it is, bitwise one device's call).
@@ -118,22 +118,3 @@ class SampleCalls:
         if hi == lo and total > 1:
             hi, lo = (hi + 1, lo) if hi + 1 < total else (hi, lo - 1)
         return lo, hi
-
-
-def _block_gather(dim: int, lens: list[int], blocks: list[tuple[int, int]]) -> HaloGather:
-    """Each rank's extended slab = its block ``[lo, hi]`` of whole-sample rows: its own rows in
-    the block kept, the others fetched before and after them."""
-    left, keep, right = [], [], []
-    start = 0
-    for n, (lo, hi) in zip(lens, blocks):
-        a, b = max(lo, start), min(hi + 1, start + n)
-        if a < b:
-            left.append(tuple(range(lo, a)))
-            keep.append((a - start, b - a))
-            right.append(tuple(range(b, hi + 1)))
-        else:
-            left.append(tuple(range(lo, hi + 1)))
-            keep.append((0, 0))
-            right.append(())
-        start += n
-    return HaloGather(dim, tuple(lens), tuple(left), tuple(keep), tuple(right))

@@ -93,8 +93,8 @@ class Hazards(nn.Module):
             h = torch.cat([b, a, a * b], dim=1)[:, :4]
         elif k == "cat_sharded":
             h = torch.cat([h, h], dim=2)[:, :, : h.shape[2]]
-        elif k == "flip":
-            h = torch.flip(h, dims=(2,))
+        elif k == "flip":  # mirrored rows and columns (test-time augmentation; refused before session 62)
+            h = h + torch.flip(h, dims=(2,)) * 0.5 + h.flip(-1, 1) * 0.25 + torch.flip(h * 2, (2, 3)).flip(2)
         elif k == "std":
             h = h / h.std(dim=(2, 3), keepdim=True)
         elif k == "std_positional":  # Tensor.std(dim, unbiased, keepdim)
@@ -298,14 +298,13 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
+    "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
     "peak_positions",
     "max_along_rows", "columns_after_rows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
     "cat_sharded": "concatenates slabs along sharded dim 2",
-    "flip": "`flip`",
     "matrix_norm": "`linalg_norm`.*matrix norm",
     "position_step": "`arange`",
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
@@ -386,7 +385,7 @@ def _size_values_2d(kind: str):
 @pytest.mark.parametrize(
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
              "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
-             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows"]
+             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a

@@ -492,6 +492,26 @@ class HaloGather:
                 f"HaloGather: indices must lie in [-1, {n}) and kept ranges inside the slabs {self.sizes}; got {self}."
             )
 
+    @classmethod
+    def of_blocks(cls, dim: int, sizes, blocks) -> HaloGather:
+        """Every rank's extended slab = one block ``[lo, hi]`` of global positions (``hi < lo``:
+        none): its own positions in the block kept, the others fetched before and after them
+        (the rows a ``grid_sample`` reads, the mirror of a slab for ``flip``)."""
+        left, keep, right = [], [], []
+        start = 0
+        for n, (lo, hi) in zip(sizes, blocks):
+            a, b = max(lo, start), min(hi + 1, start + n)
+            if a < b:
+                left.append(tuple(range(lo, a)))
+                keep.append((a - start, b - a))
+                right.append(tuple(range(b, hi + 1)))
+            else:
+                left.append(tuple(range(lo, hi + 1)))
+                keep.append((0, 0))
+                right.append(())
+            start += n
+        return cls(dim, tuple(sizes), tuple(left), tuple(keep), tuple(right))
+
     def ext_size(self, index: int) -> int:
         """Length of rank ``index``'s extended slab along ``dim``."""
         return len(self.left[index]) + self.keep[index][1] + len(self.right[index])
