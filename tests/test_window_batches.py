@@ -113,48 +113,8 @@ def test_the_size_of_a_flattened_slab_is_the_global_one(run):
 
 
 # --------------------------------------------------------------------------------------------
-# Reductions over the whole folded dim: every position on one rank, order-free
-
-
-class ReducedOverFold(nn.Module):
-    """Reductions and softmaxes over the whole folded dim: the windows of a batch (a mean
-    window subtracted, windows weighted by a softmax over all of them), and a sample flattened
-    with its channels in front of the sharded rows (per-sample statistics: ``x.flatten(1)``,
-    LpLoss's ``x.reshape(b, -1)``), each computed on the dim written out as its factors (refused
-    before session 62: "acts along the folded dim")."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.stem = nn.Conv2d(2, 4, 3, padding=1)
-        self.head = nn.Conv2d(4, 3, 3, padding=1)
-
-    def forward(self, x):
-        h = self.stem(x)
-        k = self.kind
-        if k == "per_sample":
-            flat = h.flatten(1)
-            scale = flat.norm(dim=1) + flat.var(1) + flat.amax(1) - flat.mean(1) + torch.std_mean(flat, 1)[0]
-            weights = flat.softmax(1).view_as(h) * flat.shape[1]
-            return self.head(h * weights / scale.view(-1, 1, 1, 1)) + h.reshape(h.shape[0], -1).logsumexp(1).view(-1, 1, 1, 1)
-        x = h.permute(0, 2, 3, 1)
-        b, hh, w, c = x.shape
-        win = x.view(b, hh // WS, WS, w // WS, WS, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, WS * WS, c)
-        if k == "windows":
-            win = win - win.mean(0) + win.softmax(0) * win.var(0, keepdim=True) / win.abs().amax((0, 1))
-            win = win + torch.nansum(win, 0) / win.norm(dim=0) + win.sum()
-        y = win.view(b, hh // WS, w // WS, WS, WS, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hh, w, c)
-        return self.head(y.permute(0, 3, 1, 2))
-
-
-@pytest.mark.parametrize("kind", ["windows", "per_sample"])
-@pytest.mark.parametrize("domain, sizes, batch", [(2, [4, 8], 2), (3, [8, 4, 4], 3)])
-def test_reductions_over_the_whole_folded_dim_are_exact(run, kind, domain, sizes, batch):
-    assert max(run(domain, _batched, partial(ReducedOverFold, kind), domain, sizes, batch, 8)) < 1e-10
-
-
-# --------------------------------------------------------------------------------------------
-# Refusals: what needs the folded rows in one device's order
+# Refusals: what needs the folded rows in one device's order (and, below it, the reductions
+# over the whole folded dim, which do not: every position on one rank, order-free)
 
 
 class Misuse(nn.Module):
@@ -187,6 +147,37 @@ class Misuse(nn.Module):
             win = (win.transpose(0, 2) @ win.transpose(0, 2).transpose(1, 2)).transpose(0, 2)[:, :, :1].expand_as(win)
         y = win.view(b, h // WS, w // WS, WS, WS, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
         return self.head(y.permute(0, 3, 1, 2))
+
+
+class ReducedOverFold(Misuse):  # (its stem and head)
+    """Reductions and softmaxes over the whole folded dim: the windows of a batch (a mean
+    window subtracted, windows weighted by a softmax over all of them), and a sample flattened
+    with its channels in front of the sharded rows (per-sample statistics: ``x.flatten(1)``,
+    LpLoss's ``x.reshape(b, -1)``), each computed on the dim written out as its factors (refused
+    before session 62: "acts along the folded dim")."""
+
+    def forward(self, x):
+        h = self.stem(x)
+        k = self.kind
+        if k == "per_sample":
+            flat = h.flatten(1)
+            scale = flat.norm(dim=1) + flat.var(1) + flat.amax(1) - flat.mean(1) + torch.std_mean(flat, 1)[0]
+            weights = flat.softmax(1).view_as(h) * flat.shape[1]
+            return self.head(h * weights / scale.view(-1, 1, 1, 1)) + h.reshape(h.shape[0], -1).logsumexp(1).view(-1, 1, 1, 1)
+        x = h.permute(0, 2, 3, 1)
+        b, hh, w, c = x.shape
+        win = x.view(b, hh // WS, WS, w // WS, WS, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, WS * WS, c)
+        if k == "windows":
+            win = win - win.mean(0) + win.softmax(0) * win.var(0, keepdim=True) / win.abs().amax((0, 1))
+            win = win + torch.nansum(win, 0) / win.norm(dim=0) + win.sum()
+        y = win.view(b, hh // WS, w // WS, WS, WS, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hh, w, c)
+        return self.head(y.permute(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize("kind", ["windows", "per_sample"])
+@pytest.mark.parametrize("domain, sizes, batch", [(2, [4, 8], 2), (3, [8, 4, 4], 3)])
+def test_reductions_over_the_whole_folded_dim_are_exact(run, kind, domain, sizes, batch):
+    assert max(run(domain, _batched, partial(ReducedOverFold, kind), domain, sizes, batch, 8)) < 1e-10
 
 
 _MISUSE = {
