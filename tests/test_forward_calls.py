@@ -473,7 +473,7 @@ def test_guard_false_runs_unchecked(run):
 class Reviewed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.inner = Hazards("flip")
+        self.inner = Hazards("matrix_norm")  # (refused where checked; "flip" until session 62 routed it)
 
     def forward(self, x):
         return self.inner(x)
@@ -530,7 +530,7 @@ def test_guard_installed_once_and_survives_deepcopy(run):
     assert len(set(out)) == 1, out
     hooks, msg = out[0]
     assert hooks == (1, 1), hooks
-    assert "`flip` in module 'inner' (Hazards)" in msg, msg
+    assert "`linalg_norm` in module 'inner' (Hazards)" in msg, msg
 
 
 # --------------------------------------------------------------------------------------------
