@@ -578,7 +578,7 @@ def _classify(func) -> tuple[str, str, bool]:
         "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
         "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
-        "embedding": "embedding", "grid_sample": "grid_sample", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
+        "embedding": "embedding", "grid_sample": "grid_sample", "gradient": "gradient", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
         "new_tensor": "literal", "view_as_real": "complex_view", "view_as_complex": "complex_view",
     }  # fmt: skip
     if base in simple:
@@ -2765,6 +2765,47 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
             y = hi - lo if y.dtype != torch.bool else hi ^ lo  # (torch's diff of booleans: logical xor)
             self._set(y, self._st(hi))
         return y
+
+    def _h_gradient(self, func, base, args, kwargs, stateful):
+        """``torch.gradient`` (central differences, one-sided at the ends: a physics loss's
+        derivatives). Along a sharded dim: the end rows' differences (one global position each,
+        replicated) around the interior's ``(x[2:] - x[:-2]) / 2``, joined by ``cat`` as on one
+        device, over the spacing (a number per dim); along other dims torch's own call. Refused
+        along a sharded dim: coordinates as spacing, ``edge_order=2`` (refused before session 62)."""
+        x = args[0]
+        st = self._st(x)
+        if type(st) is not tuple or len(stateful) != 1:
+            return self._h_positional(func, base, args, kwargs, stateful)
+        nd = x.dim()
+        dim, spacing, order = kwargs.get("dim"), kwargs.get("spacing", 1), kwargs.get("edge_order", 1)
+        dims = tuple(range(nd)) if dim is None else _norm_dims([dim] if isinstance(dim, int) else list(dim), nd)
+        steps = list(spacing) if isinstance(spacing, (list, tuple)) else [spacing] * len(dims)
+        outs = []
+        for d, h in zip(dims, steps):
+            if d not in st:
+                out = torch.gradient(x, spacing=h, dim=d, edge_order=order)[0]
+                self._set(out, st)
+                outs.append(out)
+                continue
+            if order != 1 or isinstance(h, torch.Tensor):
+                self.fail("`gradient`", f"along sharded dim {d} only edge_order=1 and a number as spacing are "
+                          "computed", "")
+            self._routing("`gradient`")
+
+            def crop(a, b, d=d):
+                index = tuple(slice(a, b) if e == d else slice(None) for e in range(nd))
+                return self._h_getitem(torch.Tensor.__getitem__, "__getitem__", (x, index), {}, [x])
+
+            first, last = crop(1, 2) - crop(0, 1), crop(-1, None) - crop(-2, -1)  # one row each, replicated
+            inner = crop(2, None)
+            interior = (inner - crop(None, -2)) / 2
+            self._set(interior, self._st(inner))
+            out = self._h_cat(torch.cat, "cat", ([first, interior, last], d), {}, [interior])
+            st_out = self._st(out)
+            out = out / h
+            self._set(out, st_out)
+            outs.append(out)
+        return tuple(outs)
 
     def _route_normalize(self, x, args, kwargs, dims, st):
         """``F.normalize`` along a sharded dim: the routed vector norm, then torch's own formula."""

@@ -237,6 +237,9 @@ class Hazards(nn.Module):
             d1 = torch.diff(h, dim=2)  # (refused before session 62)
             d2 = torch.diff(h, 2, 2)  # n and dim by position: dim was read as 2nd, run locally (silently wrong)
             h = h + F.pad(d1, (0, 0, 1, 0)) + F.pad(d2, (0, 0, 1, 1)) + F.pad(torch.diff(h, 1, 3), (0, 1))
+        elif k == "gradient_rows":  # torch.gradient along the sharded rows and the columns (refused before session 62)
+            gy, gx = torch.gradient(h, dim=(2, 3), spacing=(0.5, 2.0))
+            h = h + gy * gx + torch.gradient(h * h, dim=2)[0]
         elif k == "meshgrid":  # coordinate channels (CoordConv, a neural operator's grid; refused before session 62)
             ys = torch.linspace(-1, 1, h.shape[2], dtype=h.dtype)
             xs = torch.linspace(-1, 1, h.shape[3], dtype=h.dtype)
@@ -298,7 +301,7 @@ EXACT = [
     "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
-    "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
+    "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "gradient_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
     "peak_positions",
     "max_along_rows", "columns_after_rows",
 ]  # fmt: skip
@@ -385,7 +388,7 @@ def _size_values_2d(kind: str):
 @pytest.mark.parametrize(
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
              "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
-             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip"]
+             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip", "gradient_rows"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a
