@@ -635,6 +635,18 @@ def _plain_int(i) -> bool:
     return isinstance(i, int) and not isinstance(i, bool)
 
 
+def _difference_block(start: int, n: int, total: int, edge_order: int) -> tuple[int, int]:
+    """The rows ``[lo, hi]`` of a dim of ``total`` rows whose ``torch.gradient`` gives the slab
+    ``[start, start + n)`` its own values: one row beyond each end, and at the sample's ends the
+    ``edge_order + 1`` rows its one-sided differences read."""
+    lo, hi = max(start - 1, 0), min(start + n, total - 1)
+    if lo == 0:
+        hi = max(hi, min(edge_order, total - 1))
+    if hi == total - 1:
+        lo = min(lo, max(total - 1 - edge_order, 0))
+    return (lo, hi) if n else (start, start - 1)  # (an empty slab reads nothing)
+
+
 def _norm_dims(dim, nd: int) -> tuple[int, ...] | None:
     if dim is None:
         return None
@@ -2768,10 +2780,16 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
 
     def _h_gradient(self, func, base, args, kwargs, stateful):
         """``torch.gradient`` (central differences, one-sided at the ends: a physics loss's
-        derivatives). Along a sharded dim: the end rows' differences (one global position each,
-        replicated) around the interior's ``(x[2:] - x[:-2]) / 2``, joined by ``cat`` as on one
-        device, over the spacing (a number per dim); along other dims torch's own call. Refused
-        along a sharded dim: coordinates as spacing, ``edge_order=2`` (refused before session 62)."""
+        derivatives). Along a sharded dim each rank fetches one row beyond each end of its slab
+        (the block its differences read, ``comm.halo_gather``; more at the sample's ends for
+        ``edge_order=2``), takes torch's own call on the block, where the sample's ends are the
+        block's, and keeps its own rows: one small all-gather of the lengths and point-to-point
+        rows, the single device's arithmetic. Along other dims torch's own call. A coordinate
+        spacing along a sharded dim must be a plain vector of the whole length (refused before
+        session 62)."""
+        from .comm import axis_peers
+        from .comm.halo import HaloGather, halo_gather
+
         x = args[0]
         st = self._st(x)
         if type(st) is not tuple or len(stateful) != 1:
@@ -2784,26 +2802,25 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, Torch
         for d, h in zip(dims, steps):
             if d not in st:
                 out = torch.gradient(x, spacing=h, dim=d, edge_order=order)[0]
-                self._set(out, st)
-                outs.append(out)
-                continue
-            if order != 1 or isinstance(h, torch.Tensor):
-                self.fail("`gradient`", f"along sharded dim {d} only edge_order=1 and a number as spacing are "
-                          "computed", "")
-            self._routing("`gradient`")
-
-            def crop(a, b, d=d):
-                index = tuple(slice(a, b) if e == d else slice(None) for e in range(nd))
-                return self._h_getitem(torch.Tensor.__getitem__, "__getitem__", (x, index), {}, [x])
-
-            first, last = crop(1, 2) - crop(0, 1), crop(-1, None) - crop(-2, -1)  # one row each, replicated
-            inner = crop(2, None)
-            interior = (inner - crop(None, -2)) / 2
-            self._set(interior, self._st(inner))
-            out = self._h_cat(torch.cat, "cat", ([first, interior, last], d), {}, [interior])
-            st_out = self._st(out)
-            out = out / h
-            self._set(out, st_out)
+            else:
+                self._routing("`gradient`")
+                k = st.index(d)
+                (lens,) = self._lengths([(k, int(x.shape[d]))], "forward guard: `gradient` (slab lengths)")
+                total = sum(lens)
+                starts = [sum(lens[:r]) for r in range(len(lens))]
+                blocks = [_difference_block(a, n, total, order) for a, n in zip(starts, lens)]
+                me = axis_index(self.guard.mesh, self.guard.axes[k])
+                (lo, hi), a, n = blocks[me], starts[me], lens[me]
+                if isinstance(h, torch.Tensor):
+                    if self._st(h) is not None or h.dim() != 1 or h.shape[0] != total:
+                        self.fail("`gradient`", f"its coordinates along sharded dim {d} are not a plain vector of "
+                                  f"the whole length ({total})", "")
+                    h = h[lo : hi + 1]
+                block = halo_gather(x, HaloGather.of_blocks(d, lens, blocks),
+                                    axis_peers(self.guard.mesh, self.guard.axes[k]))
+                grad = torch.gradient(block, spacing=(h,), dim=d, edge_order=order)[0] if n else block
+                out = grad.narrow(d, a - lo, n)
+            self._set(out, st)
             outs.append(out)
         return tuple(outs)
 

@@ -239,7 +239,9 @@ class Hazards(nn.Module):
             h = h + F.pad(d1, (0, 0, 1, 0)) + F.pad(d2, (0, 0, 1, 1)) + F.pad(torch.diff(h, 1, 3), (0, 1))
         elif k == "gradient_rows":  # torch.gradient along the sharded rows and the columns (refused before session 62)
             gy, gx = torch.gradient(h, dim=(2, 3), spacing=(0.5, 2.0))
-            h = h + gy * gx + torch.gradient(h * h, dim=2)[0]
+            h = h + gy * gx + torch.gradient(h * h, dim=2)[0] + torch.gradient(h, dim=2, edge_order=2)[0]
+            if getattr(self, "rows", None):  # coordinates of the whole sample's rows as spacing
+                h = h + torch.gradient(h, spacing=(torch.linspace(0, 1, self.rows, dtype=h.dtype) ** 2,), dim=2)[0]
         elif k == "meshgrid":  # coordinate channels (CoordConv, a neural operator's grid; refused before session 62)
             ys = torch.linspace(-1, 1, h.shape[2], dtype=h.dtype)
             xs = torch.linspace(-1, 1, h.shape[3], dtype=h.dtype)
