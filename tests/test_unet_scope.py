@@ -1,5 +1,6 @@
-"""The zoo UNet agrees on its layouts once per forward (far-edge pad/crop, per-dim padding and
-ConvTranspose declare their output layouts), and stays exact against the single-device model.
+"""The zoo UNet agrees on its layouts once per forward (per-dim padding and ConvTranspose declare
+their output layouts) where its grid needs no far-edge padding, and stays exact against the
+single-device model.
 
 Float64, uneven aligned slabs along dim 2, P = 2 and 3, grids that need far-edge padding, per-dim
 padding modes, 2-D and 3-D; forward output, input gradient and domain-summed parameter gradients
@@ -48,7 +49,10 @@ def _run(spatial_dims: int, sizes, rest, kwargs, train: bool):
     grads = reduce_param_grads(model, m)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-9, rtol=1e-9, msg=lambda s, n=name: f"{n}: {s}")
-    return fwd.calls.get("metadata", 0)
+    unscoped = snn.convert(copy.deepcopy(ref), m, layout_scope=False)
+    with count_traffic() as each:
+        unscoped(x_loc.detach())
+    return fwd.calls.get("metadata", 0), each.calls.get("metadata", 0)
 
 
 # Slabs start at multiples of 4 (two halvings); the last one is short, long, or leaves a grid
@@ -64,9 +68,17 @@ CASES = [
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize(("spatial_dims", "sizes", "rest", "kwargs"), CASES, ids=lambda v: str(v))
 def test_unet_agrees_once_per_forward(run, spatial_dims, sizes, rest, kwargs, train):
-    for calls in run(len(sizes), _run, spatial_dims, sizes, rest, kwargs, train, timeout=T):
-        # One agreement on the model's input (the far-edge pad, with the entry facts) and one at
-        # the crop on the unpadded input again; every other layout, ConvTranspose's and the
-        # far-edge pad's included, is derived (at most 8 before these declared their layouts,
-        # and a padded grid made every full-resolution layer agree again).
-        assert calls == 2, calls
+    padded = any(-sum(sizes) % 4 for _ in [0]) or any(-n % 4 for n in rest)
+    for calls, unscoped in run(len(sizes), _run, spatial_dims, sizes, rest, kwargs, train, timeout=T):
+        if not padded:
+            # One agreement on the model's input (with the entry facts) and one at the far-edge
+            # crop on its reference; every other layout, ConvTranspose's included, is derived.
+            assert calls == 2 < unscoped, (calls, unscoped)
+        else:
+            # The far-edge pad makes a layout that differs from the input's on the last rank
+            # only: the other ranks could not tell a tensor of either apart by its sizes, so the
+            # scope answers nothing after it (before session 63 it kept the padded layout alone,
+            # and a slab of the unpadded one, looked up later, was answered on some ranks only:
+            # a hang). The layers after the pad agree as without a scope; the one before it (the
+            # pad itself, with the entry facts) does not agree twice.
+            assert 2 < calls <= unscoped, (calls, unscoped)

@@ -258,7 +258,7 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
     Sharding contract: input sharded along ``dims`` in slabs that start at multiples of
     ``multiple`` (else a ``ShardingError`` on every rank); the amount comes from the global size
     (one all-gather of local shapes, which also checks the model's entry facts inside its
-    layout scope; the output layout is declared to the scope); the padding itself is
+    layout scope; where it pads, the layout scope answers nothing after it: see ``forward``); the padding itself is
     ``sharded_nn.layers.padding.pad`` on the agreed layouts.
     Output: the same slabs, the last one longer. (A generic far-edge pad belongs in
     ``sharded_nn/layers/padding.py``; it lives here until it moves there.)
@@ -289,9 +289,10 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
             Layout(lay.sizes[:-1] + (lay.sizes[-1] + amounts[d - 2],)) for d, lay in zip(self.dims, layouts)
         )
         if any(amounts):
-            # The padded layout shares the first slabs' sizes with the input's, so the scope
-            # could tell neither apart there (every full-resolution layer would agree again):
-            # it keeps the padded one only, and the crop agrees on the unpadded input again.
+            # The padded layout shares the first slabs' sizes with the input's, so those ranks
+            # could not tell a tensor of either apart: the scope answers nothing from here on
+            # (keeping the padded layout alone, as before session 63, answered a later slab of
+            # the unpadded one there and not on the last rank: a hang, or a wrong pairing).
             scope_forget()
         scope_declare(self.mesh, self.dims, x.dim(), out_layouts)
         # Each dim is padded after the ones before it: the layouts agreed above, updated per dim.
@@ -330,8 +331,8 @@ class ShardedFarEdgeCrop(ShardedMixin, FarEdgeCrop):
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # noqa: D102
         what = type(self).__name__
         # ``x``'s layout is usually known in the model's layout scope (the output of declared
-        # layers). ``like``'s is agreed: the far-edge pad dropped the unpadded layout from the
-        # scope, and a lookup of a layout the scope does not hold could hit on some ranks only.
+        # layers). ``like``'s is agreed: the model's input, whose layout the scope may not hold
+        # (a lookup of a layout the scope does not hold could hit on some ranks only).
         have = agree(x, self.mesh, self.dims, what=what, scoped=True).layouts
         target = agree(like, self.mesh, self.dims, what=f"{what} (reference)").layouts
         idx: list[slice] = [slice(None)] * x.dim()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..env import getenv
 from ..errors import ShardingError, ShardingWarning
 from ..layout import Layout
 from ..mesh import _flat_mesh, axis_size, domain_axes, domain_group, mesh_cached
@@ -690,13 +691,48 @@ def _scope_key(mesh: DeviceMesh, dims: Sequence[int], ndim: int) -> tuple:
 
 
 def scope_lookup(mesh: DeviceMesh, dims: Sequence[int], shape: Sequence[int]) -> tuple[Layout, ...] | None:
-    """The remembered layouts of a tensor of local ``shape`` sharded along ``dims``; None: agree."""
+    """The remembered layouts of a tensor of local ``shape`` sharded along ``dims``; None: agree.
+
+    Sound only while the scope remembers the layout of every slab a lookup can be asked about:
+    a rank answers from its own local sizes, so a tensor whose layout the scope never saw could
+    match a remembered one on some ranks only (they skip the agreement, the others make it: a
+    hang, or a collective paired with another). Hence ``scope_forget`` ends the answers for the
+    rest of the forward. ``SHARDED_NN_CHECK_SCOPE=1`` checks every lookup against an agreement
+    (``_verify_lookup``: one more all-gather per lookup, for tests).
+    """
     if not _scope_active() or _SCOPE.entry is not None or _SCOPE.off:
         return None
     answers = _SCOPE.answers.get(_scope_key(mesh, dims, len(shape)))
-    if not answers:
-        return None
-    return answers.get(tuple(shape[d] for d in dims))
+    hit = answers.get(tuple(shape[d] for d in dims)) if answers else None
+    if getenv("SHARDED_NN_CHECK_SCOPE") == "1":
+        _verify_lookup(mesh, dims, shape, hit)
+    return hit
+
+
+def _verify_lookup(mesh: DeviceMesh, dims: Sequence[int], shape: Sequence[int], hit) -> None:
+    """Raise on every rank where the scope's answer for this lookup is not the agreed layout, or
+    where some ranks answer and others would agree (the hazard ``scope_lookup`` describes)."""
+    meta = _layout_meta(mesh)
+    if dist.get_world_size(meta.group) == 1:
+        return
+    n = len(meta.axes)
+    row = [int(hit is not None), *meta.coords, len(shape), *(shape[d] for d in dims)]
+    flat = all_gather_stacked(torch.tensor(row, dtype=torch.int64), meta.group).view(-1).tolist()
+    rows = [flat[a : a + len(row)] for a in range(0, len(flat), len(row))]
+    hits = [r[0] for r in rows]
+    wrong = len(set(hits)) > 1
+    if hit is not None and not wrong:
+        for r in rows:
+            c = r[1 : 1 + n]
+            wrong = wrong or tuple(r[2 + n :]) != tuple(lay.sizes[i] for lay, i in zip(hit, c))
+    if wrong:
+        raise RuntimeError(
+            f"sharded_nn layout scope: a lookup of a tensor sharded along dims {tuple(dims)} (local shape "
+            f"{tuple(shape)}) was answered on ranks {[i for i, h in enumerate(hits) if h]} of {len(hits)} with "
+            f"{None if hit is None else [lay.sizes for lay in hit]}; the ranks' (coords, ndim, sizes) are "
+            f"{[tuple(r[1:]) for r in rows]}. A layout the scope never saw: the op that made it must declare it "
+            "(scope_declare) or forget (scope_forget). Please report this."
+        )
 
 
 def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Sequence[Layout]) -> None:
@@ -743,6 +779,14 @@ def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Seq
 
 
 def scope_forget() -> None:
-    """Forget every remembered layout: a layer whose output layout is not declared has run."""
+    """A layer whose output layout is not declared has run: answer nothing for the rest of the forward.
+
+    Clearing what was remembered is not enough: a tensor made before this point (a skip
+    connection, the input of a second branch) keeps its layout, which a later agreement on the
+    new layout does not bring back; looked up by its local sizes it could then match the new
+    layout on the ranks whose slabs the change left alone, and on those only (a crop of the last
+    rows, a pad at the far edge). Every later layer agrees instead (one small all-gather each).
+    """
     if _scope_active():
         _SCOPE.clear()
+        _SCOPE.off = True
