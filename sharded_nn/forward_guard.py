@@ -70,6 +70,7 @@ from .guard_fft import FftCalls
 from .guard_losses import LOSS_NAMES, LossCalls
 from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .guard_merged import Merged, MergedCalls, merged_of_reshape
+from .guard_distances import DistanceCalls
 from .guard_sample import SampleCalls
 from .layout import overlap_lengths, slab_overlap
 from .mesh import axis_index, axis_size, domain_axes, one_rank
@@ -578,7 +579,8 @@ def _classify(func) -> tuple[str, str, bool]:
         "layer_norm": "trailing_norm", "rms_norm": "trailing_norm", "group_norm": "spatial_norm",
         "instance_norm": "spatial_norm", "local_response_norm": "channel_op", "channel_shuffle": "channel_op",
         "pixel_shuffle": "pixel_shuffle", "pixel_unshuffle": "pixel_shuffle", "copy": "copy",
-        "embedding": "embedding", "grid_sample": "grid_sample", "gradient": "gradient", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
+        "embedding": "embedding", "grid_sample": "grid_sample", "cosine_similarity": "similarity",
+        "pairwise_distance": "similarity", "dist": "similarity", "one_hot": "one_hot", "gradient": "gradient", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
         "new_tensor": "literal", "view_as_real": "complex_view", "view_as_complex": "complex_view",
     }  # fmt: skip
     if base in simple:
@@ -1309,7 +1311,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(FftCalls, LossCalls, SampleCalls, MergedCalls, FoldCalls, TorchFunctionMode):
+class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, MergedCalls, FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -4198,7 +4200,7 @@ def _classify_cached(func):
 
 
 #: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
-_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, SampleCalls, _GuardMode) for name, fn in vars(cls).items()
+_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, SampleCalls, DistanceCalls, _GuardMode) for name, fn in vars(cls).items()
              if name.startswith("_h_") and callable(fn)}
 
 

@@ -289,6 +289,20 @@ class Hazards(nn.Module):
             low = torch.min(h.round(), -2).values
             lo, hi = torch.aminmax(h, dim=2, keepdim=True)
             h = h * top + where.to(h.dtype) / 10 + low.unsqueeze(2) + (hi - lo) * h.aminmax().max
+        elif k == "similarity_maps":  # feature similarity, distances (unknown calls, refused before session 63)
+            proto = torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=h.dtype).view(1, 4, 1, 1)
+            h = h * F.cosine_similarity(h, proto, dim=1).unsqueeze(1)  # along channels: local
+            h = h + F.cosine_similarity(h, h * h + 0.1, -2, 1e-6).unsqueeze(2)  # along the sharded rows
+            rows_last = h.transpose(2, 3)  # the sharded rows as the last dim, which pairwise_distance reduces
+            h = h + F.pairwise_distance(rows_last, rows_last * 0.5 + 1, p=1, keepdim=True).transpose(2, 3) / 10
+            h = h + F.pairwise_distance(h, h.flip(1)).unsqueeze(-1) / 10 + torch.dist(h, h * 0.3) / 100
+        elif k == "one_hot_labels":  # a segmentation loss's one-hot targets of a label slab
+            labels = h.argmax(1)
+            h = h * F.one_hot(labels, num_classes=4).permute(0, 3, 1, 2).to(h.dtype)
+            # without num_classes: the largest label of the whole sample (each slab's before)
+            last = (torch.arange(h.shape[2]) == h.shape[2] - 1).long().view(1, -1, 1)  # label 2 or 3 on the last row only
+            onehot = F.one_hot((h.sum(1) > 0.8).long() + 2 * last).permute(0, 3, 1, 2).to(h.dtype)
+            h = h * onehot.shape[1] / 4 + onehot[:, 1:2] - onehot[:, 2:].sum(1, keepdim=True)
         else:
             raise AssertionError(k)
         return self.head(h)
@@ -305,7 +319,7 @@ EXACT = [
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
     "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "gradient_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
     "peak_positions",
-    "max_along_rows", "columns_after_rows",
+    "max_along_rows", "columns_after_rows", "similarity_maps", "one_hot_labels",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
