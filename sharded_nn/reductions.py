@@ -15,7 +15,9 @@ partial gradients, so every rank's input gradient is exact. A loss computed from
 value is therefore counted once per rank unless it is shared: write
 ``losses.share(loss, mesh).backward()`` (or use ``losses.global_mean`` / ``losses.mse_loss``,
 which share for you). ``reductions.mean(err, mesh).backward()`` on every rank gives P times the
-gradient, exactly as summing P identical per-rank losses would.
+gradient, exactly as summing P identical per-rank losses would; called from a script (not inside
+a converted model's forward, whose own outputs are checked), a small replicated result behind
+``losses.check_seeded`` warns where a rank's backward starts on it with ones (that mistake).
 
 Precision: sums and counts accumulate in float32 for fp16/bf16 inputs (in the input dtype
 otherwise), as torch's own reductions do, and the result has the input dtype. ``max`` splits the gradient evenly among all
@@ -33,7 +35,9 @@ on every rank.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -44,7 +48,7 @@ from .comm.collectives import all_gather_stacked
 from .comm.sizes import check_cut, scope_declare, scope_forget
 from .errors import ShardingError
 from .layout import Layout
-from .mesh import axis_index, domain_axes, group_over
+from .mesh import axis_index, axis_size, domain_axes, group_over
 from .sharding import default_dims
 
 __all__ = [
@@ -91,7 +95,55 @@ def _plan(
         _declare_output(mesh, nd, dims, tuple(d % nd for d in sharded_dims), layouts, keepdim)
     else:
         scope_forget()  # (the scope describes tensors sharded by the leading axes only)
+    _PLANNED.axes = reduce_axes
     return dims, reduce_axes, sharded
+
+
+#: The mesh axes the last ``_plan`` of this thread reduces over (read by ``_seed_checked``).
+_PLANNED = threading.local()
+#: Results up to this many elements are checked (losses, per-sample values): the check reads the gradient.
+SEED_CHECKED_NUMEL = 4096
+
+
+def _seed_checked(fn):
+    """``fn``'s replicated result behind ``losses.check_seeded`` where a script calls it.
+
+    ``reductions.mean(err, mesh).backward()`` without ``share`` counts the loss once per rank:
+    P times the gradient, silently (the README's gradient convention). A converted model checks
+    its own small replicated outputs; a reduction called after the model, on its slab output, was
+    not checked. Now a small result that needs a gradient warns where a rank's backward starts on
+    it with ones. Not inside a guarded forward (the model's outputs are checked there, and the
+    guard's own routes call these) nor under ``torch.compile``.
+    """
+    what = f"the result of sharded_nn.reductions.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def checked(x, mesh, *args, **kwargs):
+        _PLANNED.axes = None
+        out = fn(x, mesh, *args, **kwargs)
+        axes = _PLANNED.axes
+        if not axes or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return out
+        from .forward_guard import guard_active
+
+        if guard_active():
+            return out
+        from .losses import check_seeded
+
+        ranks = math.prod(axis_size(mesh, a) for a in axes)
+        if ranks == 1:
+            return out
+
+        def one(t):
+            if not (isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()):
+                return t
+            if t.numel() > SEED_CHECKED_NUMEL:
+                return t
+            return check_seeded(t, group_over(mesh, axes), ranks, what)
+
+        return tuple(one(t) for t in out) if isinstance(out, tuple) else one(out)
+
+    return checked
 
 
 def _declare_output(mesh, nd: int, dims: tuple[int, ...], sharded_dims: tuple[int, ...], layouts, keepdim: bool) -> None:
@@ -124,6 +176,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@_seed_checked
 def sum(  # noqa: A001 - mirrors torch.sum
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -151,6 +204,7 @@ def sum(  # noqa: A001 - mirrors torch.sum
     return total.to(x.dtype)
 
 
+@_seed_checked
 def mean(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -172,6 +226,7 @@ def mean(
     return total if total.dtype == x.dtype else total.to(x.dtype)
 
 
+@_seed_checked
 def max(  # noqa: A001 - mirrors torch.amax
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -287,6 +342,7 @@ def _arg_extreme_planned(x, mesh, dim, keepdim: bool, plan, largest: bool) -> to
     return out if keepdim else out.squeeze(d)
 
 
+@_seed_checked
 def max_dim(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -368,6 +424,7 @@ def _safe_root(s: torch.Tensor, p: float) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(root), root)
 
 
+@_seed_checked
 def norm(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -477,6 +534,7 @@ class _Deviation(torch.autograd.Function):
         return g, -g.sum(ctx.dims, keepdim=True), None
 
 
+@_seed_checked
 def var(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -493,6 +551,7 @@ def var(
     return got[0]
 
 
+@_seed_checked
 def std(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -512,6 +571,7 @@ def std(
     return _safe_root(got[0], 2)
 
 
+@_seed_checked
 def var_mean(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -528,6 +588,7 @@ def var_mean(
     return got
 
 
+@_seed_checked
 def std_mean(
     x: torch.Tensor,
     mesh: DeviceMesh,
@@ -566,6 +627,7 @@ def _log_partition(
     return (shifted, log_total, top) if with_shift else (shifted, log_total)
 
 
+@_seed_checked
 def logsumexp(
     x: torch.Tensor,
     mesh: DeviceMesh,

@@ -25,6 +25,7 @@ import sharded_nn as snn
 from sharded_nn.mesh import domain_axes
 
 from .harness import mesh
+from .reference import reduce_param_grads
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}
 IGNORE = 255
@@ -295,6 +296,60 @@ def test_backward_of_an_unshared_replicated_output_warns_or_raises(run, domain, 
     msg, ok = out[0]
     assert msg.startswith("raised: ") and "every rank seeded its backward with ones" in msg, msg
     assert ok
+
+
+def _script_reduction(domain, name: str):
+    """A loss a script builds from a converted model's slab output with a public reduction."""
+    import warnings
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = nn.Conv2d(3, 4, 3, padding=1).double()
+    model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    reduce = {
+        "mean": lambda y: snn.reductions.mean(y.square(), m),
+        "sum_per_sample": lambda y: snn.reductions.sum(y.square(), m, dims=(1, 2, 3)),  # (N,): one per sample
+        "norm": lambda y: snn.reductions.norm(y, m),
+        "var_mean": lambda y: snn.reductions.var_mean(y, m)[0],
+        "max_dim": lambda y: snn.reductions.max_dim(y, m, 2)[0].sum(),
+        "logsumexp": lambda y: snn.reductions.logsumexp(y, m, (2,)).sum(),
+    }[name]
+    whole = {
+        "mean": lambda y: y.square().mean(),
+        "sum_per_sample": lambda y: y.square().sum((1, 2, 3)),
+        "norm": lambda y: torch.linalg.vector_norm(y),
+        "var_mean": lambda y: torch.var_mean(y)[0],
+        "max_dim": lambda y: y.max(2)[0].sum(),
+        "logsumexp": lambda y: torch.logsumexp(y, 2).sum(),
+    }[name]
+    ref_loss = whole(ref(x))
+    ref_loss.backward(torch.ones_like(ref_loss))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = reduce(model(snn.shard(x, m)))
+        loss.backward(torch.ones_like(loss))  # no share: P times the gradient
+        warned = [str(w.message) for w in caught if issubclass(w.category, snn.ShardingWarning)]
+        model.zero_grad()
+        n = len(caught)
+        loss = snn.losses.share(reduce(model(snn.shard(x, m))), m)
+        loss.backward(torch.ones_like(loss))  # shared: quiet and exact
+        quiet = len(caught) == n
+    grads = reduce_param_grads(model, m)
+    err = max((grads[k] - p.grad).abs().max().item() for k, p in ref.named_parameters())
+    return warned[:1], quiet, err
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("name", ["mean", "sum_per_sample", "norm", "var_mean", "max_dim", "logsumexp"])
+def test_unshared_reduction_called_by_a_script_warns(run, domain, name):
+    # A loss built after the model with a public reduction (not inside a converted forward,
+    # whose outputs are checked) backed up without share: P times the gradient, silent before
+    # session 63.
+    for warned, quiet, err in run(domain, _script_reduction, domain, name):
+        assert warned and "this rank seeded its backward with ones" in warned[0], warned
+        assert f"sharded_nn.reductions.{name.split('_')[0]}" in warned[0] and f"{domain} times" in warned[0], warned
+        assert quiet and err < 1e-10, (quiet, err)
 
 
 def _refused(domain, what: str):
