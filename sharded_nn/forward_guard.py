@@ -71,6 +71,7 @@ from .guard_losses import LOSS_NAMES, LossCalls
 from .guard_folds import _FOLD_HANDLERS, Fold, FoldCalls, _flatten_request, fold_of_reshape
 from .guard_merged import Merged, MergedCalls, merged_of_reshape
 from .guard_distances import DistanceCalls
+from .guard_pick import PickCalls
 from .guard_sample import SampleCalls
 from .layout import overlap_lengths, slab_overlap
 from .mesh import axis_index, axis_size, domain_axes, one_rank
@@ -1311,7 +1312,7 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, MergedCalls, FoldCalls, TorchFunctionMode):
+class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, PickCalls, MergedCalls, FoldCalls, TorchFunctionMode):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -2104,7 +2105,12 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, MergedCalls, F
             self._set(out, st)
             return out
         if any(isinstance(i, (torch.Tensor, list)) or i is True or i is False for i in items):
-            self.fail("indexing with a tensor/list", "the guard cannot map advanced indexing of a slab", "")
+            out = self._pick_global(x, st, items)  # positions by plain index tensors (``guard_pick``)
+            if out is not None:
+                return out
+            self.fail("indexing with a tensor/list", "the guard cannot map this advanced indexing of a slab",
+                      "index sharded dims by plain integer tensors or lists (each other item a whole slice or `...`), "
+                      "or mask with torch.where and reduce")
         n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
         expanded: list = []
         for i in items:
@@ -2926,9 +2932,83 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, MergedCalls, F
         if base in ("flip", "fliplr", "flipud") and len(stateful) == 1 and stateful[0] is args[0] and type(
                 self._st(args[0])) is tuple:
             return self._flip(func, base, args, kwargs)
+        alone = len(stateful) == 1 and stateful[0] is args[0] and type(self._st(args[0])) is tuple
+        if base == "unfold" and func is torch.Tensor.unfold and alone:
+            return self._sliding_windows(func, args, kwargs)
+        if base == "index_select" and alone:
+            x, dim, index = args[0], _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
+            if isinstance(dim, int) and isinstance(index, torch.Tensor) and index.dim() == 1 and not kwargs.get("out"):
+                dim %= x.dim()
+                st = self._st(x)
+                if dim in st:
+                    out = self._pick_global(x, st, (slice(None),) * dim + (index,))
+                    if out is None:
+                        self.fail("`index_select`", f"its index along sharded dim {dim} is not an integer tensor", "")
+                    return out
+                if self.states.get(index) is not None:
+                    self.fail("`index_select`", "its index is a slab (it differs by rank)", "")
+                out = func(*args, **kwargs)
+                self._set(out, st)
+                return out
         if stateful:
             self.fail(f"`{base}`", f"it reads or writes positions by index on {self._what(stateful, False)}", "")
         return self._plain_or_fail(func, base, args, kwargs, stateful)
+
+    def _sliding_windows(self, func, args, kwargs):
+        """``x.unfold(d, size, step)``: the windows of ``size`` rows every ``step`` rows along dim
+        ``d`` (patches ``x.unfold(2, p, p).unfold(3, p, p)``, HaloNet's overlapping key blocks),
+        refused along a sharded dim before session 63. Every slab must start on a window (a
+        multiple of ``step``, as for a strided convolution; else refused alike on every rank).
+        Each window sits on the rank that holds its first row (where a window without padding
+        puts its output); a
+        rank fetches the rows its windows reach past its slab from their owners
+        (``comm.halo_gather``; nothing moves where every window lies in one slab) and takes
+        torch's own ``unfold`` of that block. The windows' dim stays sharded, the window's rows
+        are the new last dim."""
+        from .comm import axis_peers
+        from .comm.halo import HaloGather, halo_gather
+        from .comm.sizes import scope_forget
+
+        x = args[0]
+        st = self._st(x)
+        d, size, step = (_arg(args, kwargs, i, n) for i, n in ((1, "dimension"), (2, "size"), (3, "step")))
+        if not all(isinstance(v, int) and not _is_tagged(v) for v in (d, size, step)):
+            self.fail("`unfold`", "its dim, size or step is not a plain integer", "")
+        d %= max(x.dim(), 1)
+        if d not in st:
+            out = func(*args, **kwargs)
+            self._set(out, st)
+            return out
+        self._routing("`unfold`")
+        k = st.index(d)
+        (lens,) = self._lengths([(k, int(x.shape[d]))], "forward guard: `unfold` (slab lengths)")
+        total = sum(lens)
+        if size > total or size < 0 or step <= 0:
+            func(x.new_empty(x.shape[:d] + (total,) + x.shape[d + 1:]), d, size, step)  # torch's own error
+        starts = [sum(lens[:r]) for r in range(len(lens))]
+        if any(a % step for a, n in zip(starts, lens) if n):
+            # As a strided convolution or pool: windows every ``step`` rows line up with the
+            # tensors around them (a ``repeat_interleave`` back, a pointwise call with the
+            # source) only where every slab starts on a window.
+            self.fail("`unfold`", f"windows every {step} rows along sharded dim {d} need every slab to start at a "
+                      f"multiple of {step}, but the slabs start at {tuple(starts)} (sizes {tuple(lens)})",
+                      f"shard the input with align a multiple of {step} (sharded_nn.alignment)")
+        windows = (total - size) // step + 1
+        blocks, start = [], 0
+        for n in lens:
+            first, last = -(-start // step), min((start + n - 1) // step, windows - 1)
+            blocks.append((first * step, last * step + size - 1) if n and first <= last else (0, -1))
+            start += n
+        mine = axis_index(self.guard.mesh, self.guard.axes[k])
+        lo, hi = blocks[mine]
+        y = halo_gather(x, HaloGather.of_blocks(d, lens, blocks), axis_peers(self.guard.mesh, self.guard.axes[k]))
+        if hi < lo:  # no window starts here: none, still through ``x``'s graph
+            out = (y.narrow(d, 0, 0).unsqueeze(-1) * 0).expand(*y.shape[:d], 0, *y.shape[d + 1:], size)
+        else:
+            out = y.unfold(d, size, step)
+        scope_forget()  # the windows' layout is new (alike on every rank)
+        self._set(out, st)
+        return out
 
     def _flip(self, func, base, args, kwargs):
         """``flip`` of a slab (test-time augmentation, a mirrored branch; refused before session

@@ -300,9 +300,26 @@ class Hazards(nn.Module):
             labels = h.argmax(1)
             h = h * F.one_hot(labels, num_classes=4).permute(0, 3, 1, 2).to(h.dtype)
             # without num_classes: the largest label of the whole sample (each slab's before)
-            last = (torch.arange(h.shape[2]) == h.shape[2] - 1).long().view(1, -1, 1)  # label 2 or 3 on the last row only
+            # label 2 or 3 on the last row only
+            last = (torch.arange(h.shape[2]) == h.shape[2] - 1).long().view(1, -1, 1)
             onehot = F.one_hot((h.sum(1) > 0.8).long() + 2 * last).permute(0, 3, 1, 2).to(h.dtype)
             h = h * onehot.shape[1] / 4 + onehot[:, 1:2] - onehot[:, 2:].sum(1, keepdim=True)
+        elif k == "pick_positions":  # sensor readings at given rows and columns (refused before session 63)
+            iy, ix = torch.tensor([0, 6, 3, -1]), torch.tensor([1, 4, 0, 2])
+            h = h + h[:, :, iy, ix].sum(-1)[:, :, None, None] / 10  # each position from its owner
+            h = h * h[:, :, [0, -2]].mean(2, keepdim=True)  # rows by a list (a 2x2 mesh: still sharded along W)
+            h = h + h.index_select(2, torch.tensor([5, 1, 1])).amax(2, keepdim=True)
+            h = h + h[torch.tensor([1, 0]), :, torch.tensor([5, 2])].sum(0)[None, :, None, :]  # index dims first
+        elif k == "unfold_windows":  # patches and sliding windows along the sharded rows (refused before session 63)
+            n = h.shape[2] - h.shape[2] % 2
+            pairs = h[:, :, :n].unfold(2, 2, 2)  # (N, C, n / 2, W, 2): the rows in pairs
+            h = h + F.pad(pairs.mean(-1).repeat_interleave(2, 2), (0, 0, 0, h.shape[2] - n))
+            h = h + F.pad(h.unfold(2, 3, 1).amax(-1), (0, 0, 1, 1))  # overlapping: rows from the next slab
+            h = h * h.unfold(3, 2, 1).sum(-1).mean(-1, keepdim=True)  # along the columns: local
+        elif k == "unfold_misaligned":
+            h = h + h.unfold(2, 4, 4).sum(-1).repeat_interleave(4, 2)
+        elif k == "pick_out_of_range":
+            h = h + h[:, :, torch.tensor([0, h.shape[2]])].sum(2, keepdim=True)
         else:
             raise AssertionError(k)
         return self.head(h)
@@ -319,7 +336,7 @@ EXACT = [
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
     "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "gradient_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
     "peak_positions",
-    "max_along_rows", "columns_after_rows", "similarity_maps", "one_hot_labels",
+    "max_along_rows", "columns_after_rows", "similarity_maps", "one_hot_labels", "pick_positions", "unfold_windows",
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
@@ -336,6 +353,8 @@ REFUSED = {
     "fconv_local_pad": "computed from a slab's local size",
     "instance_norm_running": "`instance_norm`.*updates running statistics",
     "repeat_tiles": "`repeat`.*tiles a tensor of 2 positions along dim 0 by a number computed from a slab's local size",
+    "unfold_misaligned": "`unfold`.*windows every 4 rows along sharded dim 2 need every slab to start at a multiple "
+                         "of 4",
 }
 
 
@@ -404,12 +423,32 @@ def _size_values_2d(kind: str):
 @pytest.mark.parametrize(
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
              "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
-             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip", "gradient_rows"]
+             "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip",
+             "gradient_rows", "similarity_maps", "one_hot_labels", "pick_positions", "unfold_windows"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a
     # row grid (sharded by the first axis only) broadcasts against the full slab.
     assert max(run(4, _size_values_2d, kind)) < 1e-10
+
+
+def _pick_out_of_range(domain):
+    m = mesh(domain)
+    torch.manual_seed(0)
+    model = snn.convert(Hazards("pick_out_of_range").double(), m)
+    try:
+        model(snn.shard(torch.randn(2, 2, 7, 6, dtype=torch.float64), m))
+    except IndexError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_picked_position_out_of_range_raises_on_every_rank(run, domain):
+    # Row 7 of 7 rows: torch's IndexError on every rank (checked against the global length; the
+    # slabs' own lengths would raise on some ranks only).
+    out = run(domain, _pick_out_of_range, domain)
+    assert len(set(out)) == 1 and "index 7 is out of bounds for dimension 2 with size 7" in out[0], out
 
 
 def _row_grid_misaligned_2d():

@@ -367,7 +367,8 @@ def _similarity(m, x):  # cosine similarity along channels and the rows, distanc
     x = x * (1 + 0.5 * F.cosine_similarity(x, proto, dim=1).unsqueeze(1))
     x = x + 0.3 * F.cosine_similarity(x, x * x + 0.1, dim=2, eps=1e-6).unsqueeze(2)
     rows = x.transpose(2, 3)  # the rows last: pairwise_distance reduces the last dim
-    return x + 0.1 * F.pairwise_distance(rows, rows.flip(1)).unsqueeze(-1).transpose(2, 3) + 0.01 * torch.dist(x, x * 0.5)
+    x = x + 0.1 * F.pairwise_distance(rows, rows.flip(1)).unsqueeze(-1).transpose(2, 3)
+    return x + 0.01 * torch.dist(x, x * 0.5)
 
 
 def _one_hot(m, x):  # one-hot classes of a label slab, the count read from the whole sample (since session 63)
@@ -381,6 +382,14 @@ def _total_variation(m, x):  # crops of the first and last row beside a crop of 
     return x * (1 + 0.1 * tv) + x.mean((2, 3), keepdim=True)
 
 
+def _probes(m, x):  # readings at fixed rows and columns by index tensors (since session 63)
+    h, w = x.shape[2], x.shape[3]
+    iy = torch.tensor([0, -1, 1, -2])
+    ix = torch.tensor([0, 1, -1, 0])
+    reading = x[:, :, iy, ix].sum(-1)[:, :, None, None] + x[:, :, [-1, 0]].amax(2, keepdim=True)
+    return x + 0.1 * reading + (h + w) * 0.01  # (the size first: 0.01 * (h + w) is a plain float, see the README)
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
@@ -390,7 +399,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
     _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows, _table_lookup,
     _nan_check, _peak_rows, _lp_pool, _crop_pad, _column_stats, _sample_stats, _boundaries, _coordinates,
-    _similarity, _one_hot, _total_variation,
+    _similarity, _one_hot, _total_variation, _probes,
 )}  # fmt: skip
 
 
@@ -399,7 +408,7 @@ STEPS = {f.__name__[1:]: f for f in (
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
                 "batch_windows", "fft_rows", "table_lookup", "peak_rows", "crop_pad", "column_stats", "sample_stats",
-                "boundaries", "coordinates", "similarity", "one_hot", "total_variation")
+                "boundaries", "coordinates", "similarity", "one_hot", "total_variation", "probes")
 
 
 class Program(nn.Module):
@@ -535,8 +544,9 @@ EXAMPLES = [
     # new layouts made the layout scope answer an old one on some ranks only: a hang).
     dict(domain=3, sizes=[2, 5, 1], width=4, steps=["similarity", "one_hot", "total_variation", "conv"], head="slab",
          seed=53),
-    dict(domain=(2, 2), sizes=[3, 4], width=5, steps=["T:similarity", "T:total_variation", "one_hot"], head="pool",
-         seed=59),
+    dict(domain=(2, 2), sizes=[3, 4], width=5,
+         steps=["T:similarity", "T:total_variation", "one_hot", "probes", "T:probes"], head="pool", seed=59),
+    dict(domain=4, sizes=[1, 3, 2, 2], width=4, steps=["probes", "conv", "T:probes"], head="slab", seed=61),
 ]
 
 
