@@ -1312,7 +1312,9 @@ def kept_boundaries(source: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(min(e, total) - min(a, total) for a, e in zip(starts, ends))
 
 
-class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, PickCalls, MergedCalls, FoldCalls, TorchFunctionMode):
+class _GuardMode(
+    FftCalls, LossCalls, SampleCalls, DistanceCalls, PickCalls, MergedCalls, FoldCalls, TorchFunctionMode
+):
     """The mode itself: one per guarded forward."""
 
     def __init__(self, guard: ForwardGuard) -> None:
@@ -2984,7 +2986,7 @@ class _GuardMode(FftCalls, LossCalls, SampleCalls, DistanceCalls, PickCalls, Mer
         (lens,) = self._lengths([(k, int(x.shape[d]))], "forward guard: `unfold` (slab lengths)")
         total = sum(lens)
         if size > total or size < 0 or step <= 0:
-            func(x.new_empty(x.shape[:d] + (total,) + x.shape[d + 1:]), d, size, step)  # torch's own error
+            func(x.new_empty((total,)), 0, size, step)  # torch's own error, alike on every rank
         starts = [sum(lens[:r]) for r in range(len(lens))]
         if any(a % step for a, n in zip(starts, lens) if n):
             # As a strided convolution or pool: windows every ``step`` rows line up with the
@@ -4280,8 +4282,8 @@ def _classify_cached(func):
 
 
 #: ``kind -> _GuardMode._h_<kind>``, looked up once rather than by name on every call.
-_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, SampleCalls, DistanceCalls, _GuardMode) for name, fn in vars(cls).items()
-             if name.startswith("_h_") and callable(fn)}
+_HANDLERS = {name[3:]: fn for cls in (FftCalls, LossCalls, SampleCalls, DistanceCalls, _GuardMode)
+             for name, fn in vars(cls).items() if name.startswith("_h_") and callable(fn)}
 
 
 def _minus_one_takes_sharded(x: torch.Tensor, st, request) -> bool:

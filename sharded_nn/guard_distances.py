@@ -12,7 +12,8 @@ pointwise call (two slabs line up, a plain operand broadcasts with size 1 along 
 
 ``one_hot`` without ``num_classes`` infers the count from the largest label of the whole sample
 (one all-reduce), as one device does from the whole tensor; each slab's own maximum gave ranks
-tensors of different widths before (refused).
+tensors of different widths before (refused). A negative label, or one past ``num_classes``,
+raises torch's error on every rank.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class DistanceCalls:
     def _operands(self, base, x1, x2):
         """``x1``, ``x2`` broadcast to one shape (each, as torch's ``expand_outplace``), and their layout."""
         e1, e2 = torch.broadcast_tensors(x1, x2)
-        st = self._broadcast(f"`{base}`", (x1, x2), {}, e1)
+        st = self._broadcast(base, (x1, x2), {}, e1)
         if st is fg.UNKNOWN or type(st) in fg.FOLDED:
             self.fail(f"`{base}`", f"an operand is {self.describe(st)}", "")
         return e1, e2, st
@@ -101,11 +102,19 @@ class DistanceCalls:
         if type(st) in fg.FOLDED:
             self.fail("`one_hot`", f"its labels are {self.describe(st)}", "")
         n = fg._arg(args, kwargs, 1, "num_classes", -1)
-        if n == -1:
-            # One device counts the classes from the largest label of the whole tensor.
-            self._routing("one_hot")
-            top = reductions.max(x, self.guard.mesh, None, sharded_dims=self._leading_dims("one_hot", st))
-            n = int(top) + 1 if x.numel() or int(top) >= 0 else 0
-        out = func(x, n)
+        # The whole sample's smallest and largest labels (one all-reduce): one device infers the
+        # class count from the largest, and raises on a negative label or one past
+        # ``num_classes``, which a slab holds on some ranks only (they raised alone: a hang).
+        self._routing("one_hot")
+        from .comm import all_reduce_max
+        from .mesh import group_over
+
+        axes = [a for a, d in zip(self.guard.axes, st) if d is not None]
+        low = torch.iinfo(torch.int64).min
+        local = torch.stack([x.amax(), -x.amin()]) if x.numel() else torch.tensor([low, low], device=x.device)
+        top, neg = (int(v) for v in all_reduce_max(local.long(), group_over(self.guard.mesh, axes)).tolist())
+        if -neg < 0 or (n != -1 and top >= n):
+            func(torch.tensor([-neg if -neg < 0 else top], device=x.device), n)  # torch's own error, alike
+        out = func(x, top + 1 if n == -1 else n)
         self._set(out, st)  # the class dim is appended: the slab's dims keep their places
         return out

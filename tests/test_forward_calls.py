@@ -318,6 +318,9 @@ class Hazards(nn.Module):
             h = h * h.unfold(3, 2, 1).sum(-1).mean(-1, keepdim=True)  # along the columns: local
         elif k == "unfold_misaligned":
             h = h + h.unfold(2, 4, 4).sum(-1).repeat_interleave(4, 2)
+        elif k == "one_hot_bad_label":  # a label past num_classes on the last row only
+            last = (torch.arange(h.shape[2]) == h.shape[2] - 1).long().view(1, -1, 1)
+            h = h * F.one_hot(h.argmax(1) + 4 * last, num_classes=4).permute(0, 3, 1, 2).to(h.dtype)
         elif k == "pick_out_of_range":
             h = h + h[:, :, torch.tensor([0, h.shape[2]])].sum(2, keepdim=True)
         else:
@@ -432,14 +435,14 @@ def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     assert max(run(4, _size_values_2d, kind)) < 1e-10
 
 
-def _pick_out_of_range(domain):
+def _torch_error(domain, kind):
     m = mesh(domain)
     torch.manual_seed(0)
-    model = snn.convert(Hazards("pick_out_of_range").double(), m)
+    model = snn.convert(Hazards(kind).double(), m)
     try:
         model(snn.shard(torch.randn(2, 2, 7, 6, dtype=torch.float64), m))
-    except IndexError as e:
-        return str(e)
+    except (IndexError, RuntimeError) as e:
+        return type(e).__name__, str(e)
     return "no error"
 
 
@@ -447,8 +450,16 @@ def _pick_out_of_range(domain):
 def test_picked_position_out_of_range_raises_on_every_rank(run, domain):
     # Row 7 of 7 rows: torch's IndexError on every rank (checked against the global length; the
     # slabs' own lengths would raise on some ranks only).
-    out = run(domain, _pick_out_of_range, domain)
-    assert len(set(out)) == 1 and "index 7 is out of bounds for dimension 2 with size 7" in out[0], out
+    out = run(domain, _torch_error, domain, "pick_out_of_range")
+    assert len(set(out)) == 1 and "index 7 is out of bounds for dimension 2 with size 7" in out[0][1], out
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_one_hot_label_out_of_range_raises_on_every_rank(run, domain):
+    # A label of 4 (num_classes=4) on the last row only: torch's error on the last rank alone
+    # would leave the others waiting in the model's next collective; every rank raises it.
+    out = run(domain, _torch_error, domain, "one_hot_bad_label")
+    assert len(set(out)) == 1 and out[0][0] == "RuntimeError" and "num_classes" in out[0][1], out
 
 
 def _row_grid_misaligned_2d():

@@ -390,6 +390,13 @@ def _probes(m, x):  # readings at fixed rows and columns by index tensors (since
     return x + 0.1 * reading + (h + w) * 0.01  # (the size first: 0.01 * (h + w) is a plain float, see the README)
 
 
+def _unfold_windows(m, x):  # patches of row pairs and overlapping windows by Tensor.unfold (since session 63)
+    n = x.shape[2] - x.shape[2] % 2
+    pairs = x[:, :, :n].unfold(2, 2, 2).mean(-1).repeat_interleave(2, 2)
+    x = x + F.pad(pairs, (0, 0, 0, x.shape[2] - n))
+    return x + 0.5 * F.pad(x.unfold(2, 3, 1).amax(-1), (0, 0, 1, 1), mode="replicate")
+
+
 STEPS = {f.__name__[1:]: f for f in (
     _se, _adaptive, _sum_over_size, _numel, _norm, _normalize_rows, _var, _softmax_rows, _amax,
     _interp_round_trip, _interp_to_size, _pad_crop, _roll, _max_pool, _branch, _positions, _linspace,
@@ -399,7 +406,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
     _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows, _table_lookup,
     _nan_check, _peak_rows, _lp_pool, _crop_pad, _column_stats, _sample_stats, _boundaries, _coordinates,
-    _similarity, _one_hot, _total_variation, _probes,
+    _similarity, _one_hot, _total_variation, _probes, _unfold_windows,
 )}  # fmt: skip
 
 
@@ -408,7 +415,8 @@ STEPS = {f.__name__[1:]: f for f in (
 TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "norm", "first_row", "branch",
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
                 "batch_windows", "fft_rows", "table_lookup", "peak_rows", "crop_pad", "column_stats", "sample_stats",
-                "boundaries", "coordinates", "similarity", "one_hot", "total_variation", "probes")
+                "boundaries", "coordinates", "similarity", "one_hot", "total_variation", "probes",
+                "unfold_windows")
 
 
 class Program(nn.Module):
@@ -547,6 +555,8 @@ EXAMPLES = [
     dict(domain=(2, 2), sizes=[3, 4], width=5,
          steps=["T:similarity", "T:total_variation", "one_hot", "probes", "T:probes"], head="pool", seed=59),
     dict(domain=4, sizes=[1, 3, 2, 2], width=4, steps=["probes", "conv", "T:probes"], head="slab", seed=61),
+    dict(domain=3, sizes=[4, 2, 2], width=4, steps=["unfold_windows", "conv", "T:unfold_windows"], head="slab",
+         seed=67),
 ]
 
 
