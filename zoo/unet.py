@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from sharded_nn.comm import axis_peers
-from sharded_nn.comm.sizes import scope_declare, scope_forget
+from sharded_nn.comm.sizes import scope_declare
 from sharded_nn.convert import convert
 from sharded_nn.errors import ShardingError
 from sharded_nn.forward_guard import mark_reviewed
@@ -258,7 +258,7 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
     Sharding contract: input sharded along ``dims`` in slabs that start at multiples of
     ``multiple`` (else a ``ShardingError`` on every rank); the amount comes from the global size
     (one all-gather of local shapes, which also checks the model's entry facts inside its
-    layout scope; where it pads, the layout scope answers nothing after it: see ``forward``); the padding itself is
+    layout scope; the padded layout is declared to the scope beside the input's: see ``forward``); the padding itself is
     ``sharded_nn.layers.padding.pad`` on the agreed layouts.
     Output: the same slabs, the last one longer. (A generic far-edge pad belongs in
     ``sharded_nn/layers/padding.py``; it lives here until it moves there.)
@@ -288,12 +288,12 @@ class ShardedFarEdgePad(ShardedMixin, FarEdgePad):
         out_layouts = tuple(
             Layout(lay.sizes[:-1] + (lay.sizes[-1] + amounts[d - 2],)) for d, lay in zip(self.dims, layouts)
         )
-        if any(amounts):
-            # The padded layout shares the first slabs' sizes with the input's, so those ranks
-            # could not tell a tensor of either apart: the scope answers nothing from here on
-            # (keeping the padded layout alone, as before session 63, answered a later slab of
-            # the unpadded one there and not on the last rank: a hang, or a wrong pairing).
-            scope_forget()
+        # Declared beside the input's layout, which the scope keeps: the padded layout shares the
+        # first slabs' sizes with it, so the scope answers neither at full resolution (those
+        # layers agree; the coarser levels' layouts, derived from the padded one, are answered).
+        # Forgetting the input's layout instead, as before session 63, answered a later slab of
+        # it with the padded layout on the first ranks and not on the last: a hang, or a wrong
+        # pairing of collectives.
         scope_declare(self.mesh, self.dims, x.dim(), out_layouts)
         # Each dim is padded after the ones before it: the layouts agreed above, updated per dim.
         current = list(layouts)
