@@ -183,6 +183,10 @@ CALLS = {  # name: (module factory, expected second derivative)
         "exact",
     ),
     "guard: roll": (lambda: _Call(lambda y: torch.roll(y, 1, 2)), RAISES),
+    "guard: cosine similarity": (lambda: _Call(lambda y: y * F.cosine_similarity(y, y * y + 1, dim=2).unsqueeze(2)),
+                                 "exact"),
+    "guard: picked rows": (lambda: _Call(lambda y: y * y[:, :, torch.tensor([0, 6, 3])].sum(2, keepdim=True)), "exact"),
+    "guard: unfold windows": (lambda: _Call(lambda y: F.pad(y.unfold(2, 2, 1).prod(-1), (0, 0, 0, 1))), RAISES),  # halo
 }
 
 
