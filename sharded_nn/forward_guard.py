@@ -1595,6 +1595,8 @@ class _GuardMode(
         if state is None or state is UNKNOWN:
             return out
         pos = {d: k for k, d in enumerate(state) if d is not None}
+        if pos:
+            _lint_float_sizes(set(pos), x.dim())
         if isinstance(out, torch.Size):
             return torch.Size([LocalLength(v, pos[i]) if i in pos else v for i, v in enumerate(out)])
         dim = _arg(args, kwargs, 1, "dim")
@@ -4111,6 +4113,19 @@ def _squeezed(x: torch.Tensor, st, args, kwargs) -> tuple[int, ...]:
     cand = range(nd) if dim is None else _norm_dims(dim, nd)
     keep = {d for d in st if d is not None}
     return tuple(i for i in cand if x.shape[i] == 1 and i not in keep)
+
+
+def _lint_float_sizes(positions: set, ndim: int) -> None:
+    """``guard_float_sizes``' check of the model code that just read sharded sizes (the first
+    frame outside torch and the guard's entry; not the library's own reads)."""
+    frame = sys._getframe(3)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code in _PASS_THROUGH_CODES):
+        frame = frame.f_back
+    if frame is None or (frame.f_code.co_filename.startswith(_LIB_DIR) and frame.f_code.co_filename not in _MODEL_RUNNERS):
+        return
+    from .guard_float_sizes import warn_float_left_of_sizes
+
+    warn_float_left_of_sizes(frame, positions, ndim)
 
 
 def _called_from_library(depth: int = 2) -> bool:

@@ -8,6 +8,7 @@ or every rank raises the same ``ShardingError`` naming the call, the module and 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -460,6 +461,41 @@ def test_one_hot_label_out_of_range_raises_on_every_rank(run, domain):
     # would leave the others waiting in the model's next collective; every rank raises it.
     out = run(domain, _torch_error, domain, "one_hot_bad_label")
     assert len(set(out)) == 1 and out[0][0] == "RuntimeError" and "num_classes" in out[0][1], out
+
+
+class _FloatLeft(nn.Module):
+    """Sizes of the sharded rows with a float on their left (local numbers Python computes
+    where the guard cannot see) and the forms that stay exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        n, c, rows, cols = h.shape
+        k = 2 * math.pi / rows  # flagged
+        h = h * (0.5 * h.shape[2]) + k  # flagged
+        return h + 1.0 / c + rows * 0.01 + 0.5 * (rows / 2) + 2 * math.pi / float(rows)  # exact forms
+
+
+def _float_left(domain):
+    import warnings
+
+    m = mesh(domain)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        snn.convert(_FloatLeft().double(), m)(snn.shard(torch.randn(2, 2, 8, 4, dtype=torch.float64), m))
+    return sorted({str(w.message).split(": a float")[0].rsplit(":", 1)[1] for w in caught
+                   if "a float on the left of a size" in str(w.message)})
+
+
+def test_float_on_the_left_of_a_sharded_size_warns(run):
+    # ``0.5 * h`` is Python's float arithmetic on the slab's own size: the guard cannot change
+    # it, so it reads the model's code once per site and names the line (silent before session 63).
+    first = _FloatLeft.forward.__code__.co_firstlineno
+    for lines in run(2, _float_left, 2):
+        assert lines == [str(first + 3), str(first + 4)], (lines, first)
 
 
 def _row_grid_misaligned_2d():
