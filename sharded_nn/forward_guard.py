@@ -1622,6 +1622,8 @@ class _GuardMode(
         # The product of the sizes with the local lengths tagged: the slab's count, which stands
         # for the global count where it is used as a value (``y / y.numel()``).
         pos = {d: k for k, d in enumerate(st) if d is not None}
+        if pos:
+            _lint_float_sizes(set(pos), args[0].dim())
         n = 1
         for i, v in enumerate(args[0].shape):
             n = (LocalLength(v, pos[i]) if i in pos else v) * n

@@ -50,12 +50,12 @@ def _tree(code):
 
 
 def _is_size_read(node) -> bool:
-    """``x.shape``, ``x.shape[...]``, ``x.size(...)``."""
+    """``x.shape``, ``x.shape[...]``, ``x.size(...)``, ``x.numel()``."""
     if isinstance(node, ast.Subscript):
         node = node.value
     if isinstance(node, ast.Attribute) and node.attr == "shape":
         return True
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size"
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("size", "numel")
 
 
 def _sharded_names(stmt, positions: set[int], ndim: int) -> set[str]:
@@ -64,6 +64,8 @@ def _sharded_names(stmt, positions: set[int], ndim: int) -> set[str]:
     if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
         return set()
     target, value = stmt.targets[0], stmt.value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "numel":
+        return {target.id} if isinstance(target, ast.Name) else set()  # ``n = x.numel()``: a slab's count
     idx = None
     if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Attribute) and value.value.attr == "shape":
         idx = value.slice
