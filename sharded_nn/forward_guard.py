@@ -4117,13 +4117,26 @@ def _squeezed(x: torch.Tensor, st, args, kwargs) -> tuple[int, ...]:
     return tuple(i for i in cand if x.shape[i] == 1 and i not in keep)
 
 
+#: (code object, line) of the model code whose sharded size reads were checked (``_lint_float_sizes``).
+_LINTED: set = set()
+
+
 def _lint_float_sizes(positions: set, ndim: int) -> None:
     """``guard_float_sizes``' check of the model code that just read sharded sizes (the first
-    frame outside torch and the guard's entry; not the library's own reads)."""
+    frame outside torch and the guard's entry; not the library's own reads), once per site: a
+    set lookup on later reads (a size is read at many places per forward)."""
     frame = sys._getframe(3)
     while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code in _PASS_THROUGH_CODES):
         frame = frame.f_back
-    if frame is None or (frame.f_code.co_filename.startswith(_LIB_DIR) and frame.f_code.co_filename not in _MODEL_RUNNERS):
+    if frame is None:
+        return
+    site = (frame.f_code, frame.f_lineno)
+    if site in _LINTED:
+        return
+    if len(_LINTED) < 65536:
+        _LINTED.add(site)
+    name = frame.f_code.co_filename
+    if name.startswith(_LIB_DIR) and name not in _MODEL_RUNNERS:
         return
     from .guard_float_sizes import warn_float_left_of_sizes
 
