@@ -65,11 +65,10 @@ class DistanceCalls:
             keepdim = bool(fg._arg(args, kwargs, 4, "keepdim", False))
             dim = nd - 1
         dim = fg._norm_dims(dim, nd)[0] if nd else 0
-        if st is None or dim not in st:
-            out = func(*args, **kwargs)
-            if st is not None:
-                self._unrouted_state(out, (dim,), keepdim, st)
-            return out
+        if st is None:
+            return func(*args, **kwargs)
+        if dim not in st:
+            return self._unrouted(func, args, kwargs, (dim,), keepdim, st)
         self._routing(base)
         active = self._leading_dims(base, st)
         if base == "pairwise_distance":
@@ -88,10 +87,6 @@ class DistanceCalls:
             out = reductions.sum((e1 / n1) * (e2 / n2), mesh, (dim,), sharded_dims=active)
         self._set_reduced(out, (dim,), keepdim, st)
         return out
-
-    def _unrouted_state(self, out, dims, keepdim: bool, st) -> None:
-        shift = (lambda d: d) if keepdim else (lambda d: d - sum(r < d for r in dims))
-        self._set(out, tuple(None if d is None else shift(d) for d in st))
 
     def _h_one_hot(self, func, base, args, kwargs, stateful):
         x = fg._arg(args, kwargs, 0, "input")

@@ -28,8 +28,7 @@ __all__ = ["warn_float_left_of_sizes"]
 
 _FLOAT_ATTRS = {"pi", "e", "tau", "inf"}
 _OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
-#: (code object, line, sharded positions) -> done; the parse of each code object.
-_SEEN: set = set()
+#: The parse of each code object (each site is checked once: ``forward_guard._lint_float_sizes``).
 _TREES: dict = {}
 
 
@@ -122,14 +121,9 @@ def _mentions(node, names: set[str], line: int) -> bool:
 
 
 def warn_float_left_of_sizes(frame, positions: set[int], ndim: int) -> None:
-    """Warn once per site where the code of ``frame`` (a model's forward that just read sizes of
+    """Warn where the code of ``frame`` (a model's forward that just read sizes of
     the sharded ``positions`` of an ``ndim``-d slab at its current line) puts a float on their left."""
     code, line = frame.f_code, frame.f_lineno
-    key = (code, line, frozenset(positions), ndim)
-    if key in _SEEN:
-        return
-    if len(_SEEN) < 65536:
-        _SEEN.add(key)
     tree = _tree(code)
     if tree is None:
         return
