@@ -57,6 +57,28 @@ def _is_size_read(node) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("size", "numel")
 
 
+def _reads_sharded(node, positions: set[int], ndim: int) -> bool:
+    """Whether a size read (``_is_size_read``) reads a sharded position: ``x.shape[1]`` or
+    ``x.size(1)`` of an unsharded dim is the whole sample's size (a class count: no warning);
+    an index that is not a constant is taken as one."""
+    idx = None
+    if isinstance(node, ast.Subscript):
+        idx = node.slice
+    elif isinstance(node, ast.Call) and node.func.attr == "size" and node.args:
+        idx = node.args[0]
+    if idx is None:
+        return True  # ``x.shape``, ``x.size()``, ``x.numel()``
+    try:
+        if isinstance(idx, ast.Slice):
+            lo = ast.literal_eval(idx.lower) if idx.lower is not None else None
+            hi = ast.literal_eval(idx.upper) if idx.upper is not None else None
+            return any(p in positions for p in list(range(ndim))[slice(lo, hi)])
+        i = ast.literal_eval(idx)
+    except ValueError:
+        return True
+    return not isinstance(i, int) or i % max(ndim, 1) in positions
+
+
 def _sharded_names(stmt, positions: set[int], ndim: int) -> set[str]:
     """The names ``stmt`` binds to sizes of sharded positions (``positions`` of an ``ndim``-d
     tensor), from ``a, b, c, d = x.shape``, ``h = x.shape[2]``, ``h, w = x.shape[-2:]``, ``x.size(2)``."""
@@ -108,16 +130,16 @@ def _floaty(node, floats: set[str]) -> bool:
     return False
 
 
-def _mentions(node, names: set[str], line: int) -> bool:
+def _mentions(node, names: set[str], line: int, positions: set[int], ndim: int) -> bool:
     """Whether ``node`` uses a sharded size as an int: not inside a call (``float(h)``,
     ``int(h)`` and ``math.sqrt(h)`` give the global number under the guard)."""
     if getattr(node, "lineno", None) == line and _is_size_read(node):
-        return True
+        return _reads_sharded(node, positions, ndim)
     if isinstance(node, ast.Name):
         return node.id in names
     if isinstance(node, ast.Call):
         return False
-    return any(_mentions(c, names, line) for c in ast.iter_child_nodes(node))
+    return any(_mentions(c, names, line, positions, ndim) for c in ast.iter_child_nodes(node))
 
 
 def warn_float_left_of_sizes(frame, positions: set[int], ndim: int) -> None:
@@ -142,7 +164,7 @@ def warn_float_left_of_sizes(frame, positions: set[int], ndim: int) -> None:
         # reflected method Python calls first: ``0.5 * (h / 2)`` stays tagged.)
         int_valued = not _floaty(n.right, floats - names) and not any(
             isinstance(m, ast.BinOp) and isinstance(m.op, ast.Div) for m in ast.walk(n.right))
-        if _floaty(n.left, floats) and int_valued and _mentions(n.right, names, line):
+        if _floaty(n.left, floats) and int_valued and _mentions(n.right, names, line, positions, ndim):
             warnings.warn(
                 f"forward guard: {code.co_filename}:{n.lineno}: a float on the left of a size read from a slab "
                 f"(`{ast.unparse(n)}`): Python computes it from the slab's own size, where the guard cannot see it, "

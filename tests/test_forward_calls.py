@@ -477,6 +477,7 @@ class _FloatLeft(nn.Module):
         k = 2 * math.pi / rows  # flagged
         h = h * (0.5 * h.shape[2]) + k  # flagged
         h = h + 1.0 / c + rows * 0.01 + 0.5 * (rows / 2) + 2 * math.pi / float(rows)  # exact forms
+        h = h * (1 + 0.1 * h.shape[1]) + 0.5 * h.size(-3)  # unsharded sizes: whole (session 64)
         count = h.numel()
         return h * (1.0 / count) + h / h.numel()  # flagged, exact
 
@@ -497,7 +498,7 @@ def test_float_on_the_left_of_a_sharded_size_warns(run):
     # it, so it reads the model's code once per site and names the line (silent before session 63).
     first = _FloatLeft.forward.__code__.co_firstlineno
     for lines in run(2, _float_left, 2):
-        assert lines == [str(first + 3), str(first + 4), str(first + 7)], (lines, first)
+        assert lines == [str(first + 3), str(first + 4), str(first + 8)], (lines, first)
 
 
 def _row_grid_misaligned_2d():
