@@ -187,6 +187,8 @@ CALLS = {  # name: (module factory, expected second derivative)
                                  "exact"),
     "guard: picked rows": (lambda: _Call(lambda y: y * y[:, :, torch.tensor([0, 6, 3])].sum(2, keepdim=True)), "exact"),
     "guard: unfold windows": (lambda: _Call(lambda y: F.pad(y.unfold(2, 2, 1).prod(-1), (0, 0, 0, 1))), RAISES),  # halo
+    # Pieces put back along the rows: their rows move to the result's layout, then to the slab's (session 64).
+    "guard: pieces rejoined": (lambda: _Call(lambda y: torch.cat([y[:, :, :3], y[:, :, 3:]], 2) * y), RAISES),
 }
 
 

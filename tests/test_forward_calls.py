@@ -94,6 +94,15 @@ class Hazards(nn.Module):
             h = torch.cat([b, a, a * b], dim=1)[:, :4]
         elif k == "cat_sharded":
             h = torch.cat([h, h], dim=2)[:, :, : h.shape[2]]
+        elif k == "cat_pieces":  # layouts of one global length that differ (a hang before session 64)
+            n = h.shape[2]
+            h = h + torch.cat([h[:, :, :3], h[:, :, 3:]], 2)  # pieces put back together
+            h = h * torch.cat([h[:, :, 2:], h[:, :, :2]], 2).tanh()  # rows rolled by hand (refused before)
+            h = h + F.pad(h[:, :, 1:], (0, 0, 0, 1))  # a crop padded back at the other end
+            h = h - torch.cat([h[:, :, :1], h[:, :, 1 : n - 2] * 2, h[:, :, n - 2 :]], 2)
+            h = torch.stack([h, F.pad(h[:, :, :-3], (0, 0, 3, 0))], 0).sum(0)  # a shift by three rows
+        elif k == "crop_sizes_differ":  # torch's size error on one device: on every rank
+            h = h[:, :, 1:] + h[:, :, :-2]
         elif k == "flip":  # mirrored rows and columns (test-time augmentation; refused before session 62)
             h = h + torch.flip(h, dims=(2,)) * 0.5 + h.flip(-1, 1) * 0.25 + torch.flip(h * 2, (2, 3)).flip(2)
         elif k == "std":
@@ -335,7 +344,7 @@ EXACT = [
     "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
-    "linear_attention", "softmax_tokens", "size_mean", "size_tokens", "size_numel", "size_tensor",
+    "linear_attention", "softmax_tokens", "cat_sharded", "cat_pieces", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
     "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "gradient_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
@@ -344,7 +353,6 @@ EXACT = [
 ]  # fmt: skip
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
-    "cat_sharded": "concatenates slabs along sharded dim 2",
     "matrix_norm": "`linalg_norm`.*matrix norm",
     "position_step": "`arange`",
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
@@ -428,7 +436,7 @@ def _size_values_2d(kind: str):
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
              "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
              "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip",
-             "gradient_rows", "similarity_maps", "one_hot_labels", "pick_positions", "unfold_windows"]
+             "gradient_rows", "similarity_maps", "one_hot_labels", "pick_positions", "unfold_windows", "cat_pieces"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a
@@ -461,6 +469,16 @@ def test_one_hot_label_out_of_range_raises_on_every_rank(run, domain):
     # would leave the others waiting in the model's next collective; every rank raises it.
     out = run(domain, _torch_error, domain, "one_hot_bad_label")
     assert len(set(out)) == 1 and out[0][0] == "RuntimeError" and "num_classes" in out[0][1], out
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_sizes_that_differ_raise_torchs_error_on_every_rank(run, domain):
+    # 6 rows against 5 of 7: torch's size error. The slabs' sizes differ on some ranks only
+    # (4 + 2 against 4 + 1 rows at P=2): those ranks raised while the others went on to the next
+    # collective, a hang; now every rank compares the layouts and raises.
+    out = run(domain, _torch_error, domain, "crop_sizes_differ")
+    assert len(set(out)) == 1 and out[0][0] == "RuntimeError", out
+    assert "size of tensor a (6) must match the size of tensor b (5) at non-singleton dimension 2" in out[0][1], out
 
 
 class _FloatLeft(nn.Module):

@@ -394,7 +394,18 @@ def _unfold_windows(m, x):  # patches of row pairs and overlapping windows by Te
     n = x.shape[2] - x.shape[2] % 2
     pairs = x[:, :, :n].unfold(2, 2, 2).mean(-1).repeat_interleave(2, 2)
     x = x + F.pad(pairs, (0, 0, 0, x.shape[2] - n))
+    if x.shape[2] < 3:  # (torch refuses windows of 3 rows on fewer; a branch on the global size)
+        return x
     return x + 0.5 * F.pad(x.unfold(2, 3, 1).amax(-1), (0, 0, 1, 1), mode="replicate")
+
+
+def _pieces(m, x):  # pieces put back, rows rolled by hand, crops padded at the other end (since session 64)
+    n = x.shape[2]
+    k = n // 3 + 1  # a cut inside the rows (a size read from the slab: the global rows' third)
+    x = x + torch.cat([x[:, :, :k], x[:, :, k:]], 2)
+    x = x * torch.cat([x[:, :, k:], x[:, :, :k]], 2).tanh()
+    x = x + F.pad(x[:, :, 1:], (0, 0, 0, 1)) - torch.stack([x, F.pad(x[:, :, :-1], (0, 0, 1, 0))]).mean(0)
+    return torch.cat([x, x.flip(2)], 2)[:, :, n // 2 : n // 2 + n]
 
 
 STEPS = {f.__name__[1:]: f for f in (
@@ -406,7 +417,7 @@ STEPS = {f.__name__[1:]: f for f in (
     _cumsum_rows, _group_norm_fn, _same_pool, _offset_positions, _windows, _conv_windows, _batch_windows,
     _batch_conv_windows, _linear_attention, _reduced_keys, _spectral_modes, _fft_rows, _table_lookup,
     _nan_check, _peak_rows, _lp_pool, _crop_pad, _column_stats, _sample_stats, _boundaries, _coordinates,
-    _similarity, _one_hot, _total_variation, _probes, _unfold_windows,
+    _similarity, _one_hot, _total_variation, _probes, _unfold_windows, _pieces,
 )}  # fmt: skip
 
 
@@ -416,7 +427,7 @@ TRANSPOSABLE = ("se", "roll", "max_pool", "tokens_attention", "softmax_rows", "n
                 "differences", "pad_valid_pool", "cumsum_rows", "same_pool", "offset_positions", "windows",
                 "batch_windows", "fft_rows", "table_lookup", "peak_rows", "crop_pad", "column_stats", "sample_stats",
                 "boundaries", "coordinates", "similarity", "one_hot", "total_variation", "probes",
-                "unfold_windows")
+                "unfold_windows", "pieces")
 
 
 class Program(nn.Module):
@@ -557,6 +568,11 @@ EXAMPLES = [
     dict(domain=4, sizes=[1, 3, 2, 2], width=4, steps=["probes", "conv", "T:probes"], head="slab", seed=61),
     dict(domain=3, sizes=[4, 2, 2], width=4, steps=["unfold_windows", "conv", "T:unfold_windows"], head="slab",
          seed=67),
+    # Session 64: slabs of one global length laid out differently (a cat of pieces, a crop padded
+    # at the other end) meeting in pointwise calls: a hang before; an empty slab, the 2x2 mesh.
+    dict(domain=3, sizes=[4, 2, 3], width=4, steps=["pieces", "conv", "T:pieces"], head="slab", seed=71),
+    dict(domain=3, sizes=[3, 0, 4], width=3, steps=["pieces", "total_variation"], head="pool", seed=73),
+    dict(domain=(2, 2), sizes=[3, 4], width=5, steps=["T:pieces", "pieces", "crop_pad"], head="pool", seed=79),
 ]
 
 

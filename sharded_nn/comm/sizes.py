@@ -438,6 +438,9 @@ class _Scope:
         self.entry: dict[str, tuple[int, ...]] | None = None
         # A forward whose layouts cannot all be derived (several slab inputs): remember nothing.
         self.off = False
+        # How many times ``scope_forget`` ran (ever): the forward guard gives a slab made by a
+        # call during which it ran a layout token of its own (``guard_tokens``).
+        self.forgets = 0
 
     def clear(self) -> None:
         self.layouts.clear()
@@ -787,6 +790,7 @@ def scope_forget() -> None:
     layout on the ranks whose slabs the change left alone, and on those only (a crop of the last
     rows, a pad at the far edge). Every later layer agrees instead (one small all-gather each).
     """
+    _SCOPE.forgets += 1
     if _scope_active():
         _SCOPE.clear()
         _SCOPE.off = True
