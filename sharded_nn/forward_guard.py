@@ -2522,14 +2522,63 @@ class _GuardMode(
         dim = _arg(args, kwargs, 2 if base in ("split", "chunk", "tensor_split", "split_with_sizes") else 1, "dim", 0)
         dim = dim % x.dim()
         if st is not None and dim in st:
-            self.fail(f"`{base}`", f"it splits the slab along sharded dim {dim} by local sizes",
-                      "split along another dim")
+            how = args[1] if len(args) > 1 else next(
+                (kwargs[n] for n in ("split_size_or_sections", "split_size", "split_sizes", "chunks", "sections",
+                                     "indices", "indices_or_sections") if n in kwargs), None)
+            return self._split_global(base, x, st, dim, how)
         out = func(*args, **kwargs)
         if base == "unbind":
             self._set(out, None if st is None else tuple(None if d is None else d - (d > dim) for d in st))
         else:
             self._set(out, st)
         return out
+
+    def _split_global(self, base: str, x, st, dim: int, how) -> tuple:
+        """``split``, ``chunk``, ``tensor_split`` along sharded dim ``dim``: the pieces the single
+        device makes, by **global** positions (since session 64; refused before), each one a crop
+        (``x[:, :, a:b]``: the crop rules, layouts and tokens; a piece of one row is that row,
+        replicated, as ``x[:, :, a:a + 1]``). The global length comes from one small all-gather;
+        sizes read from a slab (``x.split(x.shape[2] // 2, 2)``) are the global ones. ``unbind``
+        along a sharded dim (one replicated row per position) is refused."""
+        if base == "unbind":
+            self.fail("`unbind`", f"it takes every position of sharded dim {dim} as a tensor of its own",
+                      "index the positions you need (x[:, :, i]), or unbind after gathering")
+        k = st.index(dim)
+        (lens,) = self._lengths([(k, int(x.shape[dim]))], f"forward guard: `{base}` (slab lengths)")
+        total = sum(lens)
+        items = list(how) if isinstance(how, (list, tuple)) else [how]
+        tagged = [v for v in items if _is_tagged(v)]
+        if tagged:
+            glob = self._global_values(tagged, f"`{base}`")
+            items = [glob[id(v)] if _is_tagged(v) else v for v in items]
+        if not all(isinstance(v, int) for v in items) or (isinstance(how, (list, tuple)) and base == "chunk"):
+            self.fail(f"`{base}`", f"it splits sharded dim {dim} by sizes that are not integers", "")
+        if not isinstance(how, (list, tuple)) and items[0] <= 0:
+            raise RuntimeError(f"`{base}` expects a positive number of chunks or split size, got {items[0]}")
+        if base == "chunk":
+            step = -(-total // items[0]) if total else 0
+            cuts = list(range(0, total, step)) + [total] if step else [0, 0]
+        elif base == "tensor_split" and not isinstance(how, (list, tuple)):
+            q, r = divmod(total, items[0])
+            cuts = [0]
+            for i in range(items[0]):
+                cuts.append(cuts[-1] + q + (i < r))
+        elif base == "tensor_split":  # indices
+            cuts = [0, *(min(max(i if i >= 0 else i + total, 0), total) for i in items), total]
+        elif isinstance(how, (list, tuple)):  # split with sections
+            if sum(items) != total:
+                raise RuntimeError(
+                    f"split_with_sizes expects split_sizes to sum exactly to {total} (input tensor's size at "
+                    f"dimension {dim}), but got split_sizes={items}"
+                )
+            cuts = [0]
+            for v in items:
+                cuts.append(cuts[-1] + v)
+        else:
+            cuts = list(range(0, total, items[0])) + [total] if items[0] > 0 and total else [0, 0]
+        lead = (slice(None),) * dim
+        return tuple(self._h_getitem(torch.Tensor.__getitem__, "getitem", (x, (*lead, slice(a, max(a, b)))), {}, [x])
+                     for a, b in zip(cuts, cuts[1:]))
 
     def _h_cat(self, func, base, args, kwargs, stateful):
         tensors = list(_arg(args, kwargs, 0, "tensors"))

@@ -101,6 +101,14 @@ class Hazards(nn.Module):
             h = h + F.pad(h[:, :, 1:], (0, 0, 0, 1))  # a crop padded back at the other end
             h = h - torch.cat([h[:, :, :1], h[:, :, 1 : n - 2] * 2, h[:, :, n - 2 :]], 2)
             h = torch.stack([h, F.pad(h[:, :, :-3], (0, 0, 3, 0))], 0).sum(0)  # a shift by three rows
+        elif k == "split_rows":  # chunks and splits of the sharded rows (refused before session 64)
+            a, b = h.chunk(2, dim=2)
+            top, mid, rest = torch.split(h, [3, 1, h.shape[2] - 4], dim=2)
+            parts = h.tensor_split(3, dim=2)
+            h = torch.cat([b, a], 2) + torch.cat([rest, mid, top], 2) * 0.5 + torch.cat(parts[::-1], 2) * 0.25
+            h = h + torch.cat(h.split(h.shape[2] // 3, 2)[::-1], 2) + h.tensor_split([2, -3], 2)[1].mean(2, True)
+        elif k == "unbind_rows":
+            h = h + torch.stack(h.unbind(2), 2)
         elif k == "crop_sizes_differ":  # torch's size error on one device: on every rank
             h = h[:, :, 1:] + h[:, :, :-2]
         elif k == "flip":  # mirrored rows and columns (test-time augmentation; refused before session 62)
@@ -344,7 +352,7 @@ EXACT = [
     "crop_noop", "item_of_sum", "fconv_std", "fconv_strided", "fconv_same", "fconv_1x1_strided",
     "std", "std_positional", "var_mean", "grn", "vector_norm_inf", "vector_norm_all", "normalize_rows",
     "attention_tokens", "attention_heads_causal", "attention_pooled_kv", "attention_latent_query",
-    "linear_attention", "softmax_tokens", "cat_sharded", "cat_pieces", "size_mean", "size_tokens", "size_numel", "size_tensor",
+    "linear_attention", "softmax_tokens", "cat_sharded", "cat_pieces", "split_rows", "size_mean", "size_tokens", "size_numel", "size_tensor",
     "size_scalars", "branch_pad", "branch_truth", "position_grid", "position_rows", "stride_rows", "phase_pairs",
     "whole_domain_operand", "slice_rows", "view_whole_minus_one", "position_offset", "repeat_rows", "cumsum_rows",
     "group_norm_call", "instance_norm_call", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "gradient_rows", "flip", "table_rows", "nan_check", "nan_reductions", "view_as_slab",
@@ -354,6 +362,7 @@ EXACT = [
 REFUSED = {
     "window_partition_batched": "matmul|softmax|layout",
     "matrix_norm": "`linalg_norm`.*matrix norm",
+    "unbind_rows": "`unbind`.*every position of sharded dim 2",
     "position_step": "`arange`",
     "stride_rows_misaligned": "step 4 along sharded dim 2 needs every slab to start on a multiple of 4",
     "attention_mask": "scaled_dot_product_attention.*attn_mask",
@@ -436,7 +445,7 @@ def _size_values_2d(kind: str):
     "kind", ["size_mean", "size_numel", "size_tensor", "size_scalars", "branch_truth", "position_rows",
              "position_offset", "repeat_rows", "cumsum_rows", "group_norm_call", "peak_positions", "max_along_rows",
              "nan_check", "columns_after_rows", "setitem_const", "setitem_positions", "meshgrid", "diff_rows", "flip",
-             "gradient_rows", "similarity_maps", "one_hot_labels", "pick_positions", "unfold_windows", "cat_pieces"]
+             "gradient_rows", "similarity_maps", "one_hot_labels", "pick_positions", "unfold_windows", "cat_pieces", "split_rows"]
 )
 def test_sizes_branches_and_row_grids_on_a_2d_mesh(run, kind):
     # A number or branch computed from sizes of both sharded dims (h * w) is the global one; a

@@ -399,12 +399,13 @@ def _unfold_windows(m, x):  # patches of row pairs and overlapping windows by Te
     return x + 0.5 * F.pad(x.unfold(2, 3, 1).amax(-1), (0, 0, 1, 1), mode="replicate")
 
 
-def _pieces(m, x):  # pieces put back, rows rolled by hand, crops padded at the other end (since session 64)
+def _pieces(m, x):  # pieces put back, rows rolled by hand, crops padded, chunks (since session 64)
     n = x.shape[2]
     k = n // 3 + 1  # a cut inside the rows (a size read from the slab: the global rows' third)
     x = x + torch.cat([x[:, :, :k], x[:, :, k:]], 2)
     x = x * torch.cat([x[:, :, k:], x[:, :, :k]], 2).tanh()
     x = x + F.pad(x[:, :, 1:], (0, 0, 0, 1)) - torch.stack([x, F.pad(x[:, :, :-1], (0, 0, 1, 0))]).mean(0)
+    x = x + 0.5 * torch.cat(x.chunk(3, 2)[::-1], 2)  # chunks of the rows (refused before session 64)
     return torch.cat([x, x.flip(2)], 2)[:, :, n // 2 : n // 2 + n]
 
 
