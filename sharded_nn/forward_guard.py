@@ -2543,6 +2543,7 @@ class _GuardMode(
         if base == "unbind":
             self.fail("`unbind`", f"it takes every position of sharded dim {dim} as a tensor of its own",
                       "index the positions you need (x[:, :, i]), or unbind after gathering")
+        self._routing(f"`{base}`")  # (before its first collective: refused alike inside torch's checkpoint)
         k = st.index(dim)
         (lens,) = self._lengths([(k, int(x.shape[dim]))], f"forward guard: `{base}` (slab lengths)")
         total = sum(lens)
