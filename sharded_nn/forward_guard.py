@@ -2577,9 +2577,23 @@ class _GuardMode(
                 cuts.append(cuts[-1] + v)
         else:
             cuts = list(range(0, total, items[0])) + [total] if items[0] > 0 and total else [0, 0]
+        # Each piece is the crop ``x[..., a:b, ...]``, from the lengths gathered above (the crop's
+        # own gather of them is not repeated); a piece of one row takes the crop's own path.
+        from .comm.sizes import scope_forget
+
+        scope_forget()  # (the pieces' lengths change: as every crop, alike on every rank)
         lead = (slice(None),) * dim
-        return tuple(self._h_getitem(torch.Tensor.__getitem__, "getitem", (x, (*lead, slice(a, max(a, b)))), {}, [x])
-                     for a, b in zip(cuts, cuts[1:]))
+        s0 = sum(lens[: axis_index(self.guard.mesh, self.guard.axes[k])])
+        pieces = []
+        for a, b in zip(cuts, cuts[1:]):
+            if b - a == 1:
+                pieces.append(self._h_getitem(torch.Tensor.__getitem__, "getitem", (x, (*lead, slice(a, b))), {}, [x]))
+                continue
+            lo, hi = slab_overlap(a, max(a, b), s0, int(x.shape[dim]))
+            out = x.narrow(dim, lo, hi - lo)
+            self._set(out, st)
+            pieces.append(self._relayout(out, dim, k, overlap_lengths(a, max(a, b), lens), lens, self._token(x)))
+        return tuple(pieces)
 
     def _h_cat(self, func, base, args, kwargs, stateful):
         tensors = list(_arg(args, kwargs, 0, "tensors"))
