@@ -56,6 +56,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 
 import torch
 import torch.nn as nn
@@ -1812,6 +1813,54 @@ class _GuardMode(
     _h_squeeze.remap.call = lambda x, st, args, kwargs: x.squeeze(_squeezed(x, st, args, kwargs))
 
     def _h_reshape(self, func, base, args, kwargs, stateful):
+        out = self._reshape(func, base, args, kwargs, stateful)
+        self._scope_resized(args[0], out)
+        return out
+
+    def _scope_resized(self, x, out, ratios=None) -> None:
+        """Tell the layout scope about a call that may scale a sharded dim's slab lengths (a view
+        that splits it into blocks or merges unsharded dims into it, a pixel shuffle): it derives
+        the output's layout from the input's, or forgets (``comm.sizes.scope_scaled``). A layer
+        could otherwise find the new layout's local sizes among the remembered ones on some ranks
+        only. ``ratios``: per mesh axis, the call's scale, or one for all (default: read from the
+        lengths; the guard's maps give every rank the same one, and an empty slab leaves the
+        layout unknown). Windows folded into the batch (``guard_folds``) and axes merged into one
+        dim are not layers' inputs: the scope learns nothing there, and forgets where a view
+        makes a slab of them again."""
+        from .comm.sizes import scope_active, scope_forget, scope_scaled
+
+        st = self._st(x)
+        if type(st) is not tuple or not scope_active() or all(d is None for d in st):
+            return
+        ost = self._st(out) if isinstance(out, torch.Tensor) else None
+        if type(ost) in FOLDED or ost is UNKNOWN:
+            # (A tensor whose layout the guard lost is refused where a sharded layer or a routed
+            # call takes it: no lookup meets it.)
+            return
+        if type(ost) is not tuple or len(ost) != len(st) or any((d is None) != (o is None) for d, o in zip(st, ost)):
+            scope_forget()  # an axis dropped: not a slab of a derivable layout
+            return
+        pairs = [(d, o) for d, o in zip(st, ost) if d is not None]
+        if ratios is None and len(pairs) == 1:
+            # The unsharded sizes' ratio: the same on every rank, also where a slab is empty.
+            (d, o), = pairs
+            a = math.prod(v for i, v in enumerate(x.shape) if i != d)
+            b = math.prod(v for i, v in enumerate(out.shape) if i != o)
+            ratios = [Fraction(a, b) if a and b else None]  # (None: an empty batch, no ratio)
+        elif ratios is None:
+            ratios = [Fraction(out.shape[o], x.shape[d]) if x.shape[d] else None for d, o in pairs]
+        elif not isinstance(ratios, (list, tuple)):
+            ratios = [ratios] * len(pairs)
+        if all(r == 1 for r in ratios):
+            return
+        if None in ratios or any(d is None for d in st[: len(pairs)]):
+            # (An empty slab on a 2-D mesh, an empty batch; a tensor sharded by the second mesh
+            # axis only, which the scope does not describe.)
+            scope_forget()
+            return
+        scope_scaled(self.guard.mesh, st[: len(pairs)], tuple(x.shape), ost[: len(pairs)], out.dim(), ratios)
+
+    def _reshape(self, func, base, args, kwargs, stateful):
         x = args[0]
         st = self._st(x)
         if base in ("view", "reshape") and st not in (None, UNKNOWN):
@@ -2034,8 +2083,6 @@ class _GuardMode(
         slab's rows repeated (as nearest upsampling by ``k``): local, exact; the slab grows by
         ``k``. Per-row counts, the flattening form (no ``dim``) and ``output_size`` there are
         refused."""
-        from .comm.sizes import scope_forget
-
         x = args[0]
         st = self._st(x) if isinstance(x, torch.Tensor) else None
         repeats, dim = _arg(args, kwargs, 1, "repeats"), _arg(args, kwargs, 2, "dim")
@@ -2057,9 +2104,11 @@ class _GuardMode(
                     "no output_size)",
                     "",
                 )
-            scope_forget()  # the slabs' lengths change (alike on every rank)
         out = func(*args, **kwargs)
         self._set(out, st)
+        if dim in st:
+            # The slabs grow by the count (alike on every rank): the layout scope derives.
+            self._scope_resized(x, out, [Fraction(int(repeats)) if d == dim else Fraction(1) for d in st if d is not None])
         return out
 
     def _h_narrow(self, func, base, args, kwargs, stateful):
@@ -3827,6 +3876,9 @@ class _GuardMode(
         self._require_known(base, stateful)
         out = func(*args, **kwargs)
         self._set(out, st)
+        # Every sharded dim is a spatial one, scaled by the factor (the channel dim is not sharded).
+        r = Fraction(_arg(args, kwargs, 1, "upscale_factor" if base == "pixel_shuffle" else "downscale_factor"))
+        self._scope_resized(x, out, r if base == "pixel_shuffle" else 1 / r)
         return out
 
     def _h_embedding(self, func, base, args, kwargs, stateful):

@@ -420,7 +420,9 @@ class FoldCalls:
         if (type(fold) is not Fold and base in ("view", "reshape") and -1 not in request
                 and not any(fg._is_tagged(v) for v in request) and not fg._called_from_local_shape_library()):
             # Constant sizes only: the whole sample's, as for slabs (UNETR's ``proj_feat``).
-            return self._merged_global_view(x, fold, request, base)
+            out = self._merged_global_view(x, fold, request, base)
+            self._forget_if_slab(out)
+            return out
         if any(fg._is_tagged(v) and v._lossy for v in request):
             # As for slabs (``_reshape_rounded``): sizes computed by floor division fit on some
             # ranks only where the slabs are not whole windows; every rank says, all refuse alike.
@@ -442,7 +444,17 @@ class FoldCalls:
             self._set_fold(out, mapped)
         else:
             self._set(out, mapped)
+            self._forget_if_slab(out)
         return out
+
+    def _forget_if_slab(self, out) -> None:
+        """Windows or merged axes put back into a slab: its lengths are the windows' rows, which
+        the layout scope cannot derive from a remembered layout; it forgets (alike on every rank:
+        the state is mapped alike), as for any slab of a new layout (``_GuardMode._scope_resized``)."""
+        from .comm.sizes import scope_active, scope_forget
+
+        if scope_active() and isinstance(out, torch.Tensor) and type(self.states.get(out)) is tuple:
+            scope_forget()
 
     def _sizes_of(self, t) -> list:
         """``t.shape`` with the sizes along its sharded or folded dims tagged (what ``t.shape``

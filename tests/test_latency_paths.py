@@ -304,7 +304,9 @@ def _scope_unit():
         out["a"] = scope_lookup(m, (2,), (1, 1, a.sizes[r], 5))
         out["b"] = scope_lookup(m, (2,), (1, 1, b.sizes[r], 5))
         out["c"] = scope_lookup(m, (2,), (1, 1, c.sizes[r], 5))
+        # The same slab permuted, or with a dim more: a layout does not depend on where its dim sits.
         out["other dims"] = scope_lookup(m, (3,), (1, 1, 5, c.sizes[r]))
+        out["other ndim"] = scope_lookup(m, (1,), (1, c.sizes[r], 5))
     out["outside"] = scope_lookup(m, (2,), (1, 1, c.sizes[r], 5))
     return out
 
@@ -316,7 +318,8 @@ def test_scope_answers_only_unambiguous_layouts(run):
         assert res["alone"] == (Layout((2, 2, 2, 1)),)
         assert res["a"] is None and res["b"] is None  # even where a rank's own size is unique
         assert res["c"] == (Layout((3, 3, 3, 2)),)
-        assert res["other dims"] is None and res["outside"] is None
+        assert res["other dims"] == res["other ndim"] == (Layout((3, 3, 3, 2)),)
+        assert res["outside"] is None
 
 
 def _undeclared(sizes):

@@ -458,3 +458,54 @@ def test_new_layouts_in_a_forward_never_answer_an_old_one(run, sizes):
     # the input's layout after a pad at the far edge. Now a call that makes a layout it does not
     # declare ends the scope's answers for the rest of the forward.
     assert all(run(len(sizes), _crop_then_reduce, sizes))
+
+
+class _SpaceToDepth(nn.Module):
+    """A strided convolution of a slab, and beside it the same slab's row pairs folded into its
+    channels (space-to-depth) by a view, by views of its channels-last permute, or by
+    ``F.pixel_unshuffle``, then a layer that needs the folded slab's layout."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a = nn.Conv2d(2, 4, 3, padding=1)
+        self.w = nn.Conv2d(4, 4, 3, stride=2, padding=(0, 1))
+        self.z = nn.Conv2d(16 if how == "unshuffle" else 8, 3, 3, padding=1)
+
+    def forward(self, x):
+        a = self.a(x)
+        w = self.w(a)
+        n, c, h, wd = a.shape
+        g = w.mean()
+        if self.how == "view":
+            s = a.view(n, c, h // 2, 2, wd).transpose(2, 3).reshape(n, 2 * c, h // 2, wd)
+        elif self.how == "channels_last":
+            t = a.permute(0, 2, 3, 1)
+            g = g + t.mean(1).mean()  # (a mean along the rows of the channels-last slab: its layout is agreed there)
+            t = t.reshape(n, h // 2, 2, wd, c).transpose(2, 3)
+            s = t.reshape(n, h // 2, wd, 2 * c).permute(0, 3, 1, 2)
+        else:
+            s = F.pixel_unshuffle(a, 2)
+        return self.z(s) * g
+
+
+def _space_to_depth(sizes, how):
+    from .reference import check_against_reference
+
+    m = mesh(len(sizes))
+    torch.manual_seed(0)
+    ref = _SpaceToDepth(how).double()
+    x = _rand((2, 2, sum(sizes), 6))
+    return max(check_against_reference(ref, x, m, sizes=sizes).values()) < 1e-10
+
+
+@pytest.mark.parametrize("how", ["view", "channels_last", "unshuffle"])
+@pytest.mark.parametrize("sizes", [(6, 4), (6, 6, 6)], ids=str)
+def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, how):
+    # The view halves the slabs (6, 6, 6 -> 3, 3, 3) while the strided convolution declared
+    # 3, 3, 2: the ranks whose halved length matched it skipped the agreement the last rank
+    # made before session 65 (an all-reduce paired with an all-gather: a TransportError, or a
+    # hang). Now such a view declares the halved layout (derived from its input's) or forgets,
+    # and a layout is remembered whichever dims it sits on (the channels-last view is looked up
+    # after a permute back).
+    assert all(run(len(sizes), _space_to_depth, sizes, how))

@@ -18,6 +18,7 @@ import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -399,9 +400,13 @@ def layouts_from_shapes(
 #
 # Inside ``layout_scope()`` (entered around a whole model's forward, e.g. by
 # ``enable_layout_scope``), every layout that was agreed (a layer's input) or derived from an
-# agreed one (a layer's declared output) is remembered by the layer's mesh, sharded dims and
-# number of dims. A later layer whose input has a remembered layout finds it from its own local
-# sizes, without a collective.
+# agreed one (a layer's declared output) is remembered by the layer's mesh and the number of
+# mesh axes that shard it, not by which tensor dims they shard nor how many dims the tensor has:
+# a permute, an unsqueeze or a move to channels-last keeps a slab's layout, so a layout agreed
+# for one arrangement is the layout of the others (keyed by dims and ndim until session 65, a
+# layout agreed in channels-last and looked up after a permute was one the scope had never seen
+# under that key). A later layer whose input has a remembered layout finds it from its own
+# local sizes, without a collective.
 #
 # SPMD safety (DESIGN.md section 4). Whether a lookup hits must be the same on every rank. A
 # layout is answered only when it is *unambiguous*: no other remembered layout (same mesh, dims
@@ -411,16 +416,17 @@ def layouts_from_shapes(
 # is *not* remembered would be unsafe (one rank's sizes could match a remembered layout while
 # another's do not), so every producer of a new layout on a sharded dim inside the scope either
 # declares it (``scope_declare``: convolutions, pools) or forgets the scope (``scope_forget``:
-# every agreement or ``gather_layouts`` that does not opt in). What remains is a new layout made
-# by plain code that changes a sharded dim between layers (slicing, ``F.interpolate``, a cat
-# along it): on a slab that is already a wrong answer (DESIGN.md section 4, "mixing that a
-# module walk cannot see"), refused by the forward guard, not by this cache.
+# every agreement or ``gather_layouts`` that does not opt in). Plain code that changes a sharded
+# dim between layers runs under the forward guard, which forgets (crops, pads, ``cat`` along it,
+# strided slices) or derives (``scope_scaled``: a view that splits a sharded dim into blocks or
+# merges others into it, a pixel shuffle) for the same reason.
 
 
 class _Scope:
-    """The layouts of one forward: per (mesh, dims, ndim), the remembered and the answerable ones."""
+    """The layouts of one forward: per (mesh, number of sharding axes), the remembered and the
+    answerable ones."""
 
-    #: Remembered layouts per key; past this the scope stops remembering (a decision on shared facts).
+    #: Remembered layouts per key; past this the scope forgets (a decision on shared facts).
     MAX_LAYOUTS = 64
 
     def __init__(self) -> None:
@@ -690,7 +696,9 @@ def scope_active() -> bool:
 
 
 def _scope_key(mesh: DeviceMesh, dims: Sequence[int], ndim: int) -> tuple:
-    return (id(mesh), tuple(dims), ndim)
+    # (Not the dims nor ndim: a slab keeps its layout through permutes and unsqueezes; see the
+    # comment above ``_Scope``. ``dims[k]`` is sharded by the k-th domain axis.)
+    return (id(mesh), len(dims))
 
 
 def scope_lookup(mesh: DeviceMesh, dims: Sequence[int], shape: Sequence[int]) -> tuple[Layout, ...] | None:
@@ -756,6 +764,9 @@ def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Seq
     layouts = tuple(Layout(s) for s in sizes)
     known = _SCOPE.layouts.setdefault(key, [])
     if len(known) >= _SCOPE.MAX_LAYOUTS:
+        # Not remembering it is not enough: a tensor of this layout, looked up later by its local
+        # sizes, could match a remembered layout on some ranks only.
+        scope_forget()
         return
     seen.add(sizes)
     known.append(layouts)
@@ -779,6 +790,36 @@ def scope_declare(mesh: DeviceMesh, dims: Sequence[int], ndim: int, layouts: Seq
                 del answers[theirs]
     if not clash:
         answers[tuple(s[i] for s, i in zip(sizes, mine))] = layouts
+
+
+def scope_scaled(
+    mesh: DeviceMesh,
+    dims: Sequence[int],
+    shape: Sequence[int],
+    out_dims: Sequence[int],
+    out_ndim: int,
+    ratios: Sequence[Fraction],
+) -> None:
+    """A call scaled the slab length along each sharded dim by ``ratios`` (the same on every rank).
+
+    A view that splits a sharded dim into blocks (``x.view(b, c, h // 2, 2, w)``, space-to-depth)
+    or merges unsharded dims into it (``x.flatten(2)`` of a slab along ``h``), a pixel
+    (un)shuffle: the output's slabs are the input's scaled, a layout the scope has not seen. Where
+    the scope names the input's layout (``shape``, sharded along ``dims``), the scaled one is
+    declared for the output (sharded along ``out_dims`` of ``out_ndim`` dims); otherwise the scope
+    forgets. Left alone, a later layer could find the scaled layout's local sizes in a remembered
+    layout on some ranks only (slabs of 3, 3, 3 rows, a remembered 3, 3, 2): those ranks skip the
+    agreement the others make (a hang or mispaired collectives). Every rank calls it alike: the
+    ratios are read from unsharded sizes and the call, and the lookup hits alike on every rank.
+    """
+    if not _scope_active() or _SCOPE.off or all(r == 1 for r in ratios):
+        return
+    hit = scope_lookup(mesh, dims, shape)
+    if hit is not None and all((s * r).denominator == 1 for lay, r in zip(hit, ratios) for s in lay.sizes):
+        scope_declare(mesh, out_dims, out_ndim, [Layout(tuple(int(s * r) for s in lay.sizes))
+                                                 for lay, r in zip(hit, ratios)])
+    else:
+        scope_forget()
 
 
 def scope_forget() -> None:
