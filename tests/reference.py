@@ -47,12 +47,15 @@ def check_against_reference(
     atol: float = 1e-10,
     rtol: float = 1e-10,
     seed: int = 0,
+    inference: bool = True,
 ) -> dict[str, float]:
     """Forward and backward of ``ref`` on ``x`` against the converted copy on this rank's slab.
 
     ``sizes`` gives explicit per-rank slab sizes along ``dims[0]`` (1-D meshes), or one tuple per
     sharded dim (2-D meshes), instead of the balanced split. Compares the gathered output, the gathered input gradient and every parameter gradient
     (summed over the domain ranks) with ``torch.testing.assert_close``; returns the max errors.
+    ``inference=False`` leaves out the ``no_grad`` forward described below (a compiled model
+    compiles it again, for a test whose point is another path).
     ``dims`` defaults to the library default (one spatial dim per domain axis).
     """
     if dims is None:
@@ -74,7 +77,7 @@ def check_against_reference(
             r = mesh.get_local_rank(axis)
             x_local = x_local.narrow(d, sum(split[:r]), split[r])
         x_local = x_local.clone()
-    if not any(m.training and any(True for _ in m.buffers(recurse=False)) for m in model.modules()):
+    if inference and not any(m.training and any(True for _ in m.buffers(recurse=False)) for m in model.modules()):
         # The inference forward too (no autograd: layers take their no-grad paths, e.g. thin
         # slabs convolved on one extended copy), where a second forward changes no state (no
         # module with buffers in training mode: a BatchNorm would update its statistics again),

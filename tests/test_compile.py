@@ -86,7 +86,11 @@ def _check_compiled_static(domain, dims, backend, kind):
         # Uneven slabs: taps 6, 4, 4 at P=3; conv3d 6, 4 at P=2; the others 6, 6 and 6x5 on 2x2.
         rows = {"taps": 14, "conv3d": 10}.get(kind, 12)
         x = torch.randn(2, 3, rows, 10, *((6,) if kind == "conv3d" else ()), dtype=torch.float64)
-        check_against_reference(ref, x, m, dims=dims, align=2, sharded=sharded, atol=1e-9, rtol=1e-9)
+        # (The compiled no_grad forward, a second compilation, is checked on the halo bands and
+        # by the routed block below; the 2x2 stack's point is its two halo axes, the Conv3d's
+        # its weight gradient.)
+        check_against_reference(ref, x, m, dims=dims, align=2, sharded=sharded, atol=1e-9, rtol=1e-9,
+                                inference=kind not in ("small", "conv3d"))
     for a, b in zip(ref.buffers(), sharded.buffers()):
         torch.testing.assert_close(b, a)
     # Dynamo really compiled something (it did not fall back to eager for the whole model).
