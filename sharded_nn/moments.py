@@ -107,14 +107,14 @@ def available() -> bool:
 def _applies(x: torch.Tensor, ndim: int = 3) -> bool:
     """Whether the native kernels can read the ``ndim``-d ``x`` here (see the module docstring)."""
     return (
-        type(x) is torch.Tensor
+        not torch.compiler.is_compiling()  # (first: Dynamo breaks its graph at get_num_threads)
+        and type(x) is torch.Tensor
         and x.device.type == "cpu"
         and x.dtype in _FUNCS
         and x.dim() == ndim
         and x.numel() > 0
         and x.is_contiguous()
         and torch.get_num_threads() == 1
-        and not torch.compiler.is_compiling()
         and available()
     )
 

@@ -131,12 +131,14 @@ def world_of(domain: int | tuple[int, ...], data: int = 1) -> int:
     return n
 
 
-def assert_compiled_cleanly() -> None:
-    """After a ``torch.compile``d run: Dynamo compiled something, and none of our code raised
-    while it traced (Dynamo falls back to eager for such a frame, which would hide a bug in a
-    compile-only branch: a shadowed variable there raised AttributeError and a test still passed)."""
+def assert_compiled_cleanly(graphs: bool = True) -> None:
+    """After a ``torch.compile``d run: Dynamo compiled something (unless ``graphs`` is False: a
+    model with nothing between its sharded layers), and none of our code raised while it traced
+    (Dynamo falls back to eager for such a frame, which would hide a bug in a compile-only
+    branch: a shadowed variable there raised AttributeError and a test still passed)."""
     from torch._dynamo.utils import counters
 
     raised = [k.split("Developer debug context:")[-1][:200] for k in counters["unimplemented"] if "raised exception" in k]
     assert not raised, raised
-    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    if graphs:
+        assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])

@@ -447,6 +447,8 @@ class _Scope:
         # How many times ``scope_forget`` ran (ever): the forward guard gives a slab made by a
         # call during which it ran a layout token of its own (``guard_tokens``).
         self.forgets = 0
+        # Calls of sharded layers that run eagerly for a compiled forward (``compiled_caller``).
+        self.compiled = 0
 
     def clear(self) -> None:
         self.layouts.clear()
@@ -687,7 +689,23 @@ def scope_coords(mesh: DeviceMesh, n: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _scope_active() -> bool:
-    return _SCOPE.depth > 0 and not torch.compiler.is_compiling()
+    return _SCOPE.depth > 0 and not _SCOPE.compiled and not torch.compiler.is_compiling()
+
+
+class compiled_caller:  # noqa: N801 - used like a function: ``with compiled_caller():``
+    """Context of a sharded layer that a compiled forward calls (it runs eagerly,
+    ``sharded_nn/compile_boundary.py``): the scope answers and remembers nothing inside it, and
+    forgets for the rest of the forward (a compiled submodule of an eager model), since the
+    compiled code ran unseen by the forward guard: a view that halved a slab there would go
+    unnoticed. (Every rank runs the same compiled code, so every rank forgets.)"""
+
+    def __enter__(self) -> None:
+        if _SCOPE.depth > 0 and not _SCOPE.compiled:
+            scope_forget()
+        _SCOPE.compiled += 1
+
+    def __exit__(self, *exc) -> None:
+        _SCOPE.compiled -= 1
 
 
 def scope_active() -> bool:

@@ -24,6 +24,7 @@ from ..comm.sizes import (
     ENTRY_HINT, SHARD_FACT, SOURCE_FACT, raise_if_misplaced, scope_active, scope_coords, scope_declare, scope_forget,
     scope_lookup, scope_take_entry, warn_if_other_sources,
 )
+from ..compile_boundary import eager_under_compile, run_eagerly
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import axis_index, axis_size, default_dims, device_code, device_name, domain_axes
@@ -372,11 +373,21 @@ class ShardedMixin:
         super().__init__(*args, **kwargs)
         self._init_sharding(mesh, **options)
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # A compiled forward that calls ``layer.forward(x)`` itself runs it eagerly too, as it
+        # runs ``layer(x)`` (``sharded_nn/compile_boundary.py``).
+        if "forward" in cls.__dict__:
+            cls.forward = eager_under_compile(cls.__dict__["forward"])
+
     def __call__(self, *args, **kwargs):
         # Inside a model converted with the forward guard, the guard's bookkeeping for this layer
         # (input layout check, mode suspension, output layout) runs here, in one frame, rather
         # than as module hooks: hooks send every call down ``nn.Module``'s generic hook path, and
         # a timm CNN makes about a hundred such calls per forward. ``install`` sets the attribute.
+        if torch.compiler.is_compiling():
+            # Eagerly, with one graph break (``sharded_nn/compile_boundary.py`` says why).
+            return run_eagerly(ShardedMixin.__call__, self, *args, **kwargs)
         around = self.__dict__.get("_snn_guard_call")
         if around is None:
             return super().__call__(*args, **kwargs)

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import axis_peers
 from ..comm.sizes import scope_declare
+from ..compile_boundary import eager_under_compile
 from ..errors import ShardingError
 from ..layout import Layout
 from ..mesh import mesh_cached
@@ -122,7 +123,6 @@ def _on_reference_kernel(x: torch.Tensor, weight: torch.Tensor, stride, padding,
         or x.dtype != torch.float32
         or weight.dtype != torch.float32
         or torch.is_autocast_enabled("cpu")
-        or torch.compiler.is_compiling()
     ):
         return False
     key = (
@@ -660,6 +660,7 @@ class _ShardedConvNd(ShardedMixin):
         return f"{super().sharding_repr()}, overlap={self.overlap}"
 
 
+@eager_under_compile
 def conv(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -53,6 +53,7 @@ from ..comm import all_reduce_sum
 from ..comm.collectives import all_gather_stacked
 from ..comm.halo import memory_format_of
 from ..comm.pending import all_reduce_sum_start
+from ..compile_boundary import eager_under_compile
 from ..errors import ShardingError
 from ..mesh import axis_index, axis_size, data_axis, default_dims, group_over, mesh_cached
 from ..moments import (
@@ -389,6 +390,7 @@ class ShardedGroupNorm(_ShardedNorm, nn.GroupNorm):
         return y if fmt == torch.contiguous_format else y.contiguous(memory_format=fmt)
 
 
+@eager_under_compile
 def group_norm(
     x: torch.Tensor,
     num_groups: int,

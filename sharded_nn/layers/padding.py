@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_cat
 from ..comm.halo import halo_gather
+from ..compile_boundary import eager_under_compile
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..layout import Layout
 from ..mesh import default_dims, domain_axes
@@ -49,6 +50,7 @@ from .window import edge_pad, gather_plan
 MODES = ("constant", "reflect", "replicate", "circular")
 
 
+@eager_under_compile
 def pad(
     x: torch.Tensor,
     pad: Sequence[int],

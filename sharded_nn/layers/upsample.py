@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import HaloSpec, axis_peers, halo_cat
 from ..comm.halo import halo_gather, memory_format_of
+from ..compile_boundary import eager_under_compile
 from ..errors import ShardingError, ShardingNotImplementedError
 from ..mesh import domain_axes
 from ..registry import register
@@ -116,6 +117,7 @@ def _resample(x: torch.Tensor, dim: int, taps, weights, offset: int) -> torch.Te
     return out
 
 
+@eager_under_compile
 def interpolate(
     x: torch.Tensor,
     mesh: DeviceMesh,

@@ -417,14 +417,10 @@ def apply_linear(
             rows = ((first, None, band),)
         for row, taps, idx in rows:
             corr = conv_band(idx) if taps is None else conv_taps(select_along(halo, d, idx), taps)
-            if torch.compiler.is_compiling():
-                # Functional under torch.compile: traced through the in-place _AddBand (mark_dirty),
-                # AOTAutograd (torch 2.14) computed wrong input gradients for some arrangements
-                # of this same code (all corrections computed first, then added; the
-                # test_compile stacks), and the compiled graph gains nothing from the in-place form.
-                end = row + corr.shape[d]
-                out = out.slice_scatter(out.narrow(d, row, corr.shape[d]) + corr, d, row, end)
-            elif out.requires_grad or corr.requires_grad:
+            # (Never traced by Dynamo: sharded layers run eagerly under torch.compile,
+            # ``compile_boundary.py``; AOTAutograd had computed wrong input gradients through
+            # the in-place ``_AddBand`` in some arrangements.)
+            if out.requires_grad or corr.requires_grad:
                 out = _AddBand.apply(out, corr, d, row)
             else:  # no graph to record: the Function's per-call cost buys nothing
                 out.narrow(d, row, corr.shape[d]).add_(corr)
