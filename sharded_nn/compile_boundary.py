@@ -1,4 +1,4 @@
-"""Sharded grid layers under ``torch.compile``: they run eagerly; the code around them compiles.
+"""Sharded layers under ``torch.compile``: they run eagerly; the code around them compiles.
 
 A sharded layer is a few tensor ops around collectives and halo exchanges, and a lot of Python
 that plans them (agreements, halo plans, the layout scope). Dynamo cannot put the collectives
@@ -11,13 +11,14 @@ functionally, since AOTAutograd gave wrong input gradients for the in-place form
 arrangement), which the eager code never ran.
 
 So when a compiled forward calls a sharded layer (``ShardedMixin``: its ``__call__`` and every
-``forward`` its classes define) or a grid function of ``sharded_nn.functional`` (``conv``,
-``group_norm``, ``interpolate``, ``pad``), the call runs eagerly: one graph break, Dynamo never
-traces the internals, and they run the code they run in eager mode, plan caches included. The
-graphs hold the user's code between them (activations, residual sums, plain torch layers, a
-ViT's token-wise blocks), which is where compilation pays; a layer's own work is one
-convolution or norm kernel, which compiled code calls as it is anyway. The same three
-convolutions now compile in about a second.
+``forward`` its classes define), a grid function of ``sharded_nn.functional`` (``conv``,
+``group_norm``, ``interpolate``, ``pad``) or its sequence attention (``ring_attention``,
+``ulysses_attention``: a ViT's projections and MLPs compile around it), the call runs eagerly:
+one graph break, Dynamo never traces the internals, and they run the code they run in eager
+mode, plan caches included. The graphs hold the user's code between them (activations,
+residual sums, plain torch layers, a ViT's token-wise blocks), which is where compilation
+pays; a layer's own work is a convolution, norm or attention kernel, which compiled code calls
+as it is anyway. The same three convolutions now compile and run their first step in 2.8 s.
 
 A converted model's layout scope answers nothing inside such a call, and forgets for the rest
 of the forward (``comm.sizes.compiled_caller``): the compiled code between the layers ran

@@ -33,6 +33,7 @@ from .comm.all_to_all import heads_to_seq, seq_to_heads
 from .comm.collectives import all_gather_uneven, all_reduce_max, all_reduce_sum
 from .comm.peers import AxisPeers, domain_peers
 from .comm.ring_pass import gather_ints, ring_pass
+from .compile_boundary import eager_under_compile
 from .errors import ShardingError, ShardingNotImplementedError
 from .layout import Layout
 from .mesh import device_code, device_name
@@ -611,9 +612,8 @@ def _travel(plan: _Plan, c: _Chunk, k, v, pad, tag: int, bufs: _ChunkBuffers, ke
         # What travels must be contiguous (in wire form); the owner computes on the same
         # layout as the receivers (a copy where its own is another, or is less aligned than an
         # allocation: BLAS may take another path), so that replicated queries get the same bits
-        # on every rank. Under torch.compile (no addresses to check) it always copies.
-        compiling = torch.compiler.is_compiling()
-        pooled = [compiling or not (t.is_contiguous() and t.data_ptr() % _ALIGN == 0) for t in unit]
+        # on every rank. (Never traced: ring attention runs eagerly under torch.compile.)
+        pooled = [not (t.is_contiguous() and t.data_ptr() % _ALIGN == 0) for t in unit]
         unit = [bufs.copy_of(t) if copy else t for t, copy in zip(unit, pooled)]
     # The last hop whose sends may still be in flight, and the pooled buffers it sent. Its sends
     # complete when the right neighbour has read them, which it does when it is ready for them:
@@ -963,6 +963,7 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None if drq is None else drq.to(rq.dtype))
 
 
+@eager_under_compile
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1122,6 +1123,7 @@ def _replicated_query_attention(q, k, v, peers: AxisPeers, scale: float | None =
 # --------------------------------------------------------------------------- Ulysses
 
 
+@eager_under_compile
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
