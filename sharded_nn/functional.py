@@ -34,7 +34,7 @@ from .comm.collectives import all_gather_uneven, all_reduce_max, all_reduce_sum
 from .comm.peers import AxisPeers, domain_peers
 from .comm.ring_pass import gather_ints, ring_pass
 from .compile_boundary import eager_under_compile
-from .errors import ShardingError, ShardingNotImplementedError
+from .errors import ShardingError
 from .layout import Layout
 from .mesh import device_code, device_name
 
