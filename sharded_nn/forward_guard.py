@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import dis
+import functools
 import linecache
 import math
 import operator
@@ -1863,6 +1864,13 @@ class _GuardMode(
     def _reshape(self, func, base, args, kwargs, stateful):
         x = args[0]
         st = self._st(x)
+        if base in ("view", "reshape") and type(st) is tuple and x.numel() == 0:
+            resolved = _empty_slab_minus_one(tuple(x.shape), st, _reshape_request(args, kwargs))
+            if resolved is not None:
+                # torch refuses a -1 for a tensor of no elements (on this rank alone): the call
+                # gets the resolved sizes, while the guard decides and maps by the request as
+                # every other rank does.
+                func = functools.wraps(func)(functools.partial(_call_resolved, func, resolved))
         if base in ("view", "reshape") and st not in (None, UNKNOWN):
             request = _reshape_request(args, kwargs)
             if (request is not None and not any(_is_tagged(v) for v in request)
@@ -3875,9 +3883,21 @@ class _GuardMode(
         st = self._st(x)
         self._require_known(base, stateful)
         out = func(*args, **kwargs)
+        r = Fraction(_arg(args, kwargs, 1, "upscale_factor" if base == "pixel_shuffle" else "downscale_factor"))
+        if x.numel() == 0 and x.dim() >= 3 and r.denominator == 1:
+            # torch (2.14) returns an empty input's shape unchanged; an empty slab (a deep stage
+            # with fewer rows than ranks) needs the shape the other ranks' slabs get: their
+            # channels, and its own zero rows.
+            *lead, c, h, w = x.shape
+            k = int(r)
+            if (c % (k * k) if base == "pixel_shuffle" else h % k or w % k):
+                # (What torch raises on the ranks whose slabs are not empty: raised here too.)
+                raise RuntimeError(f"{base}: the input's shape {tuple(x.shape)} does not divide by the factor {k}")
+            shape = (*lead, c // (k * k), h * k, w * k) if base == "pixel_shuffle" else (*lead, c * k * k, h // k, w // k)
+            if tuple(out.shape) != shape:
+                out = x.reshape(shape)
         self._set(out, st)
         # Every sharded dim is a spatial one, scaled by the factor (the channel dim is not sharded).
-        r = Fraction(_arg(args, kwargs, 1, "upscale_factor" if base == "pixel_shuffle" else "downscale_factor"))
         self._scope_resized(x, out, r if base == "pixel_shuffle" else 1 / r)
         return out
 
@@ -4614,10 +4634,84 @@ def _merges_axes(request, st) -> bool:
 _PROBE_FACTOR = 1_000_003
 
 
+def _empty_slab_probe(in_shape, out_shape, st, request) -> tuple[tuple, tuple] | None:
+    """For a view of an empty slab: the shapes with its sharded dim's zero replaced by lengths in
+    the ratio the view gives every slab, or None (several empty dims, an empty batch).
+
+    The other ranks map the view by the request (the size read from this axis' slab lengths);
+    an empty slab's zeros group with anything, and mapped UNKNOWN it was refused on its rank alone
+    while the others went on to their next collective (a hang; session 66). The lengths: ``L`` in,
+    ``L'`` out with ``L * a == L' * b`` for ``a``, ``b`` the products of the other dims (the same
+    on every rank), each a multiple of the probe factor no real size shares."""
+    if request is None or len(request) != len(out_shape):
+        return None
+    zeros = [j for j, v in enumerate(in_shape) if v == 0]
+    axes = [k for k, d in enumerate(st) if d is not None and d in zeros]
+    if len(zeros) != 1 or len(axes) != 1:
+        return None
+    (d,), (k,) = zeros, axes
+    o = _sharded_request_dim(request, k)
+    if o is None or [j for j, v in enumerate(out_shape) if v == 0] != [o]:
+        return None
+    a = math.prod(v for j, v in enumerate(in_shape) if j != d)
+    b = math.prod(v for j, v in enumerate(out_shape) if j != o)
+    g = math.gcd(a, b)
+    scaled_in, scaled_out = list(in_shape), list(out_shape)
+    scaled_in[d], scaled_out[o] = b // g * _PROBE_FACTOR, a // g * _PROBE_FACTOR
+    return tuple(scaled_in), tuple(scaled_out)
+
+
+def _call_resolved(func, sizes, x, *args, **kwargs):
+    return func(x, *sizes)
+
+
+def _empty_slab_minus_one(in_shape, st, request) -> list | None:
+    """A view request with its -1 resolved as the other ranks resolve it, for an empty slab
+    (torch raises on a -1 for a tensor of no elements, which would leave this rank alone with an
+    error while the others go on to their next collective), or None where there is nothing to
+    resolve or it cannot be.
+
+    The -1 names the sharded dim (``x.reshape(n, -1, c)`` of tokens): this rank's part of it is
+    empty, 0. Else the size read from this axis' slab lengths names it (``x.view(n, c, h // 2,
+    2, -1)``): the -1 is then what the other dims leave, evaluated with the slab's length set to
+    two probe lengths (the expression of the tagged size is known, ``LocalDerived``); where the
+    two disagree, the -1 depends on the slab length and is left to torch."""
+    if request is None or list(request).count(-1) != 1:
+        return None
+    zeros = [j for j, v in enumerate(in_shape) if v == 0]
+    axes = [k for k, d in enumerate(st) if d is not None and d in zeros]
+    if len(zeros) != 1 or len(axes) != 1:
+        return None
+    (d,), (k,) = zeros, axes
+    o, m = _sharded_request_dim(request, k), list(request).index(-1)
+    if o is None:
+        return None
+    if o == m:
+        return [0 if i == m else v for i, v in enumerate(request)]
+    tagged = request[o]
+    leaves, fn = getattr(tagged, "_leaves", None), getattr(tagged, "_fn", None)
+    if leaves is None or fn is None or len(leaves) != 1:
+        return None
+    rest = math.prod(v for j, v in enumerate(in_shape) if j != d)
+    others = math.prod(v for i, v in enumerate(request) if i not in (o, m))
+    values = set()
+    for length in (_PROBE_FACTOR * 720720, _PROBE_FACTOR * 720720 * 2):
+        den = others * int(fn([length]))
+        if den == 0 or (rest * length) % den:
+            return None
+        values.add(rest * length // den)
+    if len(values) != 1:
+        return None
+    return [values.pop() if i == m else v for i, v in enumerate(request)]
+
+
 def _map_reshape(in_shape, out_shape, st, request, probed: bool = False) -> tuple | str:
     """The layout after a reshape (see the module docstring), or ``UNKNOWN``."""
     if 0 in in_shape:
-        return UNKNOWN
+        scaled = _empty_slab_probe(in_shape, out_shape, st, request)
+        if scaled is None:
+            return UNKNOWN
+        in_shape, out_shape = scaled
     if request is not None and _merges_axes(request, st):
         return UNKNOWN  # two sharded dims merged into one (``guard_merged``), not a slab
     if not probed and request is not None and len(request) == len(out_shape):

@@ -479,6 +479,8 @@ class _SpaceToDepth(nn.Module):
         g = w.mean()
         if self.how == "view":
             s = a.view(n, c, h // 2, 2, wd).transpose(2, 3).reshape(n, 2 * c, h // 2, wd)
+        elif self.how == "view_minus_one":  # a -1 beside the size read from the slab, then for it
+            s = a.view(n, c, h // 2, 2, -1).transpose(2, 3).reshape(n, 2 * c, -1, wd)
         elif self.how == "channels_last":
             t = a.permute(0, 2, 3, 1)
             g = g + t.mean(1).mean()  # (a mean along the rows of the channels-last slab: its layout is agreed there)
@@ -508,4 +510,16 @@ def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, ho
     # hang). Now such a view declares the halved layout (derived from its input's) or forgets,
     # and a layout is remembered whichever dims it sits on (the channels-last view is looked up
     # after a permute back).
+    assert all(run(len(sizes), _space_to_depth, sizes, how))
+
+
+@pytest.mark.parametrize("how", ["view", "view_minus_one", "channels_last", "unshuffle"])
+@pytest.mark.parametrize("sizes", [(4, 4, 0), (6, 0)], ids=str)
+def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
+    # A rank whose slab is empty (a deep stage with fewer rows than ranks) mapped the view by
+    # its zero-length dims, which group with anything: its result's layout was lost and the
+    # next layer refused it on that rank alone while the others went on to that layer's
+    # agreement (a TransportError here, a hang under gloo), before session 66. On that rank
+    # torch also refused a -1 (no elements to infer it from) and returned an empty input's
+    # shape unchanged from pixel_unshuffle (the channels not multiplied).
     assert all(run(len(sizes), _space_to_depth, sizes, how))
