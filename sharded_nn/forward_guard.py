@@ -4634,28 +4634,35 @@ def _merges_axes(request, st) -> bool:
 _PROBE_FACTOR = 1_000_003
 
 
-def _empty_slab_probe(in_shape, out_shape, st, request) -> tuple[tuple, tuple] | None:
-    """For a view of an empty slab: the shapes with its sharded dim's zero replaced by lengths in
-    the ratio the view gives every slab, or None (several empty dims, an empty batch).
-
-    The other ranks map the view by the request (the size read from this axis' slab lengths);
-    an empty slab's zeros group with anything, and mapped UNKNOWN it was refused on its rank alone
-    while the others went on to their next collective (a hang; session 66). The lengths: ``L`` in,
-    ``L'`` out with ``L * a == L' * b`` for ``a``, ``b`` the products of the other dims (the same
-    on every rank), each a multiple of the probe factor no real size shares."""
-    if request is None or len(request) != len(out_shape):
-        return None
+def _empty_axis(in_shape, st) -> tuple[int, int] | None:
+    """``(dim, mesh axis)`` of a slab empty along one sharded dim and no other dim, else None."""
     zeros = [j for j, v in enumerate(in_shape) if v == 0]
     axes = [k for k, d in enumerate(st) if d is not None and d in zeros]
     if len(zeros) != 1 or len(axes) != 1:
         return None
-    (d,), (k,) = zeros, axes
-    o = _sharded_request_dim(request, k)
-    if o is None or [j for j, v in enumerate(out_shape) if v == 0] != [o]:
+    return zeros[0], axes[0]
+
+
+def _empty_slab_probe(in_shape, out_shape, st) -> tuple[tuple, tuple] | None:
+    """For a view of an empty slab: the shapes with its sharded dim's zero, and the output's one
+    zero (where the view put it), replaced by lengths in the ratio the view gives every slab; or
+    None (several empty dims, an empty batch).
+
+    The other ranks map the view by lengths that no other size shares; an empty slab's zeros
+    group with anything, and mapped UNKNOWN it was refused on its rank alone while the others
+    went on to their next collective (a hang; session 66). The lengths: ``L`` in, ``L'`` out with
+    ``L * a == L' * b`` for ``a``, ``b`` the products of the other dims (the same on every rank),
+    each a multiple of the probe factor no real size shares."""
+    empty = _empty_axis(in_shape, st)
+    zeros = [j for j, v in enumerate(out_shape) if v == 0]
+    if empty is None or len(zeros) != 1:
         return None
+    d, o = empty[0], zeros[0]
     a = math.prod(v for j, v in enumerate(in_shape) if j != d)
     b = math.prod(v for j, v in enumerate(out_shape) if j != o)
     g = math.gcd(a, b)
+    if g == 0:
+        return None
     scaled_in, scaled_out = list(in_shape), list(out_shape)
     scaled_in[d], scaled_out[o] = b // g * _PROBE_FACTOR, a // g * _PROBE_FACTOR
     return tuple(scaled_in), tuple(scaled_out)
@@ -4678,11 +4685,10 @@ def _empty_slab_minus_one(in_shape, st, request) -> list | None:
     two disagree, the -1 depends on the slab length and is left to torch."""
     if request is None or list(request).count(-1) != 1:
         return None
-    zeros = [j for j, v in enumerate(in_shape) if v == 0]
-    axes = [k for k, d in enumerate(st) if d is not None and d in zeros]
-    if len(zeros) != 1 or len(axes) != 1:
+    empty = _empty_axis(in_shape, st)
+    if empty is None:
         return None
-    (d,), (k,) = zeros, axes
+    d, k = empty
     o, m = _sharded_request_dim(request, k), list(request).index(-1)
     if o is None:
         return None
@@ -4708,7 +4714,7 @@ def _empty_slab_minus_one(in_shape, st, request) -> list | None:
 def _map_reshape(in_shape, out_shape, st, request, probed: bool = False) -> tuple | str:
     """The layout after a reshape (see the module docstring), or ``UNKNOWN``."""
     if 0 in in_shape:
-        scaled = _empty_slab_probe(in_shape, out_shape, st, request)
+        scaled = _empty_slab_probe(in_shape, out_shape, st)
         if scaled is None:
             return UNKNOWN
         in_shape, out_shape = scaled

@@ -479,6 +479,8 @@ class _SpaceToDepth(nn.Module):
         g = w.mean()
         if self.how == "view":
             s = a.view(n, c, h // 2, 2, wd).transpose(2, 3).reshape(n, 2 * c, h // 2, wd)
+        elif self.how == "flatten":  # the slab's rows merged with its columns (tokens) and back
+            s = torch.cat([a, (a.flatten(2).transpose(1, 2) * 2).transpose(1, 2).reshape(n, c, h, wd)], 1)
         elif self.how == "view_minus_one":  # a -1 beside the size read from the slab, then for it
             s = a.view(n, c, h // 2, 2, -1).transpose(2, 3).reshape(n, 2 * c, -1, wd)
         elif self.how == "channels_last":
@@ -513,7 +515,7 @@ def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, ho
     assert all(run(len(sizes), _space_to_depth, sizes, how))
 
 
-@pytest.mark.parametrize("how", ["view", "view_minus_one", "channels_last", "unshuffle"])
+@pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "channels_last", "unshuffle"])
 @pytest.mark.parametrize("sizes", [(4, 4, 0), (6, 0)], ids=str)
 def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # A rank whose slab is empty (a deep stage with fewer rows than ranks) mapped the view by
