@@ -217,9 +217,16 @@ def fold_of_reshape(in_shape, out_shape, st, request):
     ws, ws, c)``). Where the merge keeps it outermost the view is an ordinary slab
     (``_map_reshape``); this covers the other case."""
     sharded = [(k, d) for k, d in enumerate(st) if d is not None]
-    if len(sharded) != 1 or 0 in in_shape:
+    if len(sharded) != 1:
         return fg.UNKNOWN  # two mesh axes folded together: not a layout the guard follows
     (k, d), = sharded
+    if 0 in in_shape:
+        # An empty slab groups with anything by sizes: mapped on lengths in the view's ratio
+        # (as ``_map_reshape`` does), or it was refused on its rank alone (a hang; session 67).
+        scaled = fg._empty_slab_probe(in_shape, out_shape, st)
+        if scaled is None:
+            return fg.UNKNOWN
+        in_shape, out_shape = scaled
     named = _named_probe(in_shape, out_shape, d, in_shape[d], request, k)
     if named is None:
         return fg.UNKNOWN
@@ -237,10 +244,17 @@ def map_folded_reshape(in_shape, out_shape, fold: Fold, request):
     ``UNKNOWN``. Mapped on the virtual shape with the folded dim written as its three factors."""
     fd = fold.dim
     block = fold.outer * fold.inner
-    if in_shape[fd] % block or 0 in in_shape:
+    if in_shape[fd] % block:
         return fg.UNKNOWN
     local = in_shape[fd] // block
     virtual = (*in_shape[:fd], fold.outer, local, *((fold.inner,) if fold.inner != 1 else ()), *in_shape[fd + 1 :])
+    if 0 in virtual:
+        # An empty slab's fold: its factor scaled in the view's ratio, as in ``fold_of_reshape``.
+        scaled = fg._empty_slab_probe(virtual, out_shape, replace(fold, dim=fd).virtual(in_shape)[1])
+        if scaled is None:
+            return fg.UNKNOWN
+        virtual, out_shape = scaled
+        local = virtual[fd + 1]
     named = _named_probe(virtual, out_shape, fd + 1, local, request, fold.axis)
     if named is None:
         return fg.UNKNOWN

@@ -481,6 +481,8 @@ class _SpaceToDepth(nn.Module):
             s = a.view(n, c, h // 2, 2, wd).transpose(2, 3).reshape(n, 2 * c, h // 2, wd)
         elif self.how == "flatten":  # the slab's rows merged with its columns (tokens) and back
             s = torch.cat([a, (a.flatten(2).transpose(1, 2) * 2).transpose(1, 2).reshape(n, c, h, wd)], 1)
+        elif self.how == "fold":  # the slab's rows merged behind its channels (a fold), and back
+            s = torch.cat([a, (a.flatten(1) * 2).view(n, c, h, wd)], 1)
         elif self.how == "view_minus_one":  # a -1 beside the size read from the slab, then for it
             s = a.view(n, c, h // 2, 2, -1).transpose(2, 3).reshape(n, 2 * c, -1, wd)
         elif self.how == "channels_last":
@@ -515,7 +517,7 @@ def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, ho
     assert all(run(len(sizes), _space_to_depth, sizes, how))
 
 
-@pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "channels_last", "unshuffle"])
+@pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "fold", "channels_last", "unshuffle"])
 @pytest.mark.parametrize("sizes", [(4, 4, 0), (6, 0)], ids=str)
 def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # A rank whose slab is empty (a deep stage with fewer rows than ranks) mapped the view by
@@ -523,5 +525,6 @@ def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # next layer refused it on that rank alone while the others went on to that layer's
     # agreement (a TransportError here, a hang under gloo), before session 66. On that rank
     # torch also refused a -1 (no elements to infer it from) and returned an empty input's
-    # shape unchanged from pixel_unshuffle (the channels not multiplied).
+    # shape unchanged from pixel_unshuffle (the channels not multiplied). The rows merged
+    # behind the channels (a fold) were lost on that rank alike until session 67.
     assert all(run(len(sizes), _space_to_depth, sizes, how))
