@@ -64,14 +64,16 @@ def _plan(
     sharded_dims: int | Sequence[int] | None,
     what: str,
     keepdim: bool = False,
-    allow_empty: bool = False,
+    needs_data: bool = False,
 ) -> tuple[tuple[int, ...], list[str], dict[int, tuple[str, Layout]]]:
     """(reduced dims, mesh axes to reduce over, {sharded dim: (axis, layout)}).
 
     ``sharded_dims``: one dim per domain axis in order, ``None`` for an axis that shards none
     (the tensor is replicated over it: the columns of a 2x2 mesh after a reduction over the rows).
-    ``allow_empty``: the reduction is defined on an empty slab (a sum: zeros), so ranks without
-    rows (a deep stage on many ranks) take part instead of being refused.
+    Empty slabs (a rank left without rows by a deep stage on many ranks, a crop) take part:
+    each reduction gives its identity there (a sum's zeros, a maximum's lowest value). Refused
+    alike on every rank where ``needs_data`` and a reduced sharded dim is empty on every rank
+    (torch's ``amax`` and ``argmax`` of nothing raise too).
     """
     all_axes = domain_axes(mesh)
     if sharded_dims is None:
@@ -81,7 +83,7 @@ def _plan(
     pairs = [(d, a) for d, a in zip(sharded_dims, all_axes) if d is not None]
     sharded_dims, axes = tuple(d for d, _ in pairs), tuple(a for _, a in pairs)
     # Inside a converted model's layout scope the input's layout is usually known (no collective).
-    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True, axes=axes, allow_empty=allow_empty)
+    layouts = gather_layouts(x.shape, mesh, sharded_dims, what=what, scoped=True, axes=axes, allow_empty=True)
     nd = x.dim()
     if dims is None:
         dims = tuple(range(nd))
@@ -91,6 +93,11 @@ def _plan(
     dims = tuple(sorted(d % nd for d in dims))
     sharded = {d % nd: (a, lay) for d, a, lay in zip(sharded_dims, axes, layouts)}
     reduce_axes = [a for a in axes if any(sharded.get(d, (None,))[0] == a for d in dims)]
+    if needs_data:
+        for d in dims:
+            if d in sharded and sharded[d][1].size == 0:
+                raise ShardingError(f"{what}: dim {d} is empty on every rank (sizes {sharded[d][1].sizes}); "
+                                    "the extreme of nothing is undefined (torch raises too). Reduce a non-empty tensor.")
     if axes == all_axes[: len(axes)]:
         _declare_output(mesh, nd, dims, tuple(d % nd for d in sharded_dims), layouts, keepdim)
     else:
@@ -195,7 +202,7 @@ def sum(  # noqa: A001 - mirrors torch.sum
         sharded_dims: dims of ``x`` sharded by the domain axes, one per axis in order, ``None``
             for an axis that shards none (default: the first spatial dims).
     """
-    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum", keepdim, allow_empty=True)
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.sum", keepdim)
     if not x.is_floating_point():
         return _reduce_sum(x.sum(dims, keepdim=keepdim), mesh, axes)
     # Partial sums cross ranks in the accumulation dtype: rounding each rank's partial sum to
@@ -214,7 +221,7 @@ def mean(
     sharded_dims: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``torch.mean(x_full, dims, keepdim)`` from slabs (exact on uneven slabs); see ``sum``."""
-    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean", keepdim, allow_empty=True)
+    dims, axes, sharded = _plan(x, mesh, dims, sharded_dims, "reductions.mean", keepdim)
     # The count comes from the agreed global layout: an exact Python int on every rank.
     count = math.prod(sharded[d][1].size if d in sharded else x.shape[d] for d in dims)
     total = _reduce_sum(x.sum(dims, keepdim=keepdim, dtype=accumulation_dtype(x.dtype)), mesh, axes)
@@ -240,7 +247,7 @@ def max(  # noqa: A001 - mirrors torch.amax
     The gradient is split evenly among all elements equal to the maximum (on every rank that
     holds one), exactly like ``torch.amax``. NaNs are not supported.
     """
-    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.max", keepdim)
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.max", keepdim, needs_data=True)
     return _amax(x, mesh, dims, axes, keepdim)
 
 
@@ -249,7 +256,7 @@ def _amax(x: torch.Tensor, mesh: DeviceMesh, dims: tuple[int, ...], axes: list[s
     if not axes:
         return x.amax(dims, keepdim=keepdim)
     group = group_over(mesh, axes)
-    top = all_reduce_max(x.detach().amax(dims, keepdim=True), group)
+    top = all_reduce_max(_local_top(x.detach(), dims), group)
     if not x.is_floating_point():  # no gradient to route
         return top if keepdim else top.squeeze(dims)
     hit = x.detach() == top
@@ -311,7 +318,8 @@ def argmin(
 def _arg_extreme(x, mesh, dim, keepdim: bool, sharded_dims, what: str, largest: bool) -> torch.Tensor:
     if dim is not None and not isinstance(dim, int):
         raise ShardingError(f"{what}: dim must be one int or None, got {dim!r}.")
-    return _arg_extreme_planned(x, mesh, dim, keepdim, _plan(x, mesh, dim, sharded_dims, what, keepdim), largest)
+    plan = _plan(x, mesh, dim, sharded_dims, what, keepdim, needs_data=True)
+    return _arg_extreme_planned(x, mesh, dim, keepdim, plan, largest)
 
 
 def _arg_extreme_planned(x, mesh, dim, keepdim: bool, plan, largest: bool) -> torch.Tensor:
@@ -333,11 +341,12 @@ def _arg_extreme_planned(x, mesh, dim, keepdim: bool, plan, largest: bool) -> to
     axis, layout = sharded[d]
     idx = idx + layout.starts[axis_index(mesh, axis)]
     group = group_over(mesh, axes)
-    local_top = x.amax(d, keepdim=True) if x.shape[d] else torch.full_like(idx, _lowest(x.dtype), dtype=x.dtype)
+    local_top = _local_top(x, (d,))
     top = all_reduce_max(local_top, group)
-    # Lowest global index among the ranks that hold the extreme: max of -index.
+    # Lowest global index among the ranks that hold the extreme: max of -index. (An empty slab
+    # never wins: its candidate, the identity, ties with a line of -inf on the others.)
     big = layout.size
-    cand = torch.where(local_top == top, -idx, -big)
+    cand = torch.where(local_top == top, -idx, -big) if x.shape[d] else torch.full_like(idx, -big)
     out = -all_reduce_max(cand, group)
     return out if keepdim else out.squeeze(d)
 
@@ -359,7 +368,7 @@ def max_dim(
     what = "reductions.max_dim" if largest else "reductions.min_dim"
     if not isinstance(dim, int):
         raise ShardingError(f"{what}: dim must be one int, got {dim!r}.")
-    plan = _plan(x, mesh, dim, sharded_dims, what, keepdim)  # one agreement for both parts
+    plan = _plan(x, mesh, dim, sharded_dims, what, keepdim, needs_data=True)  # one agreement for both parts
     idx = _arg_extreme_planned(x, mesh, dim, True, plan, largest)
     dims, axes, sharded = plan
     (d,) = dims
@@ -382,10 +391,19 @@ def max_dim(
 
 
 def _lowest(dtype: torch.dtype):
-    """The smallest value of ``dtype`` (an empty slab's candidate, which never wins)."""
+    """The identity of a maximum in ``dtype`` (an empty slab's candidate): -inf for floats."""
     if dtype == torch.bool:
         return False
-    return torch.finfo(dtype).min if dtype.is_floating_point else torch.iinfo(dtype).min
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _local_top(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``t.amax(dims, keepdim=True)``, or the identity where a reduced dim is empty here (an
+    empty slab: torch's amax refuses it, which would leave this rank alone with an error)."""
+    if all(t.shape[d] for d in dims):
+        return t.amax(dims, keepdim=True)
+    shape = [1 if d in dims else n for d, n in enumerate(t.shape)]
+    return torch.full(shape, _lowest(t.dtype), dtype=t.dtype, device=t.device)
 
 
 def _flat_argmax(x: torch.Tensor, mesh: DeviceMesh, axes: list[str], sharded, keepdim: bool) -> torch.Tensor:
@@ -446,7 +464,7 @@ def norm(
     if isinstance(p, str) or isinstance(p, bool):
         raise ShardingError(f"reductions.norm: p must be a number, inf, -inf or 'fro'; got {p!r}. A matrix norm "
                             "('nuc', spectral) over sharded dims is not supported: gather the tensor first.")
-    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.norm", keepdim)
+    dims, axes, _ = _plan(x, mesh, dims, sharded_dims, "reductions.norm", keepdim, needs_data=math.isinf(float(p)))
     if not axes:
         return torch.linalg.vector_norm(x, p, dims, keepdim)
     if not (x.is_floating_point() or x.is_complex()):
@@ -620,7 +638,7 @@ def _log_partition(
         return None
     acc = accumulation_dtype(x.dtype)
     xs = x.to(acc)
-    top = all_reduce_max(xs.detach().amax(dims, keepdim=True), group_over(mesh, axes))
+    top = all_reduce_max(_local_top(xs.detach(), dims), group_over(mesh, axes))
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf stays NaN-free
     shifted = xs - top
     log_total = _reduce_sum(shifted.exp().sum(dims, keepdim=True), mesh, axes).log()
@@ -716,13 +734,14 @@ class _CumSum(torch.autograd.Function):
     def forward(ctx, x, dim, group, rank, acc, out_dtype, reverse=False):  # noqa: D102
         ctx.args, ctx.in_dtype, ctx.reverse = (dim, group, rank, acc), x.dtype, reverse
         xa = x.to(acc)
-        # (Every slab holds data: ``_plan`` refuses empty slabs, as for every reduction.)
         if reverse:
             local = xa.flip(dim).cumsum(dim).flip(dim)
-            total = local.narrow(dim, 0, 1)
+            total = local.narrow(dim, 0, 1) if xa.shape[dim] else None
         else:
             local = torch.cumsum(xa, dim)
-            total = local.narrow(dim, local.shape[dim] - 1, 1)
+            total = local.narrow(dim, local.shape[dim] - 1, 1) if xa.shape[dim] else None
+        if total is None:  # an empty slab adds nothing to the running sums of the others
+            total = xa.new_zeros([1 if d == dim else n for d, n in enumerate(xa.shape)])
         return (local + _earlier_totals(total, group, rank, before=not reverse)).to(out_dtype)
 
     @staticmethod

@@ -8,8 +8,8 @@
 ``log_softmax``, ``cumsum``), tensors of 1-4 dims of lengths 1-6, float64 (random, or whole
 numbers with many ties, or with lines of ``-inf`` for ``max`` and the log-partitions) or int64 where
 torch takes it, the reduced dims (all, one, several, negative or not) and ``keepdim``, any dims
-sharded (reduced or not), slabs of random uneven lengths (empty ones sometimes: refused, as
-documented, except by ``sum`` and ``mean`` since session 61), on 1-4 ranks or a 2x2 mesh. The result must be this rank's part of torch's on the
+sharded (reduced or not), slabs of random uneven lengths (empty ones sometimes: taken by
+``sum`` and ``mean`` since session 61, by every function since session 67), on 1-4 ranks or a 2x2 mesh. The result must be this rank's part of torch's on the
 whole tensor (replicated along the reduced sharded dims, still sharded along the others), and
 the input's gradient the single device's slab, under the library's convention (a value
 replicated over ``r`` ranks carries ``1 / r`` of the loss on each; float64, 1e-10). A ``ShardingError`` raised alike on every rank is
@@ -185,7 +185,7 @@ def configs(draw):
     values = draw(st.sampled_from(["random", "ties"] + (["int"] if integers else []) + (["-inf"] if with_inf else [])))
     sharded = draw(st.permutations(range(nd)))[:naxes]
     axes = [2, 2] if domain == (2, 2) else [domain]
-    if draw(st.integers(0, 4)):  # mostly a row per rank at least (the functions refuse empty slabs)
+    if draw(st.integers(0, 4)):  # mostly a row per rank at least (empty slabs: since session 67 taken)
         for d, parts in zip(sharded, axes):
             shape[d] = max(shape[d], parts)
     splits = [(d, _split_rows(draw, shape[d], p)) for d, p in zip(sharded, axes)]

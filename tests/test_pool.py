@@ -214,6 +214,36 @@ def test_adaptive_pool_other_sizes(run, domain, dims):
     assert all(run(world, _binned_many, domain, dims))
 
 
+def _global_on_empty_slabs(sizes):
+    """Global adaptive pools where one rank's slab is empty (a deep stage on many ranks): torch's
+    value and gradient (a line of -inf included: the empty slab's candidate never owns the
+    maximum); a binned size leaves that rank without a bin, refused alike on every rank."""
+    m = mesh(len(sizes))
+    r = m.get_local_rank("domain")
+    x = _input((2, 3, sum(sizes), 5))
+    x[1, 2, :, 3] = -float("inf")
+    for ref in (nn.AdaptiveAvgPool2d(1), nn.AdaptiveMaxPool2d(1), nn.AdaptiveMaxPool2d((1, None))):
+        xr = x.clone().requires_grad_()
+        want = ref(xr) if not isinstance(ref, nn.AdaptiveAvgPool2d) else ref(xr.nan_to_num(neginf=0))
+        g = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=want.dtype)
+        (want * g).sum().backward()
+        local = _slab(x, sizes, m).clone().requires_grad_()
+        pool = snn.convert(copy.deepcopy(ref), m)
+        got = pool(local) if not isinstance(ref, nn.AdaptiveAvgPool2d) else pool(local.nan_to_num(neginf=0))
+        snn.losses.share((got * g).sum(), m).backward()
+        torch.testing.assert_close(got, want.detach(), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(local.grad, _slab(xr.grad, sizes, m), atol=1e-12, rtol=1e-12)
+    with pytest.raises(snn.ShardingError, match="without a bin"):
+        snn.convert(nn.AdaptiveAvgPool2d((2, 1)), m)(_slab(x, sizes, m))
+    return True
+
+
+@pytest.mark.parametrize("sizes", [(5, 0), (0, 2, 3), (2, 0, 3)])
+def test_global_adaptive_pool_takes_empty_slabs(run, sizes):
+    """Refused on every rank before session 67 (the guard fuzzer's pooled heads after a deep stage)."""
+    assert all(run(len(sizes), _global_on_empty_slabs, sizes))
+
+
 # --- errors -------------------------------------------------------------------------------
 
 

@@ -434,3 +434,91 @@ def test_sum_and_mean_take_empty_slabs(run, domain):
     """Before session 61 every reduction refused a rank without rows; a sum is defined there."""
     out = run(domain, _empty_slabs, domain)
     assert all(o == out[0] for o in out)
+
+
+# Every reduction on slabs with an empty one: (name, sharded call, torch call); ``d`` the
+# reduced dims. Rows 2 of ``x`` hold -inf lines (a masked score) so that an empty slab's
+# candidate (the identity of a maximum) meets a line whose maximum is -inf.
+_EMPTY_CASES = [
+    ("max", lambda x, m, d: snn.reductions.max(x, m, d), lambda x, d: x.amax(d)),
+    ("norm2", lambda x, m, d: snn.reductions.norm(x.nan_to_num(neginf=0), m, d),
+     lambda x, d: torch.linalg.vector_norm(x.nan_to_num(neginf=0), 2, d)),
+    ("norm1", lambda x, m, d: snn.reductions.norm(x.nan_to_num(neginf=0), m, d, 1),
+     lambda x, d: torch.linalg.vector_norm(x.nan_to_num(neginf=0), 1, d)),
+    ("norm_inf", lambda x, m, d: snn.reductions.norm(x.nan_to_num(neginf=0), m, d, math.inf),
+     lambda x, d: torch.linalg.vector_norm(x.nan_to_num(neginf=0), math.inf, d)),
+    ("var", lambda x, m, d: snn.reductions.var(x.nan_to_num(neginf=0), m, d),
+     lambda x, d: x.nan_to_num(neginf=0).var(d)),
+    ("std_mean", lambda x, m, d: torch.cat(snn.reductions.std_mean(x.nan_to_num(neginf=0), m, d)),
+     lambda x, d: torch.cat(torch.std_mean(x.nan_to_num(neginf=0), d))),
+    ("logsumexp", lambda x, m, d: snn.reductions.logsumexp(x, m, d), lambda x, d: x.logsumexp(d)),
+    ("argmax", lambda x, m, d: snn.reductions.argmax(x, m, d[0]).double(), lambda x, d: x.argmax(d[0]).double()),
+    ("argmin", lambda x, m, d: snn.reductions.argmin(x.nan_to_num(neginf=0), m, d[0]).double(),
+     lambda x, d: x.nan_to_num(neginf=0).argmin(d[0]).double()),
+    ("max_dim", lambda x, m, d: torch.cat(snn.reductions.max_dim(x, m, d[0])[:1]),
+     lambda x, d: torch.cat(x.max(d[0])[:1])),
+]
+# Calls whose result keeps the slab's layout (along the sharded dim): compared slab by slab.
+_EMPTY_KEEPING = [
+    ("softmax", lambda x, m: snn.reductions.softmax(x, m, 2), lambda x: x.softmax(2)),
+    ("log_softmax", lambda x, m: snn.reductions.log_softmax(x, m, 2), lambda x: x.log_softmax(2)),
+    ("cumsum", lambda x, m: snn.reductions.cumsum(x.nan_to_num(neginf=0), m, 2),
+     lambda x: x.nan_to_num(neginf=0).cumsum(2)),
+]
+
+
+def _every_reduction_on_empty_slabs(sizes):
+    """Each reduction with one rank's slab empty: torch's value and gradient on every rank
+    (session 67: all but ``sum`` and ``mean`` refused there; in a converted model that rank
+    alone refused, a hang)."""
+    m = mesh(len(sizes))
+    rank = m.get_local_rank("domain")
+    a, n = sum(sizes[:rank]), sizes[rank]
+    x = torch.randn(2, 3, sum(sizes), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    x[1, 2, :, 1] = -math.inf
+    failures = []
+
+    def compare(name, got, ref, grad, ref_grad):
+        # (Compared after both backwards ran: a rank that stopped at a mismatch would skip the
+        # others' collectives.)
+        for what, u, v in (("value", got, ref), ("gradient", grad, ref_grad)):
+            try:
+                torch.testing.assert_close(u, v, atol=1e-12, rtol=1e-12, equal_nan=True)
+            except AssertionError as e:
+                failures.append(f"{name} {what}: {str(e)[:300]}")
+
+    for name, ours, theirs in _EMPTY_CASES:
+        for dims in ((2,), (2, 3), (3, 2)) if not name.startswith("arg") and name != "max_dim" else ((2,),):
+            xr = x.clone().requires_grad_()
+            local = x.narrow(2, a, n).clone().requires_grad_()
+            ref, got = theirs(xr, dims), ours(local, m, dims)
+            if ref.requires_grad:
+                g = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+                (ref * g).sum().backward()
+                snn.losses.share((got * g).sum(), m).backward()
+            grads = (local.grad, xr.grad.narrow(2, a, n)) if ref.requires_grad else (None, None)
+            compare(f"{name} {dims}", got, ref, *grads)
+    for name, ours, theirs in _EMPTY_KEEPING:
+        xr = x.clone().requires_grad_()
+        local = x.narrow(2, a, n).clone().requires_grad_()
+        ref, got = theirs(xr), ours(local, m)
+        g = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        (ref * g).nan_to_num().sum().backward()
+        (got * g.narrow(2, a, n)).nan_to_num().sum().backward()
+        compare(name, got, ref.detach().narrow(2, a, n), local.grad, xr.grad.narrow(2, a, n))
+    # Nothing on any rank: the extremes refuse alike (torch raises too); a sum is zeros.
+    nothing = x.narrow(2, 0, 0).clone()
+    for call in (lambda: snn.reductions.max(nothing, m, 2), lambda: snn.reductions.argmax(nothing, m, 2)):
+        try:
+            call()
+            failures.append("an extreme of nothing did not raise")
+        except snn.ShardingError as e:
+            assert "empty on every rank" in str(e), e
+    torch.testing.assert_close(snn.reductions.sum(nothing, m, 2), torch.zeros(2, 3, 4, dtype=torch.float64))
+    return failures
+
+
+@pytest.mark.parametrize("sizes", [(3, 0), (0, 2, 3), (2, 3, 0), (2, 0, 0, 1)])
+def test_every_reduction_takes_empty_slabs(run, sizes):
+    out = run(len(sizes), _every_reduction_on_empty_slabs, sizes)
+    assert out[0] == [] and all(o == out[0] for o in out), out

@@ -43,6 +43,10 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
     """Shared forward of the sharded adaptive pools (mixed into the torch classes)."""
 
     _is_max = False
+    #: An empty slab (a deep stage on many ranks) takes part in a global pool (output size 1:
+    #: the sum's zeros, the maximum's identity); binned output sizes leave it without a bin,
+    #: refused alike on every rank (``_binned``).
+    _allow_empty = True
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
         """See the module docstring."""
@@ -78,11 +82,16 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
         """Output size 1 along sharded ``d``: an all-reduce over the mesh axis (replicated result)."""
         if not self._is_max:
             return all_reduce_sum(x.sum(d, keepdim=True, dtype=_acc_dtype(x.dtype)), ring.group) / length
-        local = x.max(d, keepdim=True).values  # gradient to one position, as torch's max
+        if x.shape[d]:
+            local = x.max(d, keepdim=True).values  # gradient to one position, as torch's max
+        else:  # an empty slab: the identity of a maximum, which never owns it (below)
+            low = -float("inf") if x.is_floating_point() else torch.iinfo(x.dtype).min
+            local = x.sum(d, keepdim=True, dtype=x.dtype) + low
         best = all_reduce_max(local, ring.group)
         # Ties: the first rank holding the maximum owns it (torch takes the first in scan order).
         rank = torch.full_like(local, -float(ring.index))
-        first = all_reduce_max(torch.where(local == best, rank, torch.full_like(local, -float(ring.size))), ring.group)
+        nobody = torch.full_like(local, -float(ring.size))
+        first = all_reduce_max(torch.where(local == best, rank, nobody) if x.shape[d] else nobody, ring.group)
         return all_reduce_sum(torch.where(first == rank, local, torch.zeros_like(local)), ring.group)
 
     def _binned(self, x: torch.Tensor, d: int, ring, layout: Layout, out: int) -> torch.Tensor:
