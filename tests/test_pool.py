@@ -219,7 +219,6 @@ def _global_on_empty_slabs(sizes):
     value and gradient (a line of -inf included: the empty slab's candidate never owns the
     maximum); a binned size leaves that rank without a bin, refused alike on every rank."""
     m = mesh(len(sizes))
-    r = m.get_local_rank("domain")
     x = _input((2, 3, sum(sizes), 5))
     x[1, 2, :, 3] = -float("inf")
     for ref in (nn.AdaptiveAvgPool2d(1), nn.AdaptiveMaxPool2d(1), nn.AdaptiveMaxPool2d((1, None))):
