@@ -7,7 +7,7 @@ spectra written by hand roll a tensor along sharded dims. This file draws models
 over one or more dims (sharded or not), shifts of any sign and size (past the whole length, and
 shifts computed from the tensor's own sizes, ``h.shape[d] // 2``: the single device's number),
 any spatial dims sharded, slabs of random uneven lengths (thin ones, from which a shift reads
-rows of several ranks; sometimes empty ones: refused, as documented), on 1-4 ranks or a 2x2
+rows of several ranks; sometimes empty ones: taken since session 67), on 1-4 ranks or a 2x2
 mesh. The output, the input's gradient and the
 convolution's parameter gradients (summed over the ranks) must be the single device's (float64,
 1e-12). A ``ShardingError`` raised alike on every rank counts as a refusal (a roll of the
@@ -98,7 +98,7 @@ def configs(draw):
     shape = [draw(st.integers(1, 2)), 2] + [draw(st.integers(1, 9)) for _ in range(nsp)]
     sharded = draw(st.permutations(range(2, 2 + nsp)))[: len(axes)]
     for d, parts in zip(sharded, axes):
-        if draw(st.integers(0, 3)):  # mostly a row per rank at least (empty slabs: refused)
+        if draw(st.integers(0, 3)):  # mostly a row per rank at least (empty slabs: since session 67 taken)
             shape[d] = max(shape[d], parts)
     rolls = []
     for _ in range(draw(st.integers(1, 2))):
@@ -133,6 +133,9 @@ EXAMPLES = [
     dict(domain=4, shape=[1, 2, 7], rolls=[([-9], [2])], splits=[(2, [1, 1, 2, 3])], seed=1),
     dict(domain=(2, 2), shape=[1, 2, 5, 6], rolls=[([("half", 2), ("minus", 3, 1)], [2, -1])],
          splits=[(3, [2, 4]), (2, [3, 2])], seed=2),
+    # Session 67: empty slabs (a deep stage on many ranks), first and in the middle of the ring.
+    dict(domain=3, shape=[1, 2, 5, 4], rolls=[([1, ("half", 3)], [2, 3])], splits=[(2, [2, 0, 3])], seed=3),
+    dict(domain=4, shape=[2, 2, 6], rolls=[([-2], [2]), ([7], [-1])], splits=[(2, [0, 1, 0, 5])], seed=4),
 ]  # fmt: skip
 
 test_fuzz_roll_fast, test_fuzz_roll_campaign = fuzz_tests(

@@ -52,8 +52,12 @@ def periodic_shift(
     dim = dim % x.dim()
     k = list(dims).index(dim)
     if layout is None:
-        layout = gather_layouts(x.shape, mesh, dims, what=what)[k]
+        # Empty slabs (a deep stage on many ranks) take part: their rows are none, and the
+        # multi-hop path below reads past them.
+        layout = gather_layouts(x.shape, mesh, dims, what=what, allow_empty=True)[k]
     ring = axis_peers(mesh, domain_axes(mesh)[k])
+    if layout.size == 0:
+        return x  # nothing to roll on any rank
     s = shift % layout.size
     if s == 0:
         return x
