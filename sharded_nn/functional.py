@@ -345,10 +345,12 @@ def _plan(
             f"{what}: k and v hold different lengths: {k_lens} vs {tuple(r[10] for r in rows)}. Pass k and v "
             "slabs of the same length (shard both alike)."
         )
-    if min(q_lens + k_lens) == 0:
+    if sum(k_lens) == 0 and (sum(q_lens) > 0 or (rq is not None and rq.shape[2] > 0)):
+        # (Empty slabs are taken since session 67: a rank without queries computes nothing, a
+        # block without keys is skipped. With no key anywhere a query attends to nothing.)
         raise ShardingError(
-            f"{what}: every rank needs a non-empty slab, got q {q_lens}, k {k_lens} (an empty slab). Use fewer "
-            "ranks or a longer sequence, and cut the slabs with snn.shard / snn.local_slices."
+            f"{what}: no rank holds a key (k lengths {k_lens}) for queries of lengths {q_lens}: attention "
+            "over no keys is undefined. Pass at least one key token."
         )
     if not all(r[13] for r in rows):
         bad = [i for i, r in enumerate(rows) if not r[13]]
@@ -408,11 +410,12 @@ def _pairs(plan: _Plan, src: int):
     """
     me = plan.ring.index
     if not plan.causal:
-        yield _Segment(0, 0, plan.q_lens[me]), _Segment(0, 0, plan.k_lens[src]), False
+        if plan.q_lens[me] and plan.k_lens[src]:  # (an empty slab on either side: nothing to attend)
+            yield _Segment(0, 0, plan.q_lens[me]), _Segment(0, 0, plan.k_lens[src]), False
         return
     for qs in plan.q_segs[me]:
         for ks in plan.k_segs[src]:
-            if ks.start >= qs.start + qs.length:
+            if not (qs.length and ks.length) or ks.start >= qs.start + qs.length:
                 continue
             if ks.start + ks.length <= qs.start:
                 yield qs, ks, False
@@ -698,6 +701,8 @@ def _block_grads(ctx, plan: _Plan, c: _Chunk, src: int, qc, lc, doc, oc, dqc, kb
     replicated rows first (only without causality and dropout: one whole block pair); one kernel
     call then serves both, instead of a second call whose key/value gradients are added.
     """
+    if not kb.shape[2]:  # a block without keys (an empty slab): no share of anything
+        return dqc, _token_major_zeros(kb.shape, acc, kb.device), _token_major_zeros(vb.shape, acc, kb.device)
     if joint is not None:
         drq = rq_c[4]
         lr = drq.shape[2]
@@ -784,7 +789,11 @@ class _RingAttention(torch.autograd.Function):
             oc, lc = _q_heads(out, c, g), _q_heads(lse, c, g)
             fresh = True  # nothing written to this chunk's output rows yet
             for _step, src, kb, vb, mb in _travel(plan, c, k, v, pad, tag + _FWD_KV, bufs):
-                if rq is not None:
+                if rq is not None and not plan.k_lens[src]:
+                    # A block without keys (an empty slab): nothing seen, merged as such.
+                    _q_heads(rq_parts[0][src], c, g).zero_()
+                    _q_heads(rq_parts[1][src], c, g).fill_(float("-inf"))
+                elif rq is not None:
                     rbd = None if drop is None else drop.rq_block(c, g, src, q.device)
                     o_r, l_r = block_forward(_q_heads(rqc, c, g), kb, vb, mb, plan.scale, False, rbd)
                     _q_heads(rq_parts[0][src], c, g).copy_(o_r)
@@ -812,8 +821,8 @@ class _RingAttention(torch.autograd.Function):
             rq_out = buf[:, :lr].transpose(1, 2)
             rq_out.copy_(rq_parts[0][0])
             rq_lse = rq_parts[1][0].clone()
-            # Every block has keys (empty slabs are refused), so without padding no lse is -inf.
-            rq_merge = _merge_whole if pad is None else merge
+            # Without padding or empty blocks no lse is -inf: merged by weight in one pass.
+            rq_merge = _merge_whole if pad is None and min(plan.k_lens) else merge
             for src in range(1, p):
                 rq_merge(rq_out, rq_lse, rq_parts[0][src], rq_parts[1][src])
             del rq_parts, rq_out
@@ -958,6 +967,8 @@ class _RingAttention(torch.autograd.Function):
                 del kb, vb, mb, dkc, dvc
             if dq is None:
                 dq = dqc
+        if dq is None:  # no query here (an empty slab): nothing accumulated
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         wait_home()
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None)
         return (*grads, None if drq is None else drq.to(rq.dtype))

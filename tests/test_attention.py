@@ -126,7 +126,8 @@ def _check_cases(domain, cases, kind):
                 _unshard(cfg, m, loc.grad, 2), leaf.grad, **tol, msg=lambda s, n=name: f"{cfg} d{n}: {s}"
             )
         assert out.dtype == cfg.dtype and all(torch.isfinite(t.grad).all() for t in local)
-        errs.append((out.detach().double() - _local(cfg, m, ref.detach(), 2)).abs().max().item())
+        diff = (out.detach().double() - _local(cfg, m, ref.detach(), 2)).abs()
+        errs.append(diff.max().item() if diff.numel() else 0.0)  # (an empty slab: nothing to differ)
     return errs
 
 
@@ -164,6 +165,21 @@ def test_ring_attention_uneven(run, world):
     s = UNEVEN[world]
     cases = [Cfg(sizes=s), Cfg(sizes=s, causal=True, mask=True), Cfg(sizes=s, kv_heads=2, dim_v=3)]
     run(world, _check_cases, world, cases, "ring")
+
+
+# Empty slabs (a deep stage, or a short sequence, on many ranks): first, in the middle, last.
+EMPTY = {2: (13, 0), 3: (5, 0, 8), 4: (0, 6, 0, 7)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_attention_empty_slabs(run, world):
+    # Refused before session 67 (every rank needed queries and keys); in a converted model the
+    # guard fuzzer's token attention after a deep stage. A rank without tokens computes nothing
+    # and its block travels as no message.
+    s = EMPTY[world]
+    cases = [Cfg(sizes=s), Cfg(sizes=s, causal=True, mask=True), Cfg(sizes=s, kv_heads=2, dim_v=3)]
+    run(world, _check_cases, world, cases, "ring")
+    run(world, _check_chunked, world, [Cfg(sizes=s, kv_heads=2, mask=True)], 3)  # travelling pieces
 
 
 def _check_chunked(domain, cases, pieces):

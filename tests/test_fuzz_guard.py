@@ -579,6 +579,12 @@ EXAMPLES = [
     dict(domain=3, sizes=[4, 2, 3], width=4, steps=["pieces", "conv", "T:pieces"], head="slab", seed=71),
     dict(domain=3, sizes=[3, 0, 4], width=3, steps=["pieces", "total_variation"], head="pool", seed=73),
     dict(domain=(2, 2), sizes=[3, 4], width=5, steps=["T:pieces", "pieces", "crop_pad"], head="pool", seed=79),
+    # Session 67: an empty slab through per-sample statistics of the flattened sample (a fold of
+    # the columns' slab behind the channels: lost on that rank alone, a hang), token attention
+    # and the reductions (refused there before).
+    dict(domain=4, sizes=[6, 6, 2, 0], width=6,
+         steps=["T:sample_stats", "tokens_attention", "T:total_variation", "T:column_stats", "max_pool"],
+         head="loss", seed=165),
 ]
 
 

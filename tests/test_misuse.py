@@ -73,11 +73,13 @@ def _misaligned(r, tmp):
     return lambda: conv(x[:, :, :5] if r == 0 else x[:, :, 5:])  # rank 1 starts at 5: not a multiple of 2
 
 
-def _empty(r, tmp):
-    # Grid layers carry empty slabs through (a deep stage on many ranks); attention cannot.
+def _no_keys(r, tmp):
+    # Empty slabs are taken (a deep stage on many ranks; ring attention since session 67), but
+    # queries over no key at all have no answer.
     m = _m()
     q = torch.randn(1, 2, 4 if r == 0 else 0, 8, dtype=D)
-    return lambda: snn.functional.ring_attention(q, q, q, m)
+    k = torch.randn(1, 2, 0, 8, dtype=D)
+    return lambda: snn.functional.ring_attention(q, k, k, m)
 
 
 def _dtype(r, tmp):
@@ -290,7 +292,8 @@ CATALOGUE: dict[str, Misuse] = {
     "misaligned-slab": Misuse("a slab starts off the alignment (strided conv, rank 1 starts at 5, stride 2)",
                               "ShardingError", r"needs every slab to start at a multiple of 2",
                               r"Shard the input with align", _misaligned),
-    "empty-slab": Misuse("a rank holds an empty sequence slab (ring attention)", "ShardingError", r"empty slab", r"fewer ranks", _empty),
+    "no-keys": Misuse("queries but no key on any rank (ring attention)", "ShardingError", r"no rank holds a key",
+                      r"Pass at least one key", _no_keys),
     "dtype-one-rank": Misuse("another dtype on one rank", "ShardingError", r"disagree on dtype",
                              r"must call the layer alike", _dtype),
     "channels-one-rank": Misuse("another channel count on one rank", "ShardingError",

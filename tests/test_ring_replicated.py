@@ -160,6 +160,20 @@ def test_replicated_queries_stored_before_local_ones(run, world, case):
     assert run(world, _check, world, cfg, pieces, p_drop, True) == [True] * world
 
 
+EMPTY = {2: (0, 7), 3: (4, 0, 0), 4: (3, 0, 2, 0)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("joint", [False, True])
+def test_replicated_queries_with_empty_slabs(run, world, joint):
+    """Ranks without tokens (session 67): the class token still attends over every key (an
+    empty block is merged as one that saw nothing), and its output is bit-identical everywhere;
+    with the first block empty too (world 2 and 4), so the merge starts from nothing."""
+    for cfg, pieces, p_drop in CASES[:2] + CASES[3:] if not joint else CASES[:2]:
+        cfg = Cfg(**{**cfg.__dict__, "sizes": EMPTY[world], "length": sum(EMPTY[world])})
+        assert run(world, _check, world, cfg, pieces, p_drop, joint) == [True] * world
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_replicated_queries_one_rank(run, case):
     """A one-rank domain: torch's fused attention on ``[replicated; queries]`` (no dropout, no

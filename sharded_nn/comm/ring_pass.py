@@ -54,16 +54,20 @@ class RingHandle:
     computation later). The sent tensors must stay alive and unchanged until ``wait()``.
     """
 
-    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor]) -> None:
-        # The sent tensors are kept alive until the hop completes.
+    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor],
+                 sends: int | None = None, recvs: int | None = None) -> None:
+        # The sent tensors are kept alive until the hop completes. ``sends``, ``recvs``: the
+        # messages started (empty tensors travel as none; default: all of them).
         self._works, self._received, self._sent = works, received, sent
+        self._sends = len(sent) if sends is None else sends
+        self._recvs = len(received) if recvs is None else recvs
 
     def wait_received(self) -> list[torch.Tensor]:
         """Complete the receives (the sends may still be in flight) and return what arrived."""
         # ``ring_pass`` issues the sends first, one work per message; a backend that returns
         # one work for the whole batch (NCCL's coalesced batch) completes everything here.
-        n = len(self._sent)
-        if len(self._works) == n + len(self._received):
+        n = self._sends
+        if len(self._works) == n + self._recvs:
             recvs, self._works = self._works[n:], self._works[:n]
         else:
             recvs, self._works = self._works, []
@@ -125,6 +129,7 @@ def ring_pass(
     # order and gloo (and the same-host transport) by tag, so both pair the messages correctly
     # even when left == right (see peers.py for what overlapping hops need on each backend).
     rp, lp = ring.right(True), ring.left(True)
-    ops = [(t, rp, True, tag + i) for i, t in enumerate(sent)]
-    ops += [(r, lp, False, tag + i) for i, r in enumerate(received)]
-    return RingHandle(ring.start_p2p(ops), received, sent)
+    # Empty tensors (an empty slab's block) travel as no message: both ends know the shapes.
+    sends = [(t, rp, True, tag + i) for i, t in enumerate(sent) if t.numel()]
+    recvs = [(r, lp, False, tag + i) for i, r in enumerate(received) if r.numel()]
+    return RingHandle(ring.start_p2p(sends + recvs), received, sent, len(sends), len(recvs))
