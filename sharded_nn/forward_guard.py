@@ -3882,20 +3882,22 @@ class _GuardMode(
         x = args[0]
         st = self._st(x)
         self._require_known(base, stateful)
-        out = func(*args, **kwargs)
         r = Fraction(_arg(args, kwargs, 1, "upscale_factor" if base == "pixel_shuffle" else "downscale_factor"))
         if x.numel() == 0 and x.dim() >= 3 and r.denominator == 1:
-            # torch (2.14) returns an empty input's shape unchanged; an empty slab (a deep stage
-            # with fewer rows than ranks) needs the shape the other ranks' slabs get: their
-            # channels, and its own zero rows.
+            # torch (2.14) returns an empty input's shape unchanged from ``pixel_unshuffle`` (and
+            # so from ``pixel_shuffle``'s backward, which unshuffles the gradient: a shape error
+            # in backward); an empty slab (a deep stage with fewer rows than ranks) needs the
+            # shape the other ranks' slabs get: their channels, and its own zero rows. There are
+            # no values to move: a reshape, whose backward is exact.
             *lead, c, h, w = x.shape
             k = int(r)
             if (c % (k * k) if base == "pixel_shuffle" else h % k or w % k):
                 # (What torch raises on the ranks whose slabs are not empty: raised here too.)
                 raise RuntimeError(f"{base}: the input's shape {tuple(x.shape)} does not divide by the factor {k}")
             shape = (*lead, c // (k * k), h * k, w * k) if base == "pixel_shuffle" else (*lead, c * k * k, h // k, w // k)
-            if tuple(out.shape) != shape:
-                out = x.reshape(shape)
+            out = x.reshape(shape)
+        else:
+            out = func(*args, **kwargs)
         self._set(out, st)
         # Every sharded dim is a spatial one, scaled by the factor (the channel dim is not sharded).
         self._scope_resized(x, out, r if base == "pixel_shuffle" else 1 / r)

@@ -483,6 +483,8 @@ class _SpaceToDepth(nn.Module):
             s = torch.cat([a, (a.flatten(2).transpose(1, 2) * 2).transpose(1, 2).reshape(n, c, h, wd)], 1)
         elif self.how == "fold":  # the slab's rows merged behind its channels (a fold), and back
             s = torch.cat([a, (a.flatten(1) * 2).view(n, c, h, wd)], 1)
+        elif self.how == "shuffle_back":  # unshuffled and shuffled back (its backward unshuffles)
+            s = torch.cat([a, F.pixel_shuffle(F.pixel_unshuffle(a, 2), 2)], 1)
         elif self.how == "view_minus_one":  # a -1 beside the size read from the slab, then for it
             s = a.view(n, c, h // 2, 2, -1).transpose(2, 3).reshape(n, 2 * c, -1, wd)
         elif self.how == "channels_last":
@@ -517,7 +519,8 @@ def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, ho
     assert all(run(len(sizes), _space_to_depth, sizes, how))
 
 
-@pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "fold", "channels_last", "unshuffle"])
+@pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "fold", "channels_last", "unshuffle",
+                                 "shuffle_back"])
 @pytest.mark.parametrize("sizes", [(4, 4, 0), (6, 0)], ids=str)
 def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # A rank whose slab is empty (a deep stage with fewer rows than ranks) mapped the view by
@@ -526,5 +529,6 @@ def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # agreement (a TransportError here, a hang under gloo), before session 66. On that rank
     # torch also refused a -1 (no elements to infer it from) and returned an empty input's
     # shape unchanged from pixel_unshuffle (the channels not multiplied). The rows merged
-    # behind the channels (a fold) were lost on that rank alike until session 67.
+    # behind the channels (a fold) were lost on that rank alike until session 67, and a
+    # pixel_shuffle's backward there failed (torch unshuffled the empty gradient to its own shape).
     assert all(run(len(sizes), _space_to_depth, sizes, how))
