@@ -1905,7 +1905,7 @@ class _GuardMode(
         EfficientViT-M). It fits a slab only where the slab is a whole number of windows, which
         differs by rank: the ranks whose slab does not fit would refuse alone while the others
         went on to their next collective (a hang). Every rank says whether its view fits (one
-        small all-gather of one number) and, where one does not, all refuse alike."""
+        small all-gather) and, where one does not, all refuse alike."""
         out, misfits = self._fits_everywhere(lambda: self._h_reshape_moved(func, base, args, kwargs, stateful), base)
         if misfits:
             self.fail(f"`{base}`", f"the requested shape, computed from slab lengths by floor division or rounding "
@@ -1916,19 +1916,40 @@ class _GuardMode(
                       "at that stage, e.g. 7 x 32 = 224 rows for windows of 7 tokens at 1/32)")
         return out
 
-    def _fits_everywhere(self, view: Callable, base: str):
+    def _fits_everywhere(self, view: Callable, base: str, request=None, resolve: Callable | None = None):
         """``(view(), the domain ranks where it did not fit)``: a view by sizes computed from slab
         lengths through ``//``, ``%`` or rounding fits some slabs only; every rank says whether
-        its own fits (one small all-gather of one number), so that all refuse together where one
-        does not (``_reshape_rounded`` on slabs, ``FoldCalls._f_reshape`` on folds)."""
+        its own fits (one small all-gather of two numbers), so that all refuse together where one
+        does not (``_reshape_rounded`` on slabs, ``FoldCalls._f_reshape`` on folds).
+
+        An empty rank (a deep stage with fewer rows than ranks) whose sizes hold a zero beside the
+        request's -1 cannot infer it (torch raises: any value fits no elements): with ``resolve``
+        (the view by explicit sizes) it takes the -1 the ranks with data resolved, where they all
+        resolved the same one (the -1 holds no slab length then: the zero holds it); else every
+        rank refuses alike. Before session 67 it raised on that rank alone (a hang)."""
+        m = None
+        if request is not None and resolve is not None and list(request).count(-1) == 1:
+            m = list(request).index(-1)
         try:
             out, fits = view(), 1
         except RuntimeError as e:
-            if "invalid for input of size" not in str(e):
+            if m is not None and "ambiguous" in str(e):
+                out, fits = None, 2
+            elif "invalid for input of size" not in str(e):
                 raise
-            out, fits = None, 0
-        rows = self._gather_with_coords([fits], f"forward guard: `{base}` by sizes computed from slab lengths")
-        return out, [i for i, r in enumerate(rows) if r[-1] == 0]
+            else:
+                out, fits = None, 0
+        value = int(out.shape[m]) if (fits == 1 and m is not None and len(out.shape) > m) else -1
+        rows = self._gather_with_coords([fits, value], f"forward guard: `{base}` by sizes computed from slab lengths")
+        misfits = [i for i, r in enumerate(rows) if r[-2] == 0]
+        if any(r[-2] == 2 for r in rows):
+            # (Decided from the gathered rows: alike on every rank.)
+            values = {r[-1] for r in rows if r[-2] == 1}
+            if len(values) != 1:
+                misfits = sorted(set(misfits) | {i for i, r in enumerate(rows) if r[-2] == 2})
+            elif fits == 2 and not misfits:
+                out = resolve([values.pop() if i == m else int(v) for i, v in enumerate(request)])
+        return out, misfits
 
     def _reshape_global(self, func, x, st, request, args, kwargs):
         """``x.view(sizes)`` with every size a constant, on a slab: the sizes are the single

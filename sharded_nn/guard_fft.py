@@ -35,6 +35,21 @@ _LOCAL_ONLY = {
 }  # fmt: skip
 
 
+def _empty_transform(func, args, kwargs, x: torch.Tensor) -> torch.Tensor:
+    """``func(*args, **kwargs)`` (a transform along whole dims) of an empty slab (a deep stage
+    with fewer rows than ranks): torch's CPU transforms raise on any empty tensor (MKL), which
+    left that rank alone with an error (session 67). The shape and dtype come from the same call
+    on a meta tensor; the zeros stay connected to ``x`` (its backward runs as the others')."""
+    meta = x.to("meta")
+    args = tuple(meta if a is x else a for a in args)
+    kwargs = {k: meta if v is x else v for k, v in kwargs.items()}
+    like = func(*args, **kwargs)
+    anchor = x.sum() * 0
+    if anchor.is_complex() and not like.is_complex():
+        anchor = anchor.real
+    return torch.zeros(like.shape, dtype=like.dtype, device=x.device) + anchor
+
+
 class FftCalls:
     """The forward guard's ``torch.fft`` handler (mixed into ``_GuardMode``)."""
 
@@ -74,7 +89,7 @@ class FftCalls:
             # Along whole dims only: the slab's own transform is exact (a length read from a slab
             # is the global one there too, as on one device).
             args, kwargs = self._globalise(call, args, kwargs)
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if x.numel() else _empty_transform(func, args, kwargs, x)
             self._set(out, st)
             return out
         if kind is None:

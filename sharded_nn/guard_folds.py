@@ -440,7 +440,8 @@ class FoldCalls:
         if any(fg._is_tagged(v) and v._lossy for v in request):
             # As for slabs (``_reshape_rounded``): sizes computed by floor division fit on some
             # ranks only where the slabs are not whole windows; every rank says, all refuse alike.
-            out, misfits = self._fits_everywhere(lambda: func(*args, **kwargs), base)
+            resolve = (lambda sizes: func(x, sizes)) if base in ("view", "reshape") else None
+            out, misfits = self._fits_everywhere(lambda: func(*args, **kwargs), base, request, resolve)
             if misfits:
                 self._fold_fail(base, fold, f"the requested shape does not fit the windows of domain ranks {misfits}")
         else:

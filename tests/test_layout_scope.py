@@ -485,6 +485,11 @@ class _SpaceToDepth(nn.Module):
             s = torch.cat([a, (a.flatten(1) * 2).view(n, c, h, wd)], 1)
         elif self.how == "shuffle_back":  # unshuffled and shuffled back (its backward unshuffles)
             s = torch.cat([a, F.pixel_shuffle(F.pixel_unshuffle(a, 2), 2)], 1)
+        elif self.how == "windows":  # 2x2 windows folded into the batch (batch-major) and back by a -1
+            win = a.view(n, c, h // 2, 2, wd // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(-1, c, 2, 2) * 2
+            s = torch.cat([a, win.view(-1, h // 2, wd // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, wd)], 1)
+        elif self.how == "fft_columns":  # a transform along the whole columns of the slab, and back
+            s = torch.cat([a, torch.fft.irfft(torch.fft.rfft(a, dim=3) * 2, n=wd, dim=3)], 1)
         elif self.how == "view_minus_one":  # a -1 beside the size read from the slab, then for it
             s = a.view(n, c, h // 2, 2, -1).transpose(2, 3).reshape(n, 2 * c, -1, wd)
         elif self.how == "channels_last":
@@ -520,7 +525,7 @@ def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, ho
 
 
 @pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "fold", "channels_last", "unshuffle",
-                                 "shuffle_back"])
+                                 "shuffle_back", "windows", "fft_columns"])
 @pytest.mark.parametrize("sizes", [(4, 4, 0), (6, 0)], ids=str)
 def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # A rank whose slab is empty (a deep stage with fewer rows than ranks) mapped the view by
@@ -530,5 +535,7 @@ def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # torch also refused a -1 (no elements to infer it from) and returned an empty input's
     # shape unchanged from pixel_unshuffle (the channels not multiplied). The rows merged
     # behind the channels (a fold) were lost on that rank alike until session 67, and a
-    # pixel_shuffle's backward there failed (torch unshuffled the empty gradient to its own shape).
+    # pixel_shuffle's backward there failed (torch unshuffled the empty gradient to its own shape),
+    # a window view's -1 beside a zero size was ambiguous to torch there, and torch's transforms
+    # raise on any empty tensor.
     assert all(run(len(sizes), _space_to_depth, sizes, how))
