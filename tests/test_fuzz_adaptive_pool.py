@@ -4,7 +4,8 @@
 ``tests/test_pool.py`` checks chosen cases; this file draws them: average or max, 1-3 spatial
 dims of lengths 1-9, any output size per dim (1: a global pool, replicated; fewer bins than
 ranks; more bins than positions, whose windows overlap; ``None`` keeps a dim), any spatial dims
-sharded, slabs of random uneven lengths (thin ones, whose bins reach over several ranks), on
+sharded, slabs of random uneven lengths (thin ones, whose bins reach over several ranks; empty
+ones and ranks without a bin start, taken since session 67), on
 1-4 ranks or a 2x2 mesh, in float64 with values that tie (whole numbers) or not. Each rank's
 output must hold the documented bins (bin ``i`` of ``O``, ``[floor(i L / O), ceil((i + 1) L /
 O))``, belongs to the rank whose slab holds its start; one output along a sharded dim is
@@ -88,7 +89,7 @@ def configs(draw):
     shape = [draw(st.integers(1, 2)), draw(st.integers(1, 2))] + [draw(st.integers(1, 9)) for _ in range(nsp)]
     sharded = draw(st.permutations(range(2, 2 + nsp)))[: len(axes)]
     for d, parts in zip(sharded, axes):
-        if draw(st.integers(0, 3)):  # mostly a row per rank at least (empty slabs: refused)
+        if draw(st.integers(0, 3)):  # mostly a row per rank at least (empty slabs: taken since session 67)
             shape[d] = max(shape[d], parts)
     out = [draw(st.integers(1, 11)) for _ in range(nsp)]
     splits = []
@@ -114,6 +115,11 @@ EXAMPLES = [
     dict(domain=3, shape=[1, 2, 5, 3], out=[7, 2], max=True, ties=False, splits=[(2, [1, 3, 1])], seed=1),
     dict(domain=(2, 2), shape=[2, 1, 4, 6, 3], out=[1, 4, 2], max=False, ties=False,
          splits=[(2, [3, 1]), (3, [2, 4])], seed=2),
+    # Session 67: ranks without a bin (an empty slab, fewer bins than ranks), a bin reaching past
+    # an empty neighbour; a global max beside them on the 2x2 mesh.
+    dict(domain=4, shape=[1, 2, 7, 3], out=[2, 3], max=False, ties=False, splits=[(2, [1, 0, 4, 2])], seed=3),
+    dict(domain=(2, 2), shape=[1, 2, 5, 4], out=[2, 1], max=True, ties=False, splits=[(2, [0, 5]), (3, [3, 1])],
+         seed=4),
 ]  # fmt: skip
 
 test_fuzz_adaptive_pool_fast, test_fuzz_adaptive_pool_campaign = fuzz_tests(

@@ -5,7 +5,9 @@ dim is a global reduction over that mesh axis (an all-reduce of local sums, or o
 with the gradient routed to the rank that holds the maximum; the output is then replicated along
 that axis). Other output sizes are exact: bin ``i`` (``[floor(i*L/O), ceil((i+1)*L/O))``)
 belongs to the rank whose slab holds its start, and the few positions a bin reads from the right
-neighbour arrive by a halo exchange. Unsharded dims are pooled locally.
+neighbour arrive by a halo exchange (from ranks further right where the neighbour's slab is
+thin or empty, point to point); a rank whose slab holds no bin start (more ranks than output
+positions, an empty slab) holds an empty slab of the output. Unsharded dims are pooled locally.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _ntuple
 
-from ..comm import HaloSpec, all_reduce_max, all_reduce_sum, axis_peers, halo_cat
+from ..comm import HaloGather, HaloSpec, all_reduce_max, all_reduce_sum, axis_peers, halo_cat, halo_gather
 from ..comm.sizes import scope_forget
-from ..errors import ShardingError, ShardingNotImplementedError
+from ..errors import ShardingNotImplementedError
 from ..layout import Layout
 from ..registry import register
 from .base import ShardedMixin, batched
@@ -43,9 +45,8 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
     """Shared forward of the sharded adaptive pools (mixed into the torch classes)."""
 
     _is_max = False
-    #: An empty slab (a deep stage on many ranks) takes part in a global pool (output size 1:
-    #: the sum's zeros, the maximum's identity); binned output sizes leave it without a bin,
-    #: refused alike on every rank (``_binned``).
+    #: An empty slab (a deep stage on many ranks) takes part: in a global pool (output size 1)
+    #: with the sum's zeros or the maximum's identity, in binned ones as a rank without a bin.
     _allow_empty = True
 
     def _init_sharding(self, mesh: DeviceMesh, dims: Sequence[int] | int | None = None) -> None:
@@ -75,7 +76,10 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
             out_sizes[d - 2] = x.shape[d]  # already pooled: identity bins for the local pool below
         out_sizes = [x.shape[2 + i] if o is None else o for i, o in enumerate(out_sizes)]
         if tuple(out_sizes) != tuple(x.shape[2:]):
-            x = (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+            if x.numel():
+                x = (_AMAX_FN if self._is_max else _AAVG_FN)[n](x, out_sizes)
+            else:  # no bin here (torch's adaptive pools refuse empty inputs): zeros, still in the graph
+                x = x.new_zeros((*x.shape[:2], *out_sizes)) + x.sum() * 0
         return x.to(in_dtype)
 
     def _global(self, x: torch.Tensor, d: int, ring, length: int) -> torch.Tensor:
@@ -95,25 +99,31 @@ class _ShardedAdaptivePoolNd(ShardedMixin):
         return all_reduce_sum(torch.where(first == rank, local, torch.zeros_like(local)), ring.group)
 
     def _binned(self, x: torch.Tensor, d: int, ring, layout: Layout, out: int) -> torch.Tensor:
-        """Bins along sharded ``d``: each rank pools the bins that start in its slab."""
-        name = type(self).__name__
+        """Bins along sharded ``d``: each rank pools the bins that start in its slab (a rank
+        whose slab holds no bin start holds an empty slab of the output)."""
         bins = _bins(layout.size, out)
         owned = [[b for b in bins if a <= b[0] < a + n] for a, n in zip(layout.starts, layout.sizes)]
-        if any(not o for o in owned):
-            raise ShardingError(
-                f"{name}: output size {out} along dim {d} leaves rank(s) "
-                f"{[r for r, o in enumerate(owned) if not o]} without a bin (input slabs {layout.sizes}). Use "
-                "fewer ranks, or output size 1 (a global reduction)."
-            )
         ends = [a + n for a, n in zip(layout.starts, layout.sizes)]
-        right = tuple(max(o[-1][1] - e, 0) for o, e in zip(owned, ends))
+        right = tuple(max(o[-1][1] - e, 0) if o else 0 for o, e in zip(owned, ends))
         spec = HaloSpec(d, (0,) * layout.parts, right)
-        spec.check(layout.sizes, name)
-        if ring.size > 1:
-            x = halo_cat(x, spec, ring)
-        a = layout.starts[ring.index]
+        mine = owned[ring.index]
+        # (Decided from the layout: alike on every rank.)
+        if all(owned) and spec.fits(layout.sizes):
+            # The common case: the rows a bin reads past the slab lie in the right neighbour's.
+            if ring.size > 1:
+                x = halo_cat(x, spec, ring)
+            a = layout.starts[ring.index]
+        else:
+            # More ranks than output positions, an empty slab, or a bin reaching past the right
+            # neighbour's thin slab (refused before session 67): each rank fetches its bins' rows
+            # from wherever they live (multi-hop, point to point).
+            blocks = [(o[0][0], o[-1][1] - 1) if o else (0, -1) for o in owned]
+            x = halo_gather(x, HaloGather.of_blocks(d, layout.sizes, blocks), ring)
+            a = mine[0][0] if mine else 0
+        if not mine:
+            return x.narrow(d, 0, 0)  # no bin here: zero rows of the output, still part of the graph
         parts = []
-        for lo, hi in owned[ring.index]:
+        for lo, hi in mine:
             piece = x.narrow(d, lo - a, hi - lo)
             if self._is_max:
                 parts.append(piece.max(d, keepdim=True).values)
