@@ -586,6 +586,7 @@ def _classify(func) -> tuple[str, str, bool]:
         "embedding": "embedding", "grid_sample": "grid_sample", "cosine_similarity": "similarity",
         "pairwise_distance": "similarity", "dist": "similarity", "one_hot": "one_hot", "gradient": "gradient", "tensor": "literal", "as_tensor": "literal", "scalar_tensor": "literal",
         "new_tensor": "literal", "view_as_real": "complex_view", "view_as_complex": "complex_view",
+        "fold": "col2im",
     }  # fmt: skip
     if base in simple:
         return simple[base], base, inplace and base not in ("copy",)
@@ -886,7 +887,7 @@ class _LayerHooks:
         # Class attributes (``getattr`` on an nn.Module instance that lacks the name goes through
         # ``nn.Module.__getattr__`` and an AttributeError: microseconds per hook call).
         self.check = kind == "sharded"
-        self.same_state = kind == "reviewed" or not type(module).__name__.startswith("ShardedAdaptive")
+        self.same_state = kind == "reviewed" or not type(module).__name__.startswith(_NEW_LAYOUT_LAYERS)
         self.needs_ndim = isinstance(module, nn.LayerNorm)  # read by ``_ndim_hint``
 
     # -- the shared halves
@@ -1233,9 +1234,18 @@ def _ndim_hint(module: nn.Module) -> int:
     return module.__dict__.get("_snn_guard_ndim", 0)
 
 
+#: Sharded layers whose output is laid out unlike their input (``_layer_output_state``).
+_NEW_LAYOUT_LAYERS = ("ShardedAdaptive", "ShardedUnfold", "ShardedFold")
+
+
 def _layer_output_state(module: nn.Module, state):
     if state is None or state is UNKNOWN or type(state) in FOLDED:
         return state
+    name = type(module).__name__
+    if name in ("ShardedUnfold", "ShardedFold"):
+        # Blocks of whole image rows (a slab of the blocks' dim 2, rows outermost) and back, on
+        # a 1-D mesh; a 2-D mesh's blocks are not one run of that dim: lost (refused where used).
+        return state if tuple(d for d in state if d is not None) == (2,) and state[0] == 2 else UNKNOWN
     dims = _layer_dims(module)
     if dims is None:
         return state
@@ -3125,6 +3135,8 @@ class _GuardMode(
                 self._st(args[0])) is tuple:
             return self._flip(func, base, args, kwargs)
         alone = len(stateful) == 1 and stateful[0] is args[0] and type(self._st(args[0])) is tuple
+        if base == "unfold" and func is torch.nn.functional.unfold and alone:
+            return self._im2col(args, kwargs)
         if base == "unfold" and func is torch.Tensor.unfold and alone:
             return self._sliding_windows(func, args, kwargs)
         if base == "index_select" and alone:
@@ -3145,6 +3157,54 @@ class _GuardMode(
         if stateful:
             self.fail(f"`{base}`", f"it reads or writes positions by index on {self._what(stateful, False)}", "")
         return self._plain_or_fail(func, base, args, kwargs, stateful)
+
+    def _im2col(self, args, kwargs):
+        """``F.unfold(x, k, dilation, padding, stride)`` (``nn.Unfold``, VOLO's outlook attention):
+        ``ShardedUnfold``'s blocks of the slab (halo exchange, multi-hop where slabs are thin or
+        empty), then their flatten as a view the guard maps: on a 1-D mesh a slab of the blocks'
+        dim (whole block rows, in rank order), on a 2-D mesh both axes merged into it."""
+        from .layers.unfold import ShardedUnfold
+
+        x = args[0]
+        st = self._st(x)
+        names = ("kernel_size", "dilation", "padding", "stride")
+        opts = [_arg(args, kwargs, i + 1, nm, df) for i, (nm, df) in enumerate(zip(names, (None, 1, 0, 1)))]
+        if any(_is_tagged(v) for o in opts for v in (o if isinstance(o, (list, tuple)) else (o,))):
+            self.fail("`unfold`", "its block size, dilation, padding or stride is computed from a slab's local size",
+                      "compute them from global sizes")
+        dims = self._grid_dims("unfold", x, st, 2)
+        if not dims or x.dim() != 4:
+            self.fail("`unfold`", f"it cuts blocks of a {x.dim()}-d tensor sharded along {self.describe(st)}",
+                      "pass a batched image (N, C, H, W) sharded along its spatial dims")
+        self._routing("`unfold`")
+        blocks = ShardedUnfold(*opts, mesh=self.guard.mesh, dims=dims).blocks(x)
+        self._set(blocks, st)
+        return self._h_reshape(torch.flatten, "flatten", (blocks, x.dim() - 2), {}, [blocks])
+
+    def _h_col2im(self, func, base, args, kwargs, stateful):
+        """``F.fold(cols, output_size, k, dilation, padding, stride)``: ``ShardedFold`` of blocks
+        laid out as ``F.unfold`` leaves them on a 1-D mesh (whole block rows per rank); the image
+        comes back sharded along its rows. ``output_size`` read from a slab is the global one."""
+        from .layers.unfold import ShardedFold
+
+        cols = args[0]
+        st = self._st(cols)
+        self._require_known(base, stateful)
+        if st is None:
+            args, kwargs = self._globalise("`fold`", args, kwargs)
+            return func(*args, **kwargs)
+        args, kwargs = self._globalise("`fold`", args, kwargs)
+        names = ("output_size", "kernel_size", "dilation", "padding", "stride")
+        opts = [_arg(args, kwargs, i + 1, nm, df) for i, (nm, df) in enumerate(zip(names, (None, None, 1, 0, 1)))]
+        seq = cols.dim() - 1
+        if len(st) != 1 or st[0] != seq or len(stateful) != 1:
+            self.fail("`fold`", f"its blocks are sharded along {self.describe(st)}; it folds blocks sharded along "
+                      "their sequence dim (whole rows of blocks, as F.unfold leaves them) on a 1-D domain mesh",
+                      "fold on a 1-D mesh, or gather the blocks first")
+        self._routing("`fold`")
+        out = ShardedFold(*opts, mesh=self.guard.mesh, dims=(2,))(cols)
+        self._set(out, (out.dim() - 2,))
+        return out
 
     def _sliding_windows(self, func, args, kwargs):
         """``x.unfold(d, size, step)``: the windows of ``size`` rows every ``step`` rows along dim

@@ -185,6 +185,37 @@ def test_timm_vgg_head_is_exact(run, domain):
     assert all(run(domain, _timm_vgg_head, domain))
 
 
+def _timm_volo(domain: int, rows: int):
+    """timm's VOLO (outlook attention: ``nn.Unfold`` and ``F.fold`` of 3x3 neighbourhoods, then
+    transformer and class-attention blocks with a class token): refused before session 67 (the
+    unfold read positions by index). Logits and input gradient against timm, no convert
+    warning."""
+    import timm
+
+    m = mesh(domain)
+    torch.manual_seed(0)
+    ref = timm.create_model("volo_d1_224", pretrained=False, num_classes=5, img_size=(rows, 32)).double().eval()
+    randomise_norms(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", snn.ShardingWarning)
+        model = snn.convert(copy.deepcopy(ref), m)
+    x = torch.randn(1, 3, rows, 32, dtype=torch.float64, requires_grad=True)
+    y = ref(x)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    (y * g).sum().backward()
+    xl = snn.shard(x.detach(), m, dims=(2,), align=16).requires_grad_()  # whole 1/16 tokens
+    yl = model(xl)
+    snn.losses.share((yl * g).sum(), m).backward()
+    torch.testing.assert_close(yl, y.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(snn.gather(xl.grad, m, dims=(2,)), x.grad, atol=1e-10, rtol=1e-10)
+    return True
+
+
+def test_timm_volo_is_exact(run):
+    pytest.importorskip("timm")
+    assert all(run(3, _timm_volo, 3, 80))  # slabs of 32, 32 and 16 rows
+
+
 @pytest.mark.parametrize(
     "name,domain",
     [("tv/convnext_tiny", 2), ("tv/swin_t", 2), ("tv/shufflenet_v2_x0_5", 2), ("timm/resnest14d", 2),

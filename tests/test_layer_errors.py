@@ -94,6 +94,7 @@ GRID = {
     "Upsample": (lambda: nn.Upsample(scale_factor=2, mode="linear"), 1, False, True),
     "UpsamplingNearest2d": (lambda: nn.UpsamplingNearest2d(scale_factor=2), 2, False, True),
     "UpsamplingBilinear2d": (lambda: nn.UpsamplingBilinear2d(scale_factor=2), 2, False, True),
+    "Unfold": (lambda: nn.Unfold(3, padding=1), 2, False, True),
 }
 
 
@@ -317,6 +318,7 @@ def test_every_public_layer_is_covered():
     """The cases above name every public sharded layer class."""
     covered = {f"Sharded{n}" for n in GRID} | {f"ShardedMaxUnpool{n}d" for n in (1, 2, 3)}
     covered |= {"ShardedMultiheadAttention", "RingAttention", "UlyssesAttention", "ShardedTimmAttention"}
+    covered |= {"ShardedFold"}  # test_unfold.py: test_fold_of_blocks_not_in_whole_rows_raises_on_every_rank
     # Their error cases live with their other tests: test_transformer_fastpath.py
     # (test_container_errors_on_every_rank), test_timm_norm_act.py (test_errors_raise_alike) and
     # test_timm_conv.py (test_errors_raise_alike_on_every_rank).

@@ -5,6 +5,7 @@
 - ``norm.py``: Group/Instance/Batch/LayerNorm
 - ``padding.py``: the ``*Pad*d`` layers and the functional ``pad``
 - ``upsample.py``: ``Upsample`` and the functional ``interpolate``
+- ``unfold.py``: ``Unfold`` / ``Fold`` (sliding blocks, im2col and col2im)
 - ``attention.py``: ``RingAttention``, ``UlyssesAttention`` and the drop-in attention modules
 - ``base.py``: what every layer shares (constructor, mesh options, input agreement, caches)
 """
@@ -57,6 +58,7 @@ from .pool import (
     ShardedMaxPool3d,
 )
 from .transformer import ShardedTransformerEncoder, ShardedTransformerEncoderLayer
+from .unfold import ShardedFold, ShardedUnfold
 from .unpool import ShardedMaxUnpool1d, ShardedMaxUnpool2d, ShardedMaxUnpool3d
 from .upsample import ShardedUpsample, ShardedUpsamplingBilinear2d, ShardedUpsamplingNearest2d
 
@@ -87,6 +89,7 @@ __all__ = [
     "ShardedConvTranspose1d",
     "ShardedConvTranspose2d",
     "ShardedConvTranspose3d",
+    "ShardedFold",
     "ShardedGroupNorm",
     "ShardedInstanceNorm1d",
     "ShardedInstanceNorm2d",
@@ -105,6 +108,7 @@ __all__ = [
     "ShardedReplicationPad1d",
     "ShardedReplicationPad2d",
     "ShardedReplicationPad3d",
+    "ShardedUnfold",
     "ShardedUpsample",
     "ShardedUpsamplingBilinear2d",
     "ShardedUpsamplingNearest2d",
