@@ -180,6 +180,10 @@ def _timm_tables() -> dict[type, object]:
         # view and softmax the guard follows (or refuses) like any call of the model's own.
         "torchvision.ops.misc": {"guarded": ("Permute",)},
         "timm.layers.split_attn": {"guarded": ("RadixSoftmax",)},
+        # HaloNet's relative position logits inside each block (a table over the block's own
+        # offsets, not the image's: views, pads and a matmul the guard follows; exact since
+        # session 67, when views whose constants split a dim beside a -1 became followed).
+        "timm.layers.halo_attn": {"guarded": ("PosEmbedRel",)},
         # einops' layers are torch calls (reshape, permute, reductions, einsum) that the guard
         # follows or routes (MONAI's attention blocks hold ``Rearrange`` layers).
         "einops.layers.torch": {"guarded": ("Rearrange", "Reduce", "EinMix")},

@@ -4621,17 +4621,26 @@ def _minus_one_takes_sharded(x: torch.Tensor, st, request) -> bool:
     cut = request.index(-1)
 
     def consume(consts, dims) -> int | None:
-        """How many of ``dims`` (in order) the ``consts`` take, each a product of unsharded dims."""
-        used = 0
+        """How many of ``dims`` (in order) the ``consts`` take, each a product of unsharded dims or
+        of parts of one (HaloNet's ``q.reshape(-1, bs, bs, d)`` of ``(b * heads, blocks, bs * bs,
+        d)`` splits the window's tokens; read as sizes of the whole sample before session 67,
+        and refused: the blocks' dim is not outermost there). Splitting an unsharded dim keeps
+        the memory order, as ``guard_folds._refined`` does."""
+        used, rem = 0, 1
         for c in consts:
-            prod = 1
-            while prod < c:
-                if used >= len(dims) or dims[used] in sharded:
+            need = int(c)
+            while need > 1:
+                if rem == 1:
+                    if used >= len(dims) or dims[used] in sharded:
+                        return None
+                    rem = shape[dims[used]]
+                    used += 1
+                if rem and rem % need == 0:
+                    rem, need = rem // need, 1
+                elif rem and need % rem == 0:
+                    need, rem = need // rem, 1
+                else:
                     return None
-                prod *= shape[dims[used]]
-                used += 1
-            if prod != c:
-                return None
         return used
 
     left = consume(request[:cut], list(range(len(shape))))
