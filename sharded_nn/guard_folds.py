@@ -267,6 +267,36 @@ def map_folded_reshape(in_shape, out_shape, fold: Fold, request):
     return fg.UNKNOWN if found is None else replace(fold, dim=o, outer=found[0], inner=found[1])
 
 
+def _empty_fold_minus_one(in_shape, fold: Fold, request) -> list | None:
+    """A view request with its -1 resolved as the ranks with data resolve it, for an empty fold
+    (a deep stage left this rank without rows): torch refuses a -1 beside a zero size
+    (``y.reshape(B_, N, -1)`` with ``B_ = x.shape[0]`` zero here), which left this rank alone
+    with an error (session 67). Where every other size is a constant or the folded dim's own
+    length (it scales with the fold as the input does), the -1 is what is left, the same for any
+    fold length: evaluated at two probe lengths; None otherwise (torch's own call then)."""
+    req = list(request)
+    if req.count(-1) != 1 or 0 not in [int(v) for v in req]:
+        return None
+    values = set()
+    for local in (fg._PROBE_FACTOR * 720720, fg._PROBE_FACTOR * 720720 * 2):
+        n = fold.outer * local * fold.inner
+        total = math.prod(n if i == fold.dim else int(v) for i, v in enumerate(in_shape))
+        others = 1
+        for v in req:
+            if fg._is_tagged(v):
+                if type(v) is not fg.FoldLength or v.axis != fold.axis:
+                    return None
+                others *= n
+            elif v != -1:
+                others *= int(v)
+        if others == 0 or total % others:
+            return None
+        values.add(total // others)
+    if len(values) != 1:
+        return None
+    return [values.pop() if (not fg._is_tagged(v) and v == -1) else int(v) for v in req]
+
+
 # ------------------------------------------------------------------------------- calls
 
 
@@ -445,7 +475,10 @@ class FoldCalls:
             if misfits:
                 self._fold_fail(base, fold, f"the requested shape does not fit the windows of domain ranks {misfits}")
         else:
-            out = func(*args, **kwargs)
+            resolved = None
+            if type(fold) is Fold and base in ("view", "reshape") and x.numel() == 0:
+                resolved = _empty_fold_minus_one(in_shape, fold, request)
+            out = func(*args, **kwargs) if resolved is None else func(x, resolved)
         if type(fold) is Fold:
             mapped = map_folded_reshape(in_shape, tuple(out.shape), fold, request)
         else:

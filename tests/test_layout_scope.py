@@ -488,6 +488,11 @@ class _SpaceToDepth(nn.Module):
         elif self.how == "windows":  # 2x2 windows folded into the batch (batch-major) and back by a -1
             win = a.view(n, c, h // 2, 2, wd // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(-1, c, 2, 2) * 2
             s = torch.cat([a, win.view(-1, h // 2, wd // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, wd)], 1)
+        elif self.how == "window_tokens":  # windows' tokens (B_, N, C) viewed by B_ = x.shape[0] and a -1
+            win = a.view(n, c, h // 2, 2, wd // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(-1, 4, c)
+            b_, t, _ = win.shape
+            y = (win * 2).reshape(b_, t, -1).view(n, h // 2, wd // 2, 2, 2, c)
+            s = torch.cat([a, y.permute(0, 5, 1, 3, 2, 4).reshape(n, c, h, wd)], 1)
         elif self.how == "fft_columns":  # a transform along the whole columns of the slab, and back
             s = torch.cat([a, torch.fft.irfft(torch.fft.rfft(a, dim=3) * 2, n=wd, dim=3)], 1)
         elif self.how == "view_minus_one":  # a -1 beside the size read from the slab, then for it
@@ -525,7 +530,7 @@ def test_a_view_that_halves_the_slabs_never_answers_an_old_layout(run, sizes, ho
 
 
 @pytest.mark.parametrize("how", ["view", "view_minus_one", "flatten", "fold", "channels_last", "unshuffle",
-                                 "shuffle_back", "windows", "fft_columns"])
+                                 "shuffle_back", "windows", "window_tokens", "fft_columns"])
 @pytest.mark.parametrize("sizes", [(4, 4, 0), (6, 0)], ids=str)
 def test_a_view_of_an_empty_slab_maps_as_on_the_other_ranks(run, sizes, how):
     # A rank whose slab is empty (a deep stage with fewer rows than ranks) mapped the view by
